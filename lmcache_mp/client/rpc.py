@@ -1,0 +1,279 @@
+"""The RPC transport: a thread-safe client whose calls are futures matched to replies by request id."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import select
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from .. import protocol
+from ..errors import RequestTimeout, ServerError, ServerUnavailable, error_from_reply
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 5.0
+_IDLE_WAIT_S = 0.05
+_RETRY_SEND_S = 0.005
+
+
+@dataclass
+class _Call:
+    request_id: int
+    reply_type: type
+    frames: list[bytes]
+    deadline: float
+    future: Future
+
+
+class RpcClient:
+    """Sends requests to one server from any thread; every call has a deadline.
+
+    One DEALER socket, guarded by a lock. At most one thread at a time, the leader, waits
+    on the socket; whenever it wakes it pumps: receives every reply that has arrived and
+    resolves its future, sends what could not be sent yet, and fails calls past their
+    deadline. A thread blocked in call() leads for itself when nobody else does, so a
+    sequential round trip costs no thread hand-off; other callers wait on a condition
+    that the leader signals. A background thread leads for submit() futures that nobody
+    waits on, and sends heartbeats.
+
+    A request that cannot be sent (the server is down or restarting) waits for the
+    connection until its deadline, then fails with RequestTimeout; a reply that arrives
+    after its call timed out is dropped, never handed to another call. ZeroMQ
+    reconnects by itself when the server comes back.
+    """
+
+    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT_S,
+                 heartbeat_interval: float | None = None):
+        self.url = url
+        self.timeout = timeout
+        self.heartbeat_interval = heartbeat_interval
+        self._context = zmq.Context()
+        self._dealer = self._context.socket(zmq.DEALER)
+        self._dealer.setsockopt(zmq.LINGER, 0)
+        self._dealer.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a dead server
+        self._dealer.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._dealer.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        self._dealer.connect(url)
+        self._fd = self._dealer.getsockopt(zmq.FD)
+        self._kick_r, self._kick_w = os.pipe()  # wakes the leader when another thread sent
+        os.set_blocking(self._kick_r, False)
+        self._lock = threading.Lock()  # guards the socket and every field below
+        self._state = threading.Condition(self._lock)  # callers waiting for the leader
+        self._background_wake = threading.Condition(self._lock)
+        self._leader: int | None = None  # thread ident of the thread waiting on the socket
+        self._waiting: dict[int, _Call] = {}  # sent; reply not in yet
+        self._unsent: deque[_Call] = deque()
+        self._unattended = 0  # submitted futures that no call() is waiting on
+        self._deadlines: list[tuple[float, int]] = []
+        self._ids = itertools.count(1)
+        self._last_sent = time.monotonic()
+        self._closed = False
+        self._thread = threading.Thread(target=self._background, name="lmcache-mp-rpc",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- calls (any thread) ---------------------------------------------------------------
+
+    def submit(self, request: Any, timeout: float | None = None) -> Future:
+        """Send `request` (a protocol request dataclass); the future yields its reply dataclass."""
+        return self._submit(request, timeout, attended=False)
+
+    def call(self, request: Any, timeout: float | None = None) -> Any:
+        """Send `request` and wait for its reply; raises ServerError or TransportError subclasses."""
+        future = self._submit(request, timeout, attended=True)
+        while not future.done():
+            with self._state:
+                while self._leader is not None and not future.done():
+                    self._state.wait()
+                if future.done():
+                    break
+                self._leader = threading.get_ident()
+            try:
+                self._lead(until=future.done)
+            finally:
+                with self._state:
+                    self._leader = None
+                    self._state.notify_all()
+                    if self._unattended:
+                        self._background_wake.notify()
+        return future.result()
+
+    def close(self) -> None:
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            self._state.notify_all()
+            self._background_wake.notify()
+        os.write(self._kick_w, b"x")
+        self._thread.join()
+        with self._state:
+            error = ServerUnavailable("the client was closed before the reply arrived")
+            for call in [*self._waiting.values(), *self._unsent]:
+                if not call.future.done():
+                    call.future.set_exception(error)
+            self._dealer.close()
+        self._context.term()
+        os.close(self._kick_r)
+        os.close(self._kick_w)
+
+    def __enter__(self) -> RpcClient:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def _submit(self, request: Any, timeout: float | None, attended: bool) -> Future:
+        op = protocol.op_name(request)
+        payload = protocol.pack(request)
+        future: Future = Future()
+        with self._state:
+            if self._closed:
+                raise ServerUnavailable("the client is closed")
+            request_id = next(self._ids)
+            deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+            call = _Call(request_id, protocol.OPS[op].reply,
+                         [protocol.encode_request_id(request_id), op.encode("ascii"), payload],
+                         deadline, future)
+            heapq.heappush(self._deadlines, (deadline, request_id))
+            self._unsent.append(call)
+            if not attended:
+                self._unattended += 1
+                future.add_done_callback(self._attended_to)
+                self._background_wake.notify()  # it may need to lead
+            self._flush_unsent()
+        return future
+
+    def _attended_to(self, future: Future) -> None:
+        with self._state:
+            self._unattended -= 1
+
+    # -- leading (one thread at a time) ---------------------------------------------------
+
+    def _lead(self, until) -> None:
+        """Wait on the socket and pump, until `until()` is true or the client closes."""
+        while True:
+            with self._state:
+                self._pump()
+                self._state.notify_all()
+                if until() or self._closed:
+                    return
+                wait = _RETRY_SEND_S if self._unsent else _IDLE_WAIT_S
+                if self._deadlines:
+                    wait = max(0.0, min(wait, self._deadlines[0][0] - time.monotonic()))
+            select.select([self._fd, self._kick_r], [], [], wait)
+
+    def _pump(self) -> None:
+        try:
+            while os.read(self._kick_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        self._flush_unsent()
+        self._receive()
+        self._expire()
+
+    def _flush_unsent(self) -> None:
+        sent = False
+        while self._unsent:
+            call = self._unsent[0]
+            if call.future.done():
+                self._unsent.popleft()
+                continue
+            try:
+                self._dealer.send_multipart(call.frames, zmq.NOBLOCK)
+            except zmq.Again:  # not connected yet; retried until the call's deadline
+                break
+            self._unsent.popleft()
+            self._waiting[call.request_id] = call
+            sent = True
+        if sent:
+            self._after_send()
+
+    def _after_send(self) -> None:
+        self._last_sent = time.monotonic()
+        # A send can swallow the socket FD's edge for a reply that arrived meanwhile.
+        if self._leader is not None and self._leader != threading.get_ident():
+            os.write(self._kick_w, b"x")
+
+    def _receive(self) -> None:
+        # Drain until EVENTS shows nothing: the FD only signals new arrivals after that.
+        while self._dealer.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = self._dealer.recv_multipart(zmq.NOBLOCK)
+            if len(frames) != 3 or len(frames[0]) != protocol.REQUEST_ID_BYTES:
+                logger.warning("dropping a malformed reply of %d frames", len(frames))
+                continue
+            call = self._waiting.pop(protocol.decode_request_id(frames[0]), None)
+            if call is None:
+                if frames[1] == protocol.STATUS_ERR:
+                    logger.warning("server error for no pending call: %r", frames[2][:200])
+                continue  # a late reply to a call that timed out, or a heartbeat's reply
+            self._resolve(call, frames[1], frames[2])
+
+    @staticmethod
+    def _resolve(call: _Call, status: bytes, payload: bytes) -> None:
+        if call.future.done():  # cancelled by its caller
+            return
+        try:
+            if status == protocol.STATUS_OK:
+                call.future.set_result(protocol.unpack(call.reply_type, payload))
+            else:
+                error = protocol.unpack(protocol.ErrorReply, payload)
+                call.future.set_exception(error_from_reply(error.code, error.message))
+        except ServerError as exc:  # the server's payload did not decode
+            call.future.set_exception(exc)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id = heapq.heappop(self._deadlines)
+            call = self._waiting.pop(request_id, None)
+            if call is not None:
+                message = f"no reply from {self.url} within the call's timeout"
+            else:
+                call = next((c for c in self._unsent if c.request_id == request_id), None)
+                message = f"could not reach {self.url} within the call's timeout; is the server up?"
+            if call is not None and not call.future.done():
+                call.future.set_exception(RequestTimeout(f"{message} (request {request_id})"))
+
+    # -- the background thread ------------------------------------------------------------
+
+    def _background(self) -> None:
+        """Leads while submitted futures have nobody waiting; sends heartbeats when idle."""
+        while True:
+            with self._state:
+                if self._closed:
+                    return
+                if self.heartbeat_interval is not None and (
+                        time.monotonic() - self._last_sent > self.heartbeat_interval):
+                    self._heartbeat()
+                if not self._unattended or self._leader is not None:
+                    self._background_wake.wait(self.heartbeat_interval or _IDLE_WAIT_S * 20)
+                    continue
+                self._leader = threading.get_ident()
+            try:
+                self._lead(until=lambda: not self._unattended)
+            finally:
+                with self._state:
+                    self._leader = None
+                    self._state.notify_all()
+
+    def _heartbeat(self) -> None:
+        request_id = next(self._ids)  # never waited on: its reply is dropped like a late one
+        frames = [protocol.encode_request_id(request_id), b"PING",
+                  protocol.pack(protocol.PingRequest())]
+        try:
+            self._dealer.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            return  # not connected: nothing to keep alive
+        self._after_send()

@@ -1,0 +1,463 @@
+"""The wire protocol, in one place: frames, op table, typed messages and their validation.
+
+docs/protocol.md describes the same format for client writers. Rules for evolving it:
+new fields get defaults, existing fields never change type, and HELLO carries
+PROTOCOL_VERSION.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Union
+
+import msgpack
+
+from .errors import BadFrame, BadRequest, UnknownOp
+
+PROTOCOL_VERSION = 1
+
+REQUEST_ID_BYTES = 8
+PUSH_REQUEST_ID = 0
+STATUS_OK = b"ok"
+STATUS_ERR = b"err"
+
+CHUNK_HASH_BYTES = 16
+BLOCK_ID_BYTES = 4  # int32, little-endian
+
+_REQUEST_ID = struct.Struct("<Q")
+
+
+# ---------------------------------------------------------------------------
+# Chunk store results carried in STORE replies, one byte per chunk.
+
+class StoreStatus:
+    STORED = 0
+    ALREADY_STORED = 1  # committed earlier, or being stored by another request right now
+    NO_SPACE = 2
+    FAILED = 3
+
+
+# ---------------------------------------------------------------------------
+# Messages. Every op has a request and a reply class; bytes fields hold packed arrays.
+
+@dataclass
+class HelloRequest:
+    protocol_version: int
+    client_name: str = ""
+
+
+@dataclass
+class HelloReply:
+    protocol_version: int
+    server_version: str
+    chunk_size: int
+    max_message_bytes: int
+    max_chunks_per_message: int
+    lease_timeout_s: float
+    worker_timeout_s: float
+
+
+@dataclass
+class PingRequest:
+    pass
+
+
+@dataclass
+class PingReply:
+    server_time: float
+
+
+@dataclass
+class ShmHandle:
+    """A tensor inside a POSIX shared-memory segment (/dev/shm/<name>)."""
+
+    KIND: ClassVar[str] = "shm"
+    name: str
+    offset: int  # bytes from the segment start to element [0, 0, ...]
+    shape: list[int]
+    strides: list[int]  # in elements, like torch.Tensor.stride()
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float16"
+    kind: str = "shm"
+
+
+TensorHandle = ShmHandle
+
+
+@dataclass
+class RegisterKVCacheRequest:
+    model: str
+    kv_world_size: int
+    kv_worker_id: int
+    layout: str  # "mha": [2, num_blocks, block_size, heads, head_dim]; "mla": [num_blocks, block_size, dim]
+    block_size: int
+    layers: list[TensorHandle]
+    tp_rank: int = 0
+
+
+@dataclass
+class RegisterKVCacheReply:
+    instance_id: int
+    num_blocks: int
+    blocks_per_chunk: int
+    chunk_bytes: int
+
+
+@dataclass
+class UnregisterKVCacheRequest:
+    instance_id: int
+
+
+@dataclass
+class UnregisterKVCacheReply:
+    pass
+
+
+@dataclass
+class LookupItem:
+    request_id: str
+    chunk_hashes: bytes
+    cache_salt: str = ""
+    hold: bool = False
+
+    @classmethod
+    def build(cls, request_id: str, hashes: list[bytes], cache_salt: str = "",
+              hold: bool = False) -> LookupItem:
+        return cls(request_id, pack_hashes(hashes), cache_salt, hold)
+
+
+@dataclass
+class LookupRequest:
+    model: str
+    kv_world_size: int
+    items: list[LookupItem]
+
+
+@dataclass
+class LookupReply:
+    hits: list[int]  # per item: leading chunks stored for every kv worker
+
+
+@dataclass
+class TransferItem:
+    """One request's chunks and the engine blocks they come from (STORE) or go to (RETRIEVE)."""
+
+    request_id: str
+    chunk_hashes: bytes
+    block_ids: bytes
+    cache_salt: str = ""
+
+    @classmethod
+    def build(cls, request_id: str, hashes: list[bytes], block_ids: list[int],
+              cache_salt: str = "") -> TransferItem:
+        return cls(request_id, pack_hashes(hashes), pack_block_ids(block_ids), cache_salt)
+
+
+@dataclass
+class StoreRequest:
+    instance_id: int
+    items: list[TransferItem]
+
+
+@dataclass
+class StoreReply:
+    results: list[bytes]  # per item, one StoreStatus byte per chunk
+
+
+@dataclass
+class RetrieveRequest:
+    instance_id: int
+    items: list[TransferItem]
+
+
+@dataclass
+class RetrieveReply:
+    retrieved: list[int]  # per item: leading chunks written into the blocks
+
+
+@dataclass
+class LeaseRef:
+    request_id: str
+    cache_salt: str = ""
+
+
+@dataclass
+class ReleaseRequest:
+    items: list[LeaseRef]
+
+
+@dataclass
+class ReleaseReply:
+    released: int  # chunk holds dropped
+
+
+@dataclass
+class EndSessionRequest:
+    request_id: str
+    cache_salt: str = ""
+
+
+@dataclass
+class EndSessionReply:
+    released: int
+
+
+@dataclass
+class ClearRequest:
+    cache_salt: str | None = None  # None clears every tenant
+
+
+@dataclass
+class ClearReply:
+    removed: int
+
+
+@dataclass
+class StatsRequest:
+    pass
+
+
+@dataclass
+class StatsReply:
+    chunks: int
+    bytes_used: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    leases_held: int
+    pending_stores: int
+    registrations: int
+    requests: dict[str, int] = field(default_factory=dict)  # op name -> requests served
+    prefault_done: bool = True
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    request: type
+    reply: type
+
+
+OPS: dict[str, OpSpec] = {
+    "HELLO": OpSpec(HelloRequest, HelloReply),
+    "PING": OpSpec(PingRequest, PingReply),
+    "REGISTER_KV_CACHE": OpSpec(RegisterKVCacheRequest, RegisterKVCacheReply),
+    "UNREGISTER_KV_CACHE": OpSpec(UnregisterKVCacheRequest, UnregisterKVCacheReply),
+    "LOOKUP": OpSpec(LookupRequest, LookupReply),
+    "STORE": OpSpec(StoreRequest, StoreReply),
+    "RETRIEVE": OpSpec(RetrieveRequest, RetrieveReply),
+    "RELEASE": OpSpec(ReleaseRequest, ReleaseReply),
+    "END_SESSION": OpSpec(EndSessionRequest, EndSessionReply),
+    "CLEAR": OpSpec(ClearRequest, ClearReply),
+    "STATS": OpSpec(StatsRequest, StatsReply),
+}
+
+_OP_BY_REQUEST_TYPE = {spec.request: name for name, spec in OPS.items()}
+
+
+def op_name(request: Any) -> str:
+    return _OP_BY_REQUEST_TYPE[type(request)]
+
+
+@dataclass
+class ErrorReply:
+    code: str
+    message: str
+
+
+# ---------------------------------------------------------------------------
+# Encoding: plain msgpack maps, never pickle.
+
+def to_wire(message: Any) -> Any:
+    if dataclasses.is_dataclass(message):
+        return {f.name: to_wire(getattr(message, f.name)) for f in dataclasses.fields(message)}
+    if isinstance(message, list):
+        return [to_wire(v) for v in message]
+    return message
+
+
+def pack(message: Any) -> bytes:
+    return msgpack.packb(to_wire(message), use_bin_type=True)
+
+
+def unpack(cls: type, payload: bytes) -> Any:
+    """Decode and validate a payload as `cls`; errors name the field that is wrong."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise BadRequest(f"payload is not valid msgpack: {exc}") from None
+    return from_wire(cls, raw, "")
+
+
+def from_wire(tp: Any, value: Any, path: str) -> Any:
+    """Validate a decoded msgpack value against a type annotation and build it."""
+    return _decoder(tp)(value, path)
+
+
+Decoder = Callable[[Any, str], Any]
+_DECODERS: dict[Any, Decoder] = {}
+_TYPE_NAMES = {int: "int", float: "float", str: "str", bool: "bool", bytes: "bytes"}
+
+
+def _describe(value: Any) -> str:
+    return type(value).__name__ if value is not None else "nil"
+
+
+def _where(path: str) -> str:
+    return f"`{path}`" if path else "payload"
+
+
+def _mismatch(expected: str, value: Any, path: str) -> BadRequest:
+    return BadRequest(f"{_where(path)}: expected {expected}, got {_describe(value)}")
+
+
+def _decoder(tp: Any) -> Decoder:
+    """Build (once per type) a function that validates and converts values of `tp`."""
+    decoder = _DECODERS.get(tp)
+    if decoder is None:
+        decoder = _DECODERS[tp] = _build_decoder(tp)
+    return decoder
+
+
+def _build_decoder(tp: Any) -> Decoder:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(tp)
+        (inner,) = [o for o in options if o is not type(None)]
+        inner_decoder = _decoder(inner)
+        return lambda value, path: None if value is None else inner_decoder(value, path)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        item_decoder = _decoder(item_tp)
+
+        def decode_list(value: Any, path: str) -> list:
+            if not isinstance(value, list):
+                raise _mismatch("array", value, path)
+            return [item_decoder(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return decode_list
+    if origin is dict:
+        key_decoder, value_decoder = (_decoder(t) for t in typing.get_args(tp))
+
+        def decode_dict(value: Any, path: str) -> dict:
+            if not isinstance(value, dict):
+                raise _mismatch("map", value, path)
+            return {key_decoder(k, f"{path}.<key>"): value_decoder(v, f"{path}.{k}")
+                    for k, v in value.items()}
+        return decode_dict
+    if dataclasses.is_dataclass(tp):
+        return _dataclass_decoder(tp)
+    name = _TYPE_NAMES[tp]
+    if tp is float:
+        def decode_float(value: Any, path: str) -> float:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            raise _mismatch(name, value, path)
+        return decode_float
+    if tp is int:
+        def decode_int(value: Any, path: str) -> int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            raise _mismatch(name, value, path)
+        return decode_int
+
+    def decode_scalar(value: Any, path: str) -> Any:
+        if isinstance(value, tp):
+            return value
+        raise _mismatch(name, value, path)
+    return decode_scalar
+
+
+def _dataclass_decoder(cls: type) -> Decoder:
+    hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
+    fields = [(f.name, hints[f.name],
+               f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+              for f in dataclasses.fields(cls)]
+    kind = getattr(cls, "KIND", None)
+    field_decoders: list[tuple[str, Decoder, bool]] = []
+
+    def decode(value: Any, path: str) -> Any:
+        if not field_decoders:  # resolved on first use: fields may refer to later classes
+            field_decoders.extend((n, _decoder(t), required) for n, t, required in fields)
+        if not isinstance(value, dict):
+            raise _mismatch("map", value, path)
+        if kind is not None and value.get("kind", kind) != kind:
+            raise BadRequest(f"{_where(path + '.kind' if path else 'kind')}: unsupported handle "
+                             f"kind {value.get('kind')!r}; this server supports {kind!r}")
+        kwargs = {}
+        for name, field_decoder, required in field_decoders:
+            if name in value:
+                kwargs[name] = field_decoder(value[name], f"{path}.{name}" if path else name)
+            elif required:
+                raise BadRequest(f"`{path + '.' + name if path else name}`: missing")
+        # Unknown fields are ignored so that newer clients can talk to this server.
+        return cls(**kwargs)
+    return decode
+
+
+# ---------------------------------------------------------------------------
+# Frames.
+
+def encode_request_id(request_id: int) -> bytes:
+    return _REQUEST_ID.pack(request_id)
+
+
+def decode_request_id(frame: bytes) -> int:
+    if len(frame) != REQUEST_ID_BYTES:
+        raise BadFrame(f"request_id frame must be {REQUEST_ID_BYTES} bytes, got {len(frame)}")
+    return _REQUEST_ID.unpack(frame)[0]
+
+
+@dataclass
+class RequestFrames:
+    request_id: int
+    op: str
+    payload: bytes
+
+
+def parse_request_frames(frames: list[bytes]) -> RequestFrames:
+    """Split [request_id, op, payload] as sent by a DEALER; raises BadFrame or UnknownOp."""
+    if len(frames) != 3:
+        raise BadFrame(f"a request has 3 frames [request_id, op, payload], got {len(frames)}")
+    request_id = decode_request_id(frames[0])
+    try:
+        op = frames[1].decode("ascii")
+    except UnicodeDecodeError:
+        raise BadFrame("op frame is not ASCII") from None
+    if op not in OPS:
+        raise UnknownOp(f"unknown op {op[:64]!r}; known ops: {', '.join(OPS)}")
+    return RequestFrames(request_id, op, frames[2])
+
+
+def reply_frames(request_id: int, message: Any) -> list[bytes]:
+    return [encode_request_id(request_id), STATUS_OK, pack(message)]
+
+
+def error_frames(request_id: int, code: str, message: str) -> list[bytes]:
+    return [encode_request_id(request_id), STATUS_ERR, pack(ErrorReply(code, message))]
+
+
+# ---------------------------------------------------------------------------
+# Packed arrays.
+
+def pack_hashes(hashes: list[bytes]) -> bytes:
+    return b"".join(hashes)
+
+
+def unpack_hashes(packed: bytes, path: str) -> list[bytes]:
+    if len(packed) % CHUNK_HASH_BYTES:
+        raise BadRequest(f"`{path}`: length {len(packed)} is not a multiple of {CHUNK_HASH_BYTES}")
+    return [packed[i:i + CHUNK_HASH_BYTES] for i in range(0, len(packed), CHUNK_HASH_BYTES)]
+
+
+def pack_block_ids(block_ids: list[int]) -> bytes:
+    return struct.pack(f"<{len(block_ids)}i", *block_ids)
+
+
+def unpack_block_ids(packed: bytes, path: str) -> list[int]:
+    if len(packed) % BLOCK_ID_BYTES:
+        raise BadRequest(f"`{path}`: length {len(packed)} is not a multiple of {BLOCK_ID_BYTES}")
+    return list(struct.unpack(f"<{len(packed) // BLOCK_ID_BYTES}i", packed))

@@ -1,0 +1,27 @@
+"""The `lmcache-mp-server` command: parse options into a Config, set up logging, run the Server."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from .config import Config
+from .server import Server
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = Config.from_args(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        Server(config).run()
+    except OSError as exc:  # most often: the address is already in use
+        logging.getLogger("lmcache_mp.server").error("cannot serve on %s: %s",
+                                                      config.bind_url, exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

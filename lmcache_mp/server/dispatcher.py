@@ -1,0 +1,239 @@
+"""The dispatcher: validates each decoded request and turns it into store, registry and copy calls."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from .. import __version__
+from ..errors import BadRequest, UnsupportedVersion
+from ..protocol import (
+    PROTOCOL_VERSION, ClearReply, ClearRequest, EndSessionReply, EndSessionRequest, HelloReply,
+    HelloRequest, LookupReply, LookupRequest, PingReply, PingRequest, RegisterKVCacheReply,
+    RegisterKVCacheRequest, ReleaseReply, ReleaseRequest, RetrieveReply, RetrieveRequest,
+    StatsReply, StatsRequest, StoreReply, StoreRequest, StoreStatus, TransferItem, UnregisterKVCacheReply,
+    UnregisterKVCacheRequest, unpack_block_ids, unpack_hashes,
+)
+from .config import Config
+from .copy_engine import CopyEngine
+from .pool import CpuPool
+from .registry import DTYPES, KVCacheInstance, Registry
+from .store import Chunk, ChunkKey, ChunkStore, LeaseOwner
+
+_SALT = re.compile(r"^[\x21-\x7e]{0,256}$")  # printable ASCII, no spaces
+MAX_REQUEST_ID_CHARS = 512
+
+
+def validate_salt(salt: str, path: str) -> str:
+    if not _SALT.match(salt):
+        raise BadRequest(f"`{path}`: cache_salt must be at most 256 printable ASCII characters "
+                         f"without spaces")
+    return salt
+
+
+def _validate_request_id(request_id: str, path: str) -> str:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise BadRequest(f"`{path}`: request_id longer than {MAX_REQUEST_ID_CHARS} characters")
+    return request_id
+
+
+class _Transfer:
+    """One validated STORE or RETRIEVE item: its keys and, per chunk, its block ids."""
+
+    def __init__(self, instance: KVCacheInstance, item: TransferItem, path: str):
+        salt = validate_salt(item.cache_salt, f"{path}.cache_salt")
+        self.owner = LeaseOwner(salt, _validate_request_id(item.request_id, f"{path}.request_id"))
+        hashes = unpack_hashes(item.chunk_hashes, f"{path}.chunk_hashes")
+        block_ids = unpack_block_ids(item.block_ids, f"{path}.block_ids")
+        per_chunk = instance.geometry.blocks_per_chunk
+        if len(block_ids) != len(hashes) * per_chunk:
+            raise BadRequest(f"`{path}.block_ids`: {len(hashes)} chunks need "
+                             f"{len(hashes) * per_chunk} block ids ({per_chunk} per chunk), "
+                             f"got {len(block_ids)}")
+        if block_ids and not (0 <= min(block_ids) and max(block_ids) < instance.num_blocks):
+            raise BadRequest(f"`{path}.block_ids`: ids must be in [0, {instance.num_blocks}), "
+                             f"got range [{min(block_ids)}, {max(block_ids)}]")
+        self.keys = [ChunkKey(instance.model, instance.kv_world_size, instance.kv_worker_id,
+                              salt, h) for h in hashes]
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        self.block_ids = list(ids.split(per_chunk)) if block_ids else []
+
+
+class Dispatcher:
+    """Owns no socket: the server hands it decoded requests and sends what it returns.
+
+    Fast ops return their reply; STORE and RETRIEVE return an awaitable of it, since they
+    wait on the copy engine.
+    """
+
+    def __init__(self, config: Config, store: ChunkStore, pool: CpuPool, registry: Registry,
+                 copy_engine: CopyEngine):
+        self.config = config
+        self.store = store
+        self.pool = pool
+        self.registry = registry
+        self.copy_engine = copy_engine
+        self.requests_served: Counter[str] = Counter()
+        self._handlers: dict[type, Callable[[bytes, Any], Any]] = {
+            HelloRequest: self.hello,
+            PingRequest: self.ping,
+            RegisterKVCacheRequest: self.register,
+            UnregisterKVCacheRequest: self.unregister,
+            LookupRequest: self.lookup,
+            StoreRequest: self.store_chunks,
+            RetrieveRequest: self.retrieve_chunks,
+            ReleaseRequest: self.release,
+            EndSessionRequest: self.end_session,
+            ClearRequest: self.clear,
+            StatsRequest: self.stats,
+        }
+
+    def handle(self, client: bytes, op: str, request: Any) -> Any | Awaitable[Any]:
+        self.requests_served[op] += 1
+        self.registry.seen(client)
+        return self._handlers[type(request)](client, request)
+
+    # -- session ---------------------------------------------------------------------------
+
+    def hello(self, client: bytes, req: HelloRequest) -> HelloReply:
+        if req.protocol_version != PROTOCOL_VERSION:
+            raise UnsupportedVersion(f"client speaks protocol {req.protocol_version}, "
+                                     f"this server speaks {PROTOCOL_VERSION}")
+        return HelloReply(PROTOCOL_VERSION, __version__, self.config.chunk_size,
+                          self.config.max_message_bytes, self.config.max_chunks_per_message,
+                          self.config.lease_timeout, self.config.worker_timeout)
+
+    def ping(self, client: bytes, req: PingRequest) -> PingReply:
+        return PingReply(time.time())
+
+    def register(self, client: bytes, req: RegisterKVCacheRequest) -> RegisterKVCacheReply:
+        instance = self.registry.register(client, req)
+        return RegisterKVCacheReply(instance.instance_id, instance.num_blocks,
+                                    instance.geometry.blocks_per_chunk,
+                                    instance.geometry.chunk_bytes)
+
+    def unregister(self, client: bytes, req: UnregisterKVCacheRequest) -> UnregisterKVCacheReply:
+        self.registry.get(req.instance_id)
+        self.registry.unregister(req.instance_id)
+        return UnregisterKVCacheReply()
+
+    # -- the cache -------------------------------------------------------------------------
+
+    def _check_batch_size(self, chunk_counts: list[int]) -> None:
+        total = sum(chunk_counts)
+        if total > self.config.max_chunks_per_message:
+            raise BadRequest(f"`items`: {total} chunks in one message; the limit is "
+                             f"{self.config.max_chunks_per_message}")
+
+    def lookup(self, client: bytes, req: LookupRequest) -> LookupReply:
+        if req.kv_world_size <= 0:
+            raise BadRequest("`kv_world_size`: must be positive")
+        parsed = []
+        for i, item in enumerate(req.items):
+            path = f"items[{i}]"
+            parsed.append((validate_salt(item.cache_salt, f"{path}.cache_salt"),
+                           unpack_hashes(item.chunk_hashes, f"{path}.chunk_hashes"),
+                           _validate_request_id(item.request_id, f"{path}.request_id")
+                           if item.hold else None))
+        self._check_batch_size([len(hashes) for _, hashes, _ in parsed])
+        return LookupReply([self.store.lookup(req.model, req.kv_world_size, salt, hashes, hold_for)
+                            for salt, hashes, hold_for in parsed])
+
+    def _transfers(self, instance: KVCacheInstance, items: list[TransferItem]) -> list[_Transfer]:
+        transfers = [_Transfer(instance, item, f"items[{i}]") for i, item in enumerate(items)]
+        self._check_batch_size([len(t.keys) for t in transfers])
+        return transfers
+
+    def _chunk_tensor(self, chunk: Chunk, instance: KVCacheInstance) -> torch.Tensor:
+        geometry = instance.geometry
+        return (self.pool.view(chunk.offset, chunk.nbytes).view(DTYPES[geometry.dtype])
+                .view(geometry.chunk_shape))
+
+    async def _copy(self, instance: KVCacheInstance, jobs: list) -> list[BaseException | None]:
+        instance.copies_in_flight += 1
+        try:
+            return await self.copy_engine.run(jobs)
+        finally:
+            self.registry.copy_finished(instance)
+
+    def store_chunks(self, client: bytes, req: StoreRequest) -> Awaitable[StoreReply]:
+        instance = self.registry.get(req.instance_id)
+        transfers = self._transfers(instance, req.items)
+        geometry = instance.geometry
+        # Reserve synchronously, before any await: validation and reservation see one state.
+        reservations = [[self.store.reserve(key, geometry.chunk_bytes, geometry) for key in t.keys]
+                        for t in transfers]
+        return self._finish_store(instance, transfers, reservations)
+
+    async def _finish_store(self, instance, transfers, reservations) -> StoreReply:
+        pending = [(i, c, r.chunk) for i, per_item in enumerate(reservations)
+                   for c, r in enumerate(per_item) if r.chunk is not None]
+        try:
+            jobs = [partial(instance.gather, transfers[i].block_ids[c],
+                            self._chunk_tensor(chunk, instance)) for i, c, chunk in pending]
+            errors = await self._copy(instance, jobs)
+        except BaseException:
+            for _, _, chunk in pending:
+                self.store.abort(chunk)
+            raise
+        statuses = [bytearray(r.status for r in per_item) for per_item in reservations]
+        copied: list[list[Chunk]] = [[] for _ in transfers]
+        for (i, c, chunk), error in zip(pending, errors):
+            if error is None:
+                copied[i].append(chunk)
+            else:
+                self.store.abort(chunk)
+                statuses[i][c] = StoreStatus.FAILED
+        for chunks in copied:
+            self.store.commit_request(chunks)
+        return StoreReply([bytes(s) for s in statuses])
+
+    def retrieve_chunks(self, client: bytes, req: RetrieveRequest) -> Awaitable[RetrieveReply]:
+        instance = self.registry.get(req.instance_id)
+        transfers = self._transfers(instance, req.items)
+        held = [self.store.hold_prefix(t.keys, instance.geometry) for t in transfers]
+        return self._finish_retrieve(instance, transfers, held)
+
+    async def _finish_retrieve(self, instance, transfers, held) -> RetrieveReply:
+        try:
+            jobs = [partial(instance.scatter, t.block_ids[c], self._chunk_tensor(chunk, instance))
+                    for t, chunks in zip(transfers, held) for c, chunk in enumerate(chunks)]
+            errors = iter(await self._copy(instance, jobs))
+        finally:
+            for chunks in held:
+                self.store.unhold(chunks)
+        retrieved = []
+        for t, chunks in zip(transfers, held):
+            outcomes = [next(errors) is None for _ in chunks]
+            retrieved.append(outcomes.index(False) if False in outcomes else len(outcomes))
+            self.store.release(t.owner, instance.kv_worker_id)
+        return RetrieveReply(retrieved)
+
+    def release(self, client: bytes, req: ReleaseRequest) -> ReleaseReply:
+        owners = [LeaseOwner(validate_salt(ref.cache_salt, f"items[{i}].cache_salt"),
+                             ref.request_id) for i, ref in enumerate(req.items)]
+        return ReleaseReply(sum(self.store.release(owner) for owner in owners))
+
+    def end_session(self, client: bytes, req: EndSessionRequest) -> EndSessionReply:
+        owner = LeaseOwner(validate_salt(req.cache_salt, "cache_salt"), req.request_id)
+        return EndSessionReply(self.store.release(owner))
+
+    def clear(self, client: bytes, req: ClearRequest) -> ClearReply:
+        if req.cache_salt is not None:
+            validate_salt(req.cache_salt, "cache_salt")
+        return ClearReply(self.store.clear(req.cache_salt))
+
+    def stats(self, client: bytes, req: StatsRequest) -> StatsReply:
+        counters = self.store.counters
+        return StatsReply(
+            chunks=self.store.num_chunks, bytes_used=self.store.bytes_used,
+            capacity_bytes=self.pool.capacity, hits=counters.hits, misses=counters.misses,
+            evictions=counters.evictions, leases_held=self.store.leases_held,
+            pending_stores=self.store.pending, registrations=len(self.registry),
+            requests=dict(self.requests_served), prefault_done=self.pool.prefault_done.is_set())

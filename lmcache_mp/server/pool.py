@@ -1,0 +1,128 @@
+"""The CPU memory pool: one buffer allocated at start-up, carved into aligned extents."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import mmap
+import threading
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ALIGNMENT = 4096
+_POPULATE_STEP = 256 * 1024**2
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; faults pages in writable without changing them
+
+
+def populate(mapping: mmap.mmap, stop: Callable[[], bool]) -> bool:
+    """Fault every page of `mapping` in, leaving its contents alone; False if the kernel can't.
+
+    A copy into pages this process has not touched yet runs at a fraction of full speed.
+    """
+    for start in range(0, len(mapping), _POPULATE_STEP):
+        if stop():
+            return True
+        try:
+            mapping.madvise(_MADV_POPULATE_WRITE, start, min(_POPULATE_STEP, len(mapping) - start))
+        except (OSError, ValueError) as exc:
+            logger.warning("could not pre-fault memory (%s): first copies will be slower", exc)
+            return False
+    return True
+
+
+def aligned(num_bytes: int) -> int:
+    return -(-num_bytes // ALIGNMENT) * ALIGNMENT
+
+
+class ExtentAllocator:
+    """First-fit allocation of aligned byte ranges in [0, capacity), coalescing on free.
+
+    Every extent of one chunk geometry has the same size, so a server with one model
+    never fragments; the free list stays short and sorted by offset.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity - capacity % ALIGNMENT
+        self.used = 0
+        self._starts: list[int] = [0] if self.capacity else []
+        self._lengths: list[int] = [self.capacity] if self.capacity else []
+
+    def allocate(self, num_bytes: int) -> int | None:
+        """Return the offset of a free extent of `num_bytes` (rounded up), or None if none fits."""
+        size = aligned(num_bytes)
+        for i, length in enumerate(self._lengths):
+            if length >= size:
+                offset = self._starts[i]
+                if length == size:
+                    del self._starts[i], self._lengths[i]
+                else:
+                    self._starts[i] += size
+                    self._lengths[i] -= size
+                self.used += size
+                return offset
+        return None
+
+    def free(self, offset: int, num_bytes: int) -> None:
+        size = aligned(num_bytes)
+        i = bisect.bisect_left(self._starts, offset)
+        if (i < len(self._starts) and self._starts[i] < offset + size) or (
+                i > 0 and self._starts[i - 1] + self._lengths[i - 1] > offset):
+            raise ValueError(f"double free of extent at {offset}")
+        self.used -= size
+        merge_prev = i > 0 and self._starts[i - 1] + self._lengths[i - 1] == offset
+        merge_next = i < len(self._starts) and offset + size == self._starts[i]
+        if merge_prev and merge_next:
+            self._lengths[i - 1] += size + self._lengths[i]
+            del self._starts[i], self._lengths[i]
+        elif merge_prev:
+            self._lengths[i - 1] += size
+        elif merge_next:
+            self._starts[i] = offset
+            self._lengths[i] += size
+        else:
+            self._starts.insert(i, offset)
+            self._lengths.insert(i, size)
+
+    def largest_free(self) -> int:
+        return max(self._lengths, default=0)
+
+
+class CpuPool:
+    """The byte buffer behind every stored chunk, and its allocator.
+
+    Pages are faulted in by a background thread at start-up; since that leaves contents
+    alone, stores may land in the pool while it runs.
+    """
+
+    def __init__(self, capacity: int):
+        self.allocator = ExtentAllocator(capacity)
+        self._mapping = mmap.mmap(-1, self.allocator.capacity)
+        self.buffer = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        self.prefault_done = threading.Event()
+        self._stop_prefault = threading.Event()
+        self._prefault_thread: threading.Thread | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    def start_prefault(self) -> None:
+        self._prefault_thread = threading.Thread(target=self._prefault, name="pool-prefault",
+                                                 daemon=True)
+        self._prefault_thread.start()
+
+    def _prefault(self) -> None:
+        if populate(self._mapping, self._stop_prefault.is_set):
+            logger.info("CPU pool of %d bytes pre-faulted", self.capacity)
+        self.prefault_done.set()
+
+    def stop_prefault(self) -> None:
+        self._stop_prefault.set()
+        if self._prefault_thread is not None:
+            self._prefault_thread.join()
+
+    def view(self, offset: int, num_bytes: int) -> torch.Tensor:
+        return self.buffer[offset:offset + num_bytes]

@@ -1,0 +1,297 @@
+"""Registered worker KV caches: validating and mapping their handles, and tracking liveness."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import BadRequest, UnknownInstance
+from ..protocol import RegisterKVCacheRequest, ShmHandle
+from .pool import populate
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+_SHM_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+LAYOUTS = {"mha": 5, "mla": 3}  # tensor rank of one layer
+MAX_LAYERS = 1024
+# Above this many bytes per block (all layers), one copy_ per block beats index_copy_.
+_PER_BLOCK_SCATTER_BYTES = 256 * 1024
+
+DTYPES = {name: getattr(torch, name) for name in (
+    "float16", "bfloat16", "float32", "float64", "uint8", "int8",
+    "float8_e4m3fn", "float8_e5m2")}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a stored chunk looks like; chunks only move between caches of equal geometry."""
+
+    layout: str
+    num_layers: int
+    block_shape: tuple[int, ...]  # one block of one layer: (2, block_size, heads, head_dim) or (block_size, dim)
+    dtype: str
+    blocks_per_chunk: int
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype].itemsize
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        if self.layout == "mha":
+            kv, block_size, *rest = self.block_shape
+            return (self.num_layers, kv, self.blocks_per_chunk, block_size, *rest)
+        return (self.num_layers, self.blocks_per_chunk, *self.block_shape)
+
+    @property
+    def chunk_bytes(self) -> int:
+        n = self.itemsize
+        for dim in self.chunk_shape:
+            n *= dim
+        return n
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers."""
+        return self.chunk_bytes // self.blocks_per_chunk
+
+    @property
+    def block_dim(self) -> int:
+        """Index of the block dimension in a layer tensor."""
+        return 1 if self.layout == "mha" else 0
+
+
+@dataclass(eq=False)
+class KVCacheInstance:
+    """One worker's registered paged KV cache, mapped into this process."""
+
+    instance_id: int
+    owner: bytes  # the ZeroMQ identity that registered it
+    model: str
+    kv_world_size: int
+    kv_worker_id: int
+    tp_rank: int
+    num_blocks: int
+    geometry: Geometry
+    layers: list[torch.Tensor]
+    stacked: torch.Tensor | None  # all layers as one [L, ...] view when their memory allows it
+    mappings: list[mmap.mmap]
+    last_seen: float
+    copies_in_flight: int = 0
+    closed: bool = False
+    _populating: threading.Thread | None = None
+
+    def start_populating(self) -> None:
+        """Fault the worker's pages into this process in the background, ahead of the first copy."""
+        def run() -> None:
+            for mapping in self.mappings:
+                populate(mapping, lambda: self.closed)
+        self._populating = threading.Thread(target=run, name=f"populate-{self.instance_id}",
+                                            daemon=True)
+        self._populating.start()
+
+    def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the given blocks of every layer into `out` (a chunk-shaped tensor)."""
+        dim = self.geometry.block_dim
+        if self.stacked is not None:
+            torch.index_select(self.stacked, dim + 1, block_ids, out=out)
+        else:
+            for layer, dest in zip(self.layers, out):
+                torch.index_select(layer, dim, block_ids, out=dest)
+
+    def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy a chunk-shaped tensor into the given blocks of every layer."""
+        dim = self.geometry.block_dim
+        targets = [(self.stacked, src, dim + 1)] if self.stacked is not None else [
+            (layer, chunk_layer, dim) for layer, chunk_layer in zip(self.layers, src)]
+        per_block = self.geometry.block_bytes >= _PER_BLOCK_SCATTER_BYTES
+        for target, source, block_dim in targets:
+            if per_block:  # index_copy_ runs at half the speed of copy_ on large blocks
+                for position, block in enumerate(block_ids.tolist()):
+                    target.select(block_dim, block).copy_(source.select(block_dim, position))
+            else:
+                target.index_copy_(block_dim, block_ids, source)
+
+    def unmap(self) -> None:
+        if self._populating is not None:
+            self._populating.join()
+        self.layers = []
+        self.stacked = None
+        for mapping in self.mappings:
+            try:
+                mapping.close()
+            except BufferError:  # a view is still referenced somewhere; the GC unmaps it
+                logger.warning("instance %d: mapping still referenced at unmap", self.instance_id)
+        self.mappings = []
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise BadRequest(message)
+
+
+def _span_bytes(shape: list[int], strides: list[int], itemsize: int) -> int:
+    """Bytes from the first element to one past the last one."""
+    return (sum((dim - 1) * stride for dim, stride in zip(shape, strides)) + 1) * itemsize
+
+
+def _map_segment(name: str, path: str) -> mmap.mmap:
+    _check(bool(_SHM_NAME.match(name)),
+           f"`{path}`: shared-memory name {name!r} must be 1-200 of [A-Za-z0-9_.-]")
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    except OSError as exc:
+        raise BadRequest(f"`{path}`: cannot open shared memory {name!r}: {exc.strerror}") from None
+    try:
+        size = os.fstat(fd).st_size
+        _check(size > 0, f"`{path}`: shared memory {name!r} is empty")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _validate_handles(req: RegisterKVCacheRequest, chunk_size: int) -> tuple[Geometry, int]:
+    _check(req.layout in LAYOUTS, f"`layout`: expected one of {sorted(LAYOUTS)}, got {req.layout!r}")
+    _check(req.block_size > 0 and chunk_size % req.block_size == 0,
+           f"`block_size`: {req.block_size} must be positive and divide the chunk size {chunk_size}")
+    _check(0 < len(req.layers) <= MAX_LAYERS, f"`layers`: expected 1..{MAX_LAYERS} handles, "
+           f"got {len(req.layers)}")
+    _check(req.kv_world_size > 0, "`kv_world_size`: must be positive")
+    _check(0 <= req.kv_worker_id < req.kv_world_size,
+           f"`kv_worker_id`: {req.kv_worker_id} not in [0, {req.kv_world_size})")
+    _check(req.tp_rank >= 0, "`tp_rank`: must not be negative")
+    _check(0 < len(req.model) <= 512, "`model`: expected 1..512 characters")
+    first = req.layers[0]
+    rank = LAYOUTS[req.layout]
+    for i, handle in enumerate(req.layers):
+        where = f"layers[{i}]"
+        _check(handle.dtype in DTYPES, f"`{where}.dtype`: unsupported {handle.dtype!r}; "
+               f"supported: {', '.join(DTYPES)}")
+        _check(len(handle.shape) == rank and len(handle.strides) == rank,
+               f"`{where}.shape`: layout {req.layout!r} needs {rank} dimensions, "
+               f"got shape {handle.shape} and strides {handle.strides}")
+        _check(all(d > 0 for d in handle.shape), f"`{where}.shape`: dimensions must be positive")
+        _check(all(s >= 0 for s in handle.strides), f"`{where}.strides`: must not be negative")
+        _check(handle.offset >= 0 and handle.offset % DTYPES[handle.dtype].itemsize == 0,
+               f"`{where}.offset`: must be a non-negative multiple of the element size")
+        _check(handle.shape == first.shape and handle.dtype == first.dtype,
+               f"`{where}`: every layer needs the shape and dtype of layers[0]")
+    if req.layout == "mha":
+        _check(first.shape[0] == 2, f"`layers[0].shape`: MHA layers are [2, num_blocks, "
+               f"block_size, heads, head_dim], got {first.shape}")
+        num_blocks, block_size = first.shape[1], first.shape[2]
+        block_shape = (2, *first.shape[2:])
+    else:
+        num_blocks, block_size = first.shape[0], first.shape[1]
+        block_shape = tuple(first.shape[1:])
+    _check(block_size == req.block_size,
+           f"`layers[0].shape`: block dimension {block_size} differs from block_size {req.block_size}")
+    geometry = Geometry(req.layout, len(req.layers), block_shape, first.dtype,
+                        chunk_size // req.block_size)
+    return geometry, num_blocks
+
+
+def _stack_layers(handles: list[ShmHandle], typed: torch.Tensor) -> torch.Tensor | None:
+    """One strided view over all layers when they sit at equal distances in one segment."""
+    first = handles[0]
+    itemsize = typed.element_size()
+    step = handles[1].offset - first.offset if len(handles) > 1 else 0
+    span = _span_bytes(first.shape, first.strides, itemsize)
+    if len(handles) > 1 and step < span:
+        return None
+    for i, handle in enumerate(handles):
+        if (handle.name != first.name or handle.strides != first.strides
+                or handle.offset != first.offset + i * step):
+            return None
+    return typed.as_strided([len(handles), *first.shape], [step // itemsize, *first.strides],
+                            first.offset // itemsize)
+
+
+class Registry:
+    """Every registered KV cache by instance id, and the clients that own them."""
+
+    def __init__(self, chunk_size: int, clock: Callable[[], float]):
+        self.chunk_size = chunk_size
+        self.clock = clock
+        self._instances: dict[int, KVCacheInstance] = {}
+        self._ids = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._instances)
+
+    def register(self, owner: bytes, req: RegisterKVCacheRequest) -> KVCacheInstance:
+        geometry, num_blocks = _validate_handles(req, self.chunk_size)
+        dtype = DTYPES[geometry.dtype]
+        mappings: dict[str, mmap.mmap] = {}
+        try:
+            for i, handle in enumerate(req.layers):
+                if handle.name not in mappings:
+                    mappings[handle.name] = _map_segment(handle.name, f"layers[{i}].name")
+                size = len(mappings[handle.name])
+                end = handle.offset + _span_bytes(handle.shape, handle.strides, dtype.itemsize)
+                _check(end <= size, f"`layers[{i}]`: tensor ends at byte {end} but shared memory "
+                       f"{handle.name!r} holds {size} bytes")
+        except BaseException:
+            for mapping in mappings.values():
+                mapping.close()
+            raise
+        typed = {}
+        for name, mapping in mappings.items():
+            raw = torch.frombuffer(mapping, dtype=torch.uint8)
+            typed[name] = raw[:raw.numel() - raw.numel() % dtype.itemsize].view(dtype)
+        layers = [typed[h.name].as_strided(h.shape, h.strides, h.offset // dtype.itemsize)
+                  for h in req.layers]
+        stacked = _stack_layers(req.layers, typed[req.layers[0].name])
+        instance = KVCacheInstance(
+            instance_id=next(self._ids), owner=owner, model=req.model,
+            kv_world_size=req.kv_world_size, kv_worker_id=req.kv_worker_id, tp_rank=req.tp_rank,
+            num_blocks=num_blocks, geometry=geometry, layers=layers, stacked=stacked,
+            mappings=list(mappings.values()), last_seen=self.clock())
+        self._instances[instance.instance_id] = instance
+        instance.start_populating()
+        logger.info("registered instance %d: model %s, kv worker %d/%d, %d layers, %d blocks, "
+                    "%d bytes per chunk%s", instance.instance_id, req.model, req.kv_worker_id,
+                    req.kv_world_size, geometry.num_layers, num_blocks, geometry.chunk_bytes,
+                    "" if stacked is not None else " (per-layer copies)")
+        return instance
+
+    def get(self, instance_id: int) -> KVCacheInstance:
+        instance = self._instances.get(instance_id)
+        if instance is None:
+            raise UnknownInstance(f"no registered KV cache with instance_id {instance_id}; "
+                                  f"register it (again) first")
+        return instance
+
+    def seen(self, owner: bytes) -> None:
+        now = self.clock()
+        for instance in self._instances.values():
+            if instance.owner == owner:
+                instance.last_seen = now
+
+    def unregister(self, instance_id: int) -> None:
+        instance = self._instances.pop(instance_id)
+        instance.closed = True
+        if instance.copies_in_flight == 0:
+            instance.unmap()
+        logger.info("unregistered instance %d", instance_id)
+
+    def copy_finished(self, instance: KVCacheInstance) -> None:
+        instance.copies_in_flight -= 1
+        if instance.closed and instance.copies_in_flight == 0:
+            instance.unmap()
+
+    def expired(self, timeout: float) -> list[int]:
+        deadline = self.clock() - timeout
+        return [i.instance_id for i in self._instances.values() if i.last_seen < deadline]
+
+    def instance_ids(self) -> list[int]:
+        return list(self._instances)

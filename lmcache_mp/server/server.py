@@ -1,0 +1,206 @@
+"""The server lifecycle: signals, start-up, the ROUTER socket loop, housekeeping and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+
+import torch
+import uvloop
+import zmq
+
+from .. import __version__, protocol
+from ..errors import InternalError, ServerError, ShuttingDown
+from .config import Config, format_size
+from .copy_engine import CopyEngine
+from .dispatcher import Dispatcher
+from .pool import CpuPool
+from .registry import Registry
+from .store import ChunkStore
+
+logger = logging.getLogger("lmcache_mp.server")
+
+_MAX_MESSAGES_PER_WAKE = 64
+_HOUSEKEEPING_S = 0.5
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    client: bytes
+    request_id: int
+
+
+class Server:
+    """serve() = install signal handlers → startup() → main_loop() → shutdown()."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.should_exit = False
+        self.dispatcher: Dispatcher | None = None
+        self._exit_requested: asyncio.Event | None = None
+        self._socket: zmq.Socket | None = None
+        self._context: zmq.Context | None = None
+        self._on_message = self._dispatch
+        self._pool: CpuPool | None = None
+        self._copy_engine: CopyEngine | None = None
+        self._in_flight: dict[asyncio.Task, _InFlight] = {}
+        self._answered: set[asyncio.Task] = set()
+        self._housekeeping: asyncio.Task | None = None
+
+    def run(self) -> None:
+        uvloop.run(self.serve())
+
+    async def serve(self) -> None:
+        self.install_signal_handlers()
+        await self.startup()
+        await self.main_loop()
+        await self.shutdown()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._handle_exit, sig)
+
+    def _handle_exit(self, sig: signal.Signals) -> None:
+        if self.should_exit:
+            logger.warning("second %s: exiting now", sig.name)
+            os._exit(1)
+        logger.info("%s received: draining (up to %.0f s); send it again to exit at once",
+                    sig.name, self.config.shutdown_timeout)
+        self.should_exit = True
+        self._exit_requested.set()
+
+    async def startup(self) -> None:
+        config = self.config
+        # Parallelism comes from the copy threads; torch's own pool would oversubscribe the cores.
+        torch.set_num_threads(1)
+        self._pool = CpuPool(config.cpu_size)
+        self._pool.start_prefault()
+        store = ChunkStore(self._pool.allocator, config.lease_timeout)
+        registry = Registry(config.chunk_size, time.monotonic)
+        self._copy_engine = CopyEngine(config.copy_threads)
+        self.dispatcher = Dispatcher(config, store, self._pool, registry, self._copy_engine)
+        self._exit_requested = asyncio.Event()
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+        self._socket.bind(config.bind_url)
+        # A plain socket driven by the loop's reader callback: zmq.asyncio's futures cost
+        # more than a whole LOOKUP.
+        asyncio.get_running_loop().add_reader(self._socket.FD, self._drain)
+        self._housekeeping = asyncio.create_task(self._housekeeping_loop())
+        logger.info("lmcache-mp-server %s serving on %s: chunk size %d tokens, CPU pool %s, "
+                    "%d copy threads", __version__, config.bind_url,
+                    config.chunk_size, format_size(self._pool.capacity), config.copy_threads)
+
+    async def main_loop(self) -> None:
+        await self._exit_requested.wait()
+
+    def _drain(self) -> None:
+        """Handle what has arrived. ZeroMQ's FD is edge-triggered: keep going until EVENTS is empty."""
+        for _ in range(_MAX_MESSAGES_PER_WAKE):
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_message(frames)
+        # More is waiting: yield to replies and copies, then come back.
+        asyncio.get_running_loop().call_soon(self._drain)
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        client, body = frames[0], frames[1:]
+        request_id = 0
+        try:
+            request_id = protocol.decode_request_id(body[0]) if body else 0
+            parsed = protocol.parse_request_frames(body)
+            request = protocol.unpack(protocol.OPS[parsed.op].request, parsed.payload)
+            result = self.dispatcher.handle(client, parsed.op, request)
+        except Exception as exc:
+            self._send_error(client, request_id, exc)
+            return
+        if isinstance(result, Awaitable):
+            task = asyncio.ensure_future(self._finish(client, request_id, result))
+            self._in_flight[task] = _InFlight(client, request_id)
+            task.add_done_callback(self._forget)
+        else:
+            self._send(client, protocol.reply_frames(request_id, result))
+
+    async def _finish(self, client: bytes, request_id: int, pending: Awaitable) -> None:
+        try:
+            reply = await pending
+        except Exception as exc:
+            if asyncio.current_task() not in self._answered:
+                self._send_error(client, request_id, exc)
+            return
+        if asyncio.current_task() not in self._answered:
+            self._send(client, protocol.reply_frames(request_id, reply))
+
+    def _forget(self, task: asyncio.Task) -> None:
+        self._in_flight.pop(task, None)
+        self._answered.discard(task)
+
+    def _send_error(self, client: bytes, request_id: int, exc: BaseException) -> None:
+        if not isinstance(exc, ServerError):
+            logger.exception("request %d failed", request_id, exc_info=exc)
+            exc = InternalError(f"internal error: {type(exc).__name__}: {exc}")
+        else:
+            logger.debug("request %d refused: %s: %s", request_id, exc.code, exc)
+        self._send(client, protocol.error_frames(request_id, exc.code, str(exc)))
+
+    def _send(self, client: bytes, frames: list[bytes]) -> None:
+        try:
+            self._socket.send_multipart([client, *frames], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the client is gone or not reading: its loss, not ours
+            logger.debug("dropping reply to a client: %s", exc)
+        # A send can consume the FD's edge for messages that arrived meanwhile.
+        if self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            asyncio.get_running_loop().call_soon(self._drain)
+
+    async def _housekeeping_loop(self) -> None:
+        dispatcher = self.dispatcher
+        while True:
+            await asyncio.sleep(_HOUSEKEEPING_S)
+            expired = dispatcher.store.expire_leases()
+            if expired:
+                logger.info("%d leases expired", expired)
+            for instance_id in dispatcher.registry.expired(self.config.worker_timeout):
+                logger.warning("instance %d: no message for %.0f s, dropping its registration",
+                               instance_id, self.config.worker_timeout)
+                dispatcher.registry.unregister(instance_id)
+
+    def _refuse(self, frames: list[bytes]) -> None:
+        body = frames[1:]
+        request_id = 0
+        if body and len(body[0]) == protocol.REQUEST_ID_BYTES:
+            request_id = protocol.decode_request_id(body[0])
+        self._send_error(frames[0], request_id, ShuttingDown("the server is shutting down"))
+
+    async def shutdown(self) -> None:
+        logger.info("shutdown: refusing new requests, %d in flight", len(self._in_flight))
+        self._on_message = self._refuse
+        self._drain()
+        if self._in_flight:
+            await asyncio.wait(list(self._in_flight), timeout=self.config.shutdown_timeout)
+        for task, pending in list(self._in_flight.items()):
+            self._answered.add(task)
+            self._send_error(pending.client, pending.request_id,
+                                   ShuttingDown("the server shut down before this request finished"))
+        logger.info("shutdown: waiting for running copies")
+        self._copy_engine.shutdown()
+        if self._in_flight:
+            await asyncio.wait(list(self._in_flight))
+        self._housekeeping.cancel()
+        asyncio.get_running_loop().remove_reader(self._socket.FD)
+        logger.info("shutdown: releasing %d registrations", len(self.dispatcher.registry))
+        for instance_id in self.dispatcher.registry.instance_ids():
+            self.dispatcher.registry.unregister(instance_id)
+        self._socket.close(linger=0)
+        self._context.term()
+        self._pool.stop_prefault()
+        logger.info("shutdown: done")

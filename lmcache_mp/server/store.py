@@ -1,0 +1,241 @@
+"""The chunk store: the key index, reserve/commit, holds and leases, eviction and accounting.
+
+Runs on the event loop thread only; copies happen elsewhere, between reserve and commit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ..protocol import StoreStatus
+from .eviction import LRUPolicy
+from .pool import ExtentAllocator, aligned
+
+
+class ChunkKey(NamedTuple):
+    model: str
+    kv_world_size: int
+    kv_worker_id: int
+    cache_salt: str
+    chunk_hash: bytes
+
+
+class LeaseOwner(NamedTuple):
+    cache_salt: str
+    request_id: str
+
+
+@dataclass(eq=False)
+class Chunk:
+    key: ChunkKey
+    offset: int
+    nbytes: int
+    geometry: Hashable  # chunks are only read back into caches of the same geometry
+    committed: bool = False
+    holds: int = 0  # leases plus reads in flight; a held chunk is never evicted
+
+
+@dataclass
+class Lease:
+    keys: list[ChunkKey]
+    deadline: float
+
+
+@dataclass
+class StoreCounters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+
+
+@dataclass
+class Reservation:
+    """The outcome of reserving one chunk: a pending chunk to copy into, or why not."""
+
+    status: int
+    chunk: Chunk | None = None
+
+
+class ChunkStore:
+    def __init__(self, allocator: ExtentAllocator, lease_timeout: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.allocator = allocator
+        self.lease_timeout = lease_timeout
+        self.clock = clock
+        self.counters = StoreCounters()
+        self._chunks: dict[ChunkKey, Chunk] = {}
+        self._policy = LRUPolicy()
+        self._leases: dict[LeaseOwner, Lease] = {}
+        self._pending = 0
+
+    # -- queries -----------------------------------------------------------------------
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._chunks) - self._pending
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    @property
+    def leases_held(self) -> int:
+        return len(self._leases)
+
+    @property
+    def bytes_used(self) -> int:
+        """Pool bytes taken by committed and pending chunks."""
+        return self.allocator.used
+
+    def _visible(self, key: ChunkKey) -> Chunk | None:
+        chunk = self._chunks.get(key)
+        return chunk if chunk is not None and chunk.committed else None
+
+    def lookup(self, model: str, kv_world_size: int, cache_salt: str,
+               hashes: Sequence[bytes], hold_for: str | None = None) -> int:
+        """Leading chunks stored for every kv worker; with `hold_for`, lease them to that request."""
+        found: list[Chunk] = []
+        hit = 0
+        for chunk_hash in hashes:
+            ranks = [self._visible(ChunkKey(model, kv_world_size, worker, cache_salt, chunk_hash))
+                     for worker in range(kv_world_size)]
+            if None in ranks:
+                break
+            found.extend(ranks)
+            hit += 1
+        self.counters.hits += hit
+        self.counters.misses += len(hashes) - hit
+        # Later chunks become older than earlier ones, so eviction trims prefixes from the end.
+        for chunk in reversed(found):
+            if chunk.key in self._policy:
+                self._policy.touch(chunk.key)
+        if hold_for is not None:
+            owner = LeaseOwner(cache_salt, hold_for)
+            self.release(owner)
+            if found:
+                for chunk in found:
+                    self._hold(chunk)
+                self._leases[owner] = Lease([c.key for c in found],
+                                            self.clock() + self.lease_timeout)
+        return hit
+
+    # -- store: reserve, then commit or abort -------------------------------------------
+
+    def reserve(self, key: ChunkKey, nbytes: int, geometry: Hashable) -> Reservation:
+        if key in self._chunks:
+            return Reservation(StoreStatus.ALREADY_STORED)
+        offset = self._allocate(nbytes)
+        if offset is None:
+            return Reservation(StoreStatus.NO_SPACE)
+        chunk = Chunk(key, offset, nbytes, geometry)
+        self._chunks[key] = chunk
+        self._pending += 1
+        return Reservation(StoreStatus.STORED, chunk)
+
+    def commit(self, chunk: Chunk) -> None:
+        chunk.committed = True
+        self._pending -= 1
+        self._policy.add(chunk.key)
+
+    def abort(self, chunk: Chunk) -> None:
+        self._pending -= 1
+        del self._chunks[chunk.key]
+        self.allocator.free(chunk.offset, chunk.nbytes)
+
+    def commit_request(self, chunks: Sequence[Chunk]) -> None:
+        """Commit one request's chunks, later chunks first so that they are evicted first."""
+        for chunk in reversed(chunks):
+            self.commit(chunk)
+
+    def _allocate(self, nbytes: int) -> int | None:
+        offset = self.allocator.allocate(nbytes)
+        while offset is None:
+            victim = self._policy.victim()
+            if victim is None:
+                return None
+            self._evict(self._chunks[victim])
+            offset = self.allocator.allocate(nbytes)
+        return offset
+
+    def _evict(self, chunk: Chunk) -> None:
+        self._remove(chunk)
+        self.counters.evictions += 1
+
+    def _remove(self, chunk: Chunk) -> None:
+        self._policy.remove(chunk.key)
+        del self._chunks[chunk.key]
+        self.allocator.free(chunk.offset, chunk.nbytes)
+
+    # -- retrieve: hold while reading ----------------------------------------------------
+
+    def hold_prefix(self, keys: Sequence[ChunkKey], geometry: Hashable) -> list[Chunk]:
+        """Hold the leading committed chunks of `keys` that match `geometry`, up to the first miss."""
+        held = []
+        for key in keys:
+            chunk = self._visible(key)
+            if chunk is None or chunk.geometry != geometry:
+                break
+            self._hold(chunk)
+            held.append(chunk)
+        return held
+
+    def unhold(self, chunks: Sequence[Chunk]) -> None:
+        for chunk in reversed(chunks):
+            chunk.holds -= 1
+            if chunk.holds == 0:
+                self._policy.add(chunk.key)
+
+    def _hold(self, chunk: Chunk) -> None:
+        if chunk.holds == 0:
+            self._policy.remove(chunk.key)
+        chunk.holds += 1
+
+    # -- leases --------------------------------------------------------------------------
+
+    def release(self, owner: LeaseOwner, kv_worker_id: int | None = None) -> int:
+        """Drop the owner's holds (only those of one kv worker if given); return how many."""
+        lease = self._leases.get(owner)
+        if lease is None:
+            return 0
+        if kv_worker_id is None:
+            dropped, kept = lease.keys, []
+        else:
+            dropped = [k for k in lease.keys if k.kv_worker_id == kv_worker_id]
+            kept = [k for k in lease.keys if k.kv_worker_id != kv_worker_id]
+        self.unhold([self._chunks[k] for k in dropped])
+        if kept:
+            lease.keys = kept
+        else:
+            del self._leases[owner]
+        return len(dropped)
+
+    def expire_leases(self) -> int:
+        now = self.clock()
+        expired = [owner for owner, lease in self._leases.items() if lease.deadline <= now]
+        for owner in expired:
+            self.release(owner)
+        return len(expired)
+
+    # -- admin ---------------------------------------------------------------------------
+
+    def clear(self, cache_salt: str | None = None) -> int:
+        """Drop the salt's (or every) leases and every committed chunk no read is using."""
+        for owner in [o for o in self._leases if cache_salt in (None, o.cache_salt)]:
+            self.release(owner)
+        doomed = [c for c in self._chunks.values()
+                  if c.committed and c.holds == 0 and cache_salt in (None, c.key.cache_salt)]
+        for chunk in doomed:
+            self._remove(chunk)
+        return len(doomed)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the accounting disagrees with the index (O(chunks))."""
+        assert self.allocator.used == sum(aligned(c.nbytes) for c in self._chunks.values())
+        assert self.allocator.used <= self.allocator.capacity
+        assert self._pending == sum(1 for c in self._chunks.values() if not c.committed)
+        assert len(self._policy) == sum(1 for c in self._chunks.values()
+                                        if c.committed and c.holds == 0)
+        assert all(c.holds >= 0 for c in self._chunks.values())
