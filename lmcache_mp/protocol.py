@@ -411,6 +411,13 @@ def decode_request_id(frame: bytes) -> int:
     return _REQUEST_ID.unpack(frame)[0]
 
 
+def request_id_of(frames: list[bytes]) -> int:
+    """The request id of a DEALER's frames, or PUSH_REQUEST_ID when it cannot be read."""
+    if frames and len(frames[0]) == REQUEST_ID_BYTES:
+        return _REQUEST_ID.unpack(frames[0])[0]
+    return PUSH_REQUEST_ID
+
+
 @dataclass
 class RequestFrames:
     request_id: int
@@ -423,6 +430,8 @@ def parse_request_frames(frames: list[bytes]) -> RequestFrames:
     if len(frames) != 3:
         raise BadFrame(f"a request has 3 frames [request_id, op, payload], got {len(frames)}")
     request_id = decode_request_id(frames[0])
+    if request_id == PUSH_REQUEST_ID:
+        raise BadFrame(f"request_id {PUSH_REQUEST_ID} is reserved for server push messages")
     try:
         op = frames[1].decode("ascii")
     except UnicodeDecodeError:

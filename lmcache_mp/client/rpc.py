@@ -9,6 +9,7 @@ import os
 import select
 import threading
 import time
+import uuid
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ class _Call:
     frames: list[bytes]
     deadline: float
     future: Future
+    attended: bool  # a thread in call() waits on it
 
 
 class RpcClient:
@@ -56,10 +58,12 @@ class RpcClient:
                  heartbeat_interval: float | None = None):
         self.url = url
         self.timeout = timeout
-        self.heartbeat_interval = heartbeat_interval
+        self._heartbeat_interval = heartbeat_interval
         self._context = zmq.Context()
         self._dealer = self._context.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.LINGER, 0)
+        # A fixed identity keeps this client's registrations usable across reconnects.
+        self._dealer.setsockopt(zmq.ROUTING_ID, b"lmcache-mp-" + uuid.uuid4().bytes)
         self._dealer.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a dead server
         self._dealer.setsockopt(zmq.RECONNECT_IVL, 100)
         self._dealer.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
@@ -73,7 +77,6 @@ class RpcClient:
         self._leader: int | None = None  # thread ident of the thread waiting on the socket
         self._waiting: dict[int, _Call] = {}  # sent; reply not in yet
         self._unsent: deque[_Call] = deque()
-        self._unattended = 0  # submitted futures that no call() is waiting on
         self._deadlines: list[tuple[float, int]] = []
         self._ids = itertools.count(1)
         self._last_sent = time.monotonic()
@@ -81,6 +84,17 @@ class RpcClient:
         self._thread = threading.Thread(target=self._background, name="lmcache-mp-rpc",
                                         daemon=True)
         self._thread.start()
+
+    @property
+    def heartbeat_interval(self) -> float | None:
+        """Seconds of silence after which a PING is sent, or None for no heartbeats."""
+        return self._heartbeat_interval
+
+    @heartbeat_interval.setter
+    def heartbeat_interval(self, seconds: float | None) -> None:
+        with self._state:
+            self._heartbeat_interval = seconds
+            self._background_wake.notify()
 
     # -- calls (any thread) ---------------------------------------------------------------
 
@@ -104,7 +118,7 @@ class RpcClient:
                 with self._state:
                     self._leader = None
                     self._state.notify_all()
-                    if self._unattended:
+                    if self._unattended():
                         self._background_wake.notify()
         return future.result()
 
@@ -144,19 +158,18 @@ class RpcClient:
             deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
             call = _Call(request_id, protocol.OPS[op].reply,
                          [protocol.encode_request_id(request_id), op.encode("ascii"), payload],
-                         deadline, future)
+                         deadline, future, attended)
             heapq.heappush(self._deadlines, (deadline, request_id))
             self._unsent.append(call)
             if not attended:
-                self._unattended += 1
-                future.add_done_callback(self._attended_to)
                 self._background_wake.notify()  # it may need to lead
             self._flush_unsent()
         return future
 
-    def _attended_to(self, future: Future) -> None:
-        with self._state:
-            self._unattended -= 1
+    def _unattended(self) -> bool:
+        """Whether a submitted future that nobody waits on is still open."""
+        return any(not c.attended and not c.future.done()
+                   for c in itertools.chain(self._waiting.values(), self._unsent))
 
     # -- leading (one thread at a time) ---------------------------------------------------
 
@@ -254,15 +267,19 @@ class RpcClient:
             with self._state:
                 if self._closed:
                     return
-                if self.heartbeat_interval is not None and (
-                        time.monotonic() - self._last_sent > self.heartbeat_interval):
-                    self._heartbeat()
-                if not self._unattended or self._leader is not None:
-                    self._background_wake.wait(self.heartbeat_interval or _IDLE_WAIT_S * 20)
+                idle_wait = _IDLE_WAIT_S * 20
+                if self._heartbeat_interval is not None:
+                    due = self._last_sent + self._heartbeat_interval - time.monotonic()
+                    if due <= 0:
+                        self._heartbeat()
+                        due = self._heartbeat_interval
+                    idle_wait = due
+                if self._leader is not None or not self._unattended():
+                    self._background_wake.wait(idle_wait)
                     continue
                 self._leader = threading.get_ident()
             try:
-                self._lead(until=lambda: not self._unattended)
+                self._lead(until=lambda: not self._unattended())
             finally:
                 with self._state:
                     self._leader = None

@@ -91,8 +91,9 @@ class Config:
                                    _positive(float), "SEC")
     copy_threads: int = option(2, "threads that copy blocks between workers and the pool",
                                _positive(int), "N")
-    max_message_bytes: int = option(64 * 1024**2, "largest request accepted; larger frames "
-                                    "are dropped by ZeroMQ", parse_size, "SIZE")
+    max_message_bytes: int = option(64 * 1024**2, "largest request accepted; ZeroMQ drops "
+                                    "the connection of a client that sends a larger one",
+                                    parse_size, "SIZE")
     max_chunks_per_message: int = option(65536, "most chunks one LOOKUP, STORE or RETRIEVE "
                                          "may name", _positive(int), "N")
     shutdown_timeout: float = option(10.0, "seconds the first SIGTERM/SIGINT waits for "

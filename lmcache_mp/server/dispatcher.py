@@ -23,15 +23,15 @@ from ..protocol import (
 from .config import Config
 from .copy_engine import CopyEngine
 from .pool import CpuPool
-from .registry import DTYPES, KVCacheInstance, Registry
+from .registry import DTYPES, MAX_KV_WORLD_SIZE, KVCacheInstance, Registry
 from .store import Chunk, ChunkKey, ChunkStore, LeaseOwner
 
-_SALT = re.compile(r"^[\x21-\x7e]{0,256}$")  # printable ASCII, no spaces
+_SALT = re.compile(r"[\x21-\x7e]{0,256}")  # printable ASCII, no spaces
 MAX_REQUEST_ID_CHARS = 512
 
 
 def validate_salt(salt: str, path: str) -> str:
-    if not _SALT.match(salt):
+    if not _SALT.fullmatch(salt):
         raise BadRequest(f"`{path}`: cache_salt must be at most 256 printable ASCII characters "
                          f"without spaces")
     return salt
@@ -43,12 +43,17 @@ def _validate_request_id(request_id: str, path: str) -> str:
     return request_id
 
 
+def _lease_owner(cache_salt: str, request_id: str, prefix: str = "") -> LeaseOwner:
+    return LeaseOwner(validate_salt(cache_salt, f"{prefix}cache_salt"),
+                      _validate_request_id(request_id, f"{prefix}request_id"))
+
+
 class _Transfer:
     """One validated STORE or RETRIEVE item: its keys and, per chunk, its block ids."""
 
     def __init__(self, instance: KVCacheInstance, item: TransferItem, path: str):
-        salt = validate_salt(item.cache_salt, f"{path}.cache_salt")
-        self.owner = LeaseOwner(salt, _validate_request_id(item.request_id, f"{path}.request_id"))
+        self.owner = _lease_owner(item.cache_salt, item.request_id, f"{path}.")
+        salt = self.owner.cache_salt
         hashes = unpack_hashes(item.chunk_hashes, f"{path}.chunk_hashes")
         block_ids = unpack_block_ids(item.block_ids, f"{path}.block_ids")
         per_chunk = instance.geometry.blocks_per_chunk
@@ -119,7 +124,7 @@ class Dispatcher:
                                     instance.geometry.chunk_bytes)
 
     def unregister(self, client: bytes, req: UnregisterKVCacheRequest) -> UnregisterKVCacheReply:
-        self.registry.get(req.instance_id)
+        self.registry.get(req.instance_id, client)
         self.registry.unregister(req.instance_id)
         return UnregisterKVCacheReply()
 
@@ -132,15 +137,15 @@ class Dispatcher:
                              f"{self.config.max_chunks_per_message}")
 
     def lookup(self, client: bytes, req: LookupRequest) -> LookupReply:
-        if req.kv_world_size <= 0:
-            raise BadRequest("`kv_world_size`: must be positive")
+        if not 0 < req.kv_world_size <= MAX_KV_WORLD_SIZE:
+            raise BadRequest(f"`kv_world_size`: must be in [1, {MAX_KV_WORLD_SIZE}]")
         parsed = []
         for i, item in enumerate(req.items):
             path = f"items[{i}]"
+            request_id = _validate_request_id(item.request_id, f"{path}.request_id")
             parsed.append((validate_salt(item.cache_salt, f"{path}.cache_salt"),
                            unpack_hashes(item.chunk_hashes, f"{path}.chunk_hashes"),
-                           _validate_request_id(item.request_id, f"{path}.request_id")
-                           if item.hold else None))
+                           request_id if item.hold else None))
         self._check_batch_size([len(hashes) for _, hashes, _ in parsed])
         return LookupReply([self.store.lookup(req.model, req.kv_world_size, salt, hashes, hold_for)
                             for salt, hashes, hold_for in parsed])
@@ -163,7 +168,7 @@ class Dispatcher:
             self.registry.copy_finished(instance)
 
     def store_chunks(self, client: bytes, req: StoreRequest) -> Awaitable[StoreReply]:
-        instance = self.registry.get(req.instance_id)
+        instance = self.registry.get(req.instance_id, client)
         transfers = self._transfers(instance, req.items)
         geometry = instance.geometry
         # Reserve synchronously, before any await: validation and reservation see one state.
@@ -195,7 +200,7 @@ class Dispatcher:
         return StoreReply([bytes(s) for s in statuses])
 
     def retrieve_chunks(self, client: bytes, req: RetrieveRequest) -> Awaitable[RetrieveReply]:
-        instance = self.registry.get(req.instance_id)
+        instance = self.registry.get(req.instance_id, client)
         transfers = self._transfers(instance, req.items)
         held = [self.store.hold_prefix(t.keys, instance.geometry) for t in transfers]
         return self._finish_retrieve(instance, transfers, held)
@@ -216,13 +221,12 @@ class Dispatcher:
         return RetrieveReply(retrieved)
 
     def release(self, client: bytes, req: ReleaseRequest) -> ReleaseReply:
-        owners = [LeaseOwner(validate_salt(ref.cache_salt, f"items[{i}].cache_salt"),
-                             ref.request_id) for i, ref in enumerate(req.items)]
+        owners = [_lease_owner(ref.cache_salt, ref.request_id, f"items[{i}].")
+                  for i, ref in enumerate(req.items)]
         return ReleaseReply(sum(self.store.release(owner) for owner in owners))
 
     def end_session(self, client: bytes, req: EndSessionRequest) -> EndSessionReply:
-        owner = LeaseOwner(validate_salt(req.cache_salt, "cache_salt"), req.request_id)
-        return EndSessionReply(self.store.release(owner))
+        return EndSessionReply(self.store.release(_lease_owner(req.cache_salt, req.request_id)))
 
     def clear(self, client: bytes, req: ClearRequest) -> ClearReply:
         if req.cache_salt is not None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import mmap
 import os
 import re
+import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +23,7 @@ SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 LAYOUTS = {"mha": 5, "mla": 3}  # tensor rank of one layer
 MAX_LAYERS = 1024
+MAX_KV_WORLD_SIZE = 1024
 # Above this many bytes per block (all layers), one copy_ per block beats index_copy_.
 _PER_BLOCK_SCATTER_BYTES = 256 * 1024
 
@@ -145,7 +146,7 @@ def _span_bytes(shape: list[int], strides: list[int], itemsize: int) -> int:
 
 
 def _map_segment(name: str, path: str) -> mmap.mmap:
-    _check(bool(_SHM_NAME.match(name)),
+    _check(bool(_SHM_NAME.fullmatch(name)),
            f"`{path}`: shared-memory name {name!r} must be 1-200 of [A-Za-z0-9_.-]")
     try:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
@@ -165,7 +166,8 @@ def _validate_handles(req: RegisterKVCacheRequest, chunk_size: int) -> tuple[Geo
            f"`block_size`: {req.block_size} must be positive and divide the chunk size {chunk_size}")
     _check(0 < len(req.layers) <= MAX_LAYERS, f"`layers`: expected 1..{MAX_LAYERS} handles, "
            f"got {len(req.layers)}")
-    _check(req.kv_world_size > 0, "`kv_world_size`: must be positive")
+    _check(0 < req.kv_world_size <= MAX_KV_WORLD_SIZE,
+           f"`kv_world_size`: must be in [1, {MAX_KV_WORLD_SIZE}]")
     _check(0 <= req.kv_worker_id < req.kv_world_size,
            f"`kv_worker_id`: {req.kv_worker_id} not in [0, {req.kv_world_size})")
     _check(req.tp_rank >= 0, "`tp_rank`: must not be negative")
@@ -223,7 +225,6 @@ class Registry:
         self.chunk_size = chunk_size
         self.clock = clock
         self._instances: dict[int, KVCacheInstance] = {}
-        self._ids = itertools.count(1)
 
     def __len__(self) -> int:
         return len(self._instances)
@@ -252,7 +253,7 @@ class Registry:
                   for h in req.layers]
         stacked = _stack_layers(req.layers, typed[req.layers[0].name])
         instance = KVCacheInstance(
-            instance_id=next(self._ids), owner=owner, model=req.model,
+            instance_id=self._new_id(), owner=owner, model=req.model,
             kv_world_size=req.kv_world_size, kv_worker_id=req.kv_worker_id, tp_rank=req.tp_rank,
             num_blocks=num_blocks, geometry=geometry, layers=layers, stacked=stacked,
             mappings=list(mappings.values()), last_seen=self.clock())
@@ -264,11 +265,19 @@ class Registry:
                     "" if stacked is not None else " (per-layer copies)")
         return instance
 
-    def get(self, instance_id: int) -> KVCacheInstance:
+    def _new_id(self) -> int:
+        # Random, so that an id a client kept from before a server restart names nothing.
+        while True:
+            instance_id = secrets.randbits(53) or 1  # exact in every msgpack implementation
+            if instance_id not in self._instances:
+                return instance_id
+
+    def get(self, instance_id: int, owner: bytes) -> KVCacheInstance:
+        """The instance, if this connection registered it."""
         instance = self._instances.get(instance_id)
-        if instance is None:
-            raise UnknownInstance(f"no registered KV cache with instance_id {instance_id}; "
-                                  f"register it (again) first")
+        if instance is None or instance.owner != owner:
+            raise UnknownInstance(f"no KV cache with instance_id {instance_id} is registered "
+                                  f"by this connection; register it (again) first")
         return instance
 
     def seen(self, owner: bytes) -> None:

@@ -115,9 +115,8 @@ class Server:
 
     def _dispatch(self, frames: list[bytes]) -> None:
         client, body = frames[0], frames[1:]
-        request_id = 0
+        request_id = protocol.request_id_of(body)
         try:
-            request_id = protocol.decode_request_id(body[0]) if body else 0
             parsed = protocol.parse_request_frames(body)
             request = protocol.unpack(protocol.OPS[parsed.op].request, parsed.payload)
             result = self.dispatcher.handle(client, parsed.op, request)
@@ -170,16 +169,13 @@ class Server:
             if expired:
                 logger.info("%d leases expired", expired)
             for instance_id in dispatcher.registry.expired(self.config.worker_timeout):
-                logger.warning("instance %d: no message for %.0f s, dropping its registration",
+                logger.warning("instance %d: no message for %g s, dropping its registration",
                                instance_id, self.config.worker_timeout)
                 dispatcher.registry.unregister(instance_id)
 
     def _refuse(self, frames: list[bytes]) -> None:
-        body = frames[1:]
-        request_id = 0
-        if body and len(body[0]) == protocol.REQUEST_ID_BYTES:
-            request_id = protocol.decode_request_id(body[0])
-        self._send_error(frames[0], request_id, ShuttingDown("the server is shutting down"))
+        self._send_error(frames[0], protocol.request_id_of(frames[1:]),
+                         ShuttingDown("the server is shutting down"))
 
     async def shutdown(self) -> None:
         logger.info("shutdown: refusing new requests, %d in flight", len(self._in_flight))

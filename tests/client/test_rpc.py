@@ -1,0 +1,112 @@
+"""The client transport against real servers: timeouts, restarts, late replies, threads."""
+
+import threading
+import time
+from concurrent.futures import wait
+
+import pytest
+import torch
+
+from lmcache_mp.client import CacheClient, LookupItem, RpcClient, StoreStatus, TransferItem
+from lmcache_mp.errors import RequestTimeout, ServerUnavailable
+from lmcache_mp.protocol import PingReply, PingRequest, StatsReply, StatsRequest, StoreRequest
+
+from ..utils import ServerProcess, ipc_url, run_server
+from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
+
+W1 = dict(layout="mha", num_layers=32, block_size=16, heads=8, head_dim=128, dtype=torch.float16)
+
+
+def test_no_server_means_a_clear_error_in_bounded_time():
+    with RpcClient(ipc_url(), timeout=0.5) as client:
+        start = time.monotonic()
+        with pytest.raises(RequestTimeout, match="could not reach .* is the server up"):
+            client.call(PingRequest())
+        assert time.monotonic() - start < 2.0
+
+
+def test_closed_client_refuses_calls_and_fails_pending_ones():
+    client = RpcClient(ipc_url(), timeout=30)
+    pending = client.submit(PingRequest())
+    client.close()
+    with pytest.raises(ServerUnavailable, match="closed"):
+        pending.result(timeout=5)
+    with pytest.raises(ServerUnavailable, match="closed"):
+        client.submit(PingRequest())
+
+
+def test_reconnects_and_registers_again_after_a_server_restart():
+    url = ipc_url()
+    with make_cache(4 * BLOCKS_PER_CHUNK, 8) as cache, CacheClient(url, timeout=2) as client:
+        with run_server(url=url):
+            registration = client.register_kv_cache(cache.handles(), model=MODEL, layout="mha",
+                                                    block_size=16)
+            first_id = registration.instance_id
+            client.store(registration, [TransferItem.build("a", prompt(1, 1), chunk_blocks([0]))])
+        with pytest.raises(RequestTimeout):
+            client.ping(timeout=0.3)
+        with run_server(url=url):
+            hashes = prompt(2, 2)
+            statuses = client.store(registration, [TransferItem.build("b", hashes,
+                                                                      chunk_blocks([1, 2]))])
+            assert statuses == [bytes([StoreStatus.STORED] * 2)]
+            assert registration.instance_id != first_id
+            assert client.lookup(MODEL, 1, [LookupItem.build("c", hashes)]) == [2]
+            assert client.lookup(MODEL, 1, [LookupItem.build("d", prompt(1, 1))]) == [0]
+
+
+def test_a_late_reply_is_dropped_not_given_to_the_next_call():
+    with run_server("--cpu-size", "512MiB") as server, CacheClient(server.url) as client, \
+            make_cache(8 * BLOCKS_PER_CHUNK, 2, W1) as cache:
+        registration = client.register_kv_cache(cache.handles(), model=MODEL, layout="mha",
+                                                block_size=16)
+        store = StoreRequest(registration.instance_id, [
+            TransferItem.build("slow", prompt(3, 8), chunk_blocks(range(8)))])
+        with pytest.raises(RequestTimeout, match="no reply"):
+            client.rpc.call(store, timeout=0.002)
+        assert isinstance(client.rpc.call(PingRequest()), PingReply)
+        deadline = time.monotonic() + 10
+        while client.stats().pending_stores or client.stats().chunks < 8:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert isinstance(client.rpc.call(StatsRequest()), StatsReply)
+
+
+def test_many_threads_share_one_client_and_get_their_own_replies(server):
+    errors = []
+
+    def work(n: int) -> None:
+        try:
+            items = [LookupItem.build(f"t{n}-{i}", prompt(1000 + n, 1)) for i in range(n + 1)]
+            for _ in range(50):
+                assert client.lookup(MODEL, 1, items) == [0] * (n + 1)
+        except Exception as exc:  # reported below, with the thread that saw it
+            errors.append((n, exc))
+
+    with CacheClient(server.url) as client:
+        threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    assert errors == []
+
+
+def test_submitted_futures_complete_without_anyone_waiting(server):
+    with RpcClient(server.url) as client:
+        futures = [client.submit(PingRequest()) for _ in range(50)]
+        done, not_done = wait(futures, timeout=10)
+        assert not not_done
+        assert all(isinstance(f.result(), PingReply) for f in done)
+
+
+def test_heartbeats_keep_an_idle_registration_alive():
+    with run_server("--worker-timeout", "1") as server, CacheClient(server.url) as client, \
+            make_cache(4 * BLOCKS_PER_CHUNK, 8) as cache:
+        registration = client.register_kv_cache(cache.handles(), model=MODEL, layout="mha",
+                                                block_size=16)
+        first_id = registration.instance_id
+        time.sleep(2.5)
+        assert client.stats().registrations == 1
+        client.store(registration, [TransferItem.build("a", prompt(4, 1), chunk_blocks([0]))])
+        assert registration.instance_id == first_id  # it was never dropped and registered again

@@ -1,0 +1,162 @@
+"""Bad frames and bad requests get clear error replies, apply nothing, and the server keeps serving."""
+
+import struct
+
+import msgpack
+import pytest
+import zmq
+
+from lmcache_mp import protocol
+from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
+from lmcache_mp.errors import BadRequest, UnknownInstance
+from lmcache_mp.protocol import ShmHandle
+
+from ..utils import run_server
+from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
+
+
+@pytest.fixture
+def raw(server):
+    """A bare DEALER socket, to send what no well-behaved client would."""
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVTIMEO, 5000)
+    socket.connect(server.url)
+    yield socket
+    socket.close()
+    context.term()
+
+
+def rid(n: int) -> bytes:
+    return struct.pack("<Q", n)
+
+
+def exchange(socket, frames):
+    socket.send_multipart(frames)
+    reply = socket.recv_multipart()
+    assert len(reply) == 3
+    return reply[0], reply[1], msgpack.unpackb(reply[2])
+
+
+def assert_still_serving(socket):
+    request_id, status, payload = exchange(socket, [rid(999), b"PING", msgpack.packb({})])
+    assert (request_id, status) == (rid(999), b"ok") and payload["server_time"] > 0
+
+
+@pytest.mark.parametrize("frames,code,words", [
+    ([b"garbage"], "bad_frame", "3 frames"),
+    ([rid(1), b"PING"], "bad_frame", "3 frames"),
+    ([rid(1), b"PING", b"\x80", b"extra"], "bad_frame", "3 frames"),
+    ([b"\x01\x02", b"PING", b"\x80"], "bad_frame", "8 bytes"),
+    ([rid(1), b"LAUNCH", b"\x80"], "unknown_op", "unknown op 'LAUNCH'"),
+    ([rid(1), b"\xff\xfe", b"\x80"], "bad_frame", "ASCII"),
+    ([rid(1), b"PING", b"\xc1"], "bad_request", "not valid msgpack"),
+    ([rid(1), b"PING", msgpack.packb([1, 2])], "bad_request", "expected map"),
+    ([rid(1), b"LOOKUP", msgpack.packb({"model": "m", "kv_world_size": 1})[:-3]],
+     "bad_request", "not valid msgpack"),  # truncated
+    ([rid(1), b"LOOKUP", b"\xc6\xff\xff\xff\xf0abc"], "bad_request", "not valid msgpack"),  # huge bin
+    ([rid(1), b"LOOKUP", b"\xdd\xff\xff\xff\xff"], "bad_request", "not valid msgpack"),  # huge array
+    ([rid(1), b"LOOKUP", msgpack.packb({"model": "m", "kv_world_size": "1", "items": []})],
+     "bad_request", "`kv_world_size`: expected int, got str"),
+    ([rid(1), b"LOOKUP", msgpack.packb({"model": "m", "kv_world_size": 1,
+                                         "items": [{"request_id": "r", "chunk_hashes": [1]}]})],
+     "bad_request", "`items[0].chunk_hashes`: expected bytes, got list"),
+    ([rid(1), b"LOOKUP", msgpack.packb({"model": "m", "kv_world_size": 1,
+                                         "items": [{"request_id": "r", "chunk_hashes": b"x" * 17}]})],
+     "bad_request", "multiple of 16"),
+    ([rid(1), b"HELLO", msgpack.packb({"protocol_version": 99})], "unsupported_version", "99"),
+    ([rid(1), b"STORE", msgpack.packb({"instance_id": 424242, "items": []})],
+     "unknown_instance", "424242"),
+])
+def test_bad_frames_get_error_replies(raw, frames, code, words):
+    request_id, status, payload = exchange(raw, frames)
+    assert status == b"err"
+    assert payload["code"] == code
+    assert words in payload["message"]
+    assert request_id == (frames[0] if len(frames[0]) == 8 else rid(0))
+    assert_still_serving(raw)
+
+
+def test_oversized_message_is_dropped_and_the_server_keeps_serving():
+    with run_server("--max-message-bytes", "1MiB") as server, CacheClient(server.url) as client:
+        with pytest.raises(Exception):
+            client.lookup(MODEL, 1, [LookupItem("r", b"\x00" * (2 * 1024**2))], timeout=1.0)
+        assert client.ping() > 0
+        assert client.lookup(MODEL, 1, [LookupItem.build("r", prompt(1, 2))]) == [0]
+
+
+def register(client, cache, **overrides):
+    args = dict(model=MODEL, layout="mha", block_size=16)
+    args.update(overrides)
+    return client.register_kv_cache(cache.handles(), **args)
+
+
+def test_bad_registrations_are_refused_with_the_reason(client):
+    with make_cache(4 * BLOCKS_PER_CHUNK, None) as cache:
+        good = cache.handles()[0]
+
+        def variant(**changes):
+            fields = dict(vars(good))
+            fields.update(changes)
+            return [ShmHandle(**fields)]
+
+        cases = [
+            (variant(name="../../etc/passwd"), "must be 1-200 of"),
+            (variant(name="lmcache_mp_does_not_exist"), "cannot open shared memory"),
+            (variant(offset=len(cache.layers) * 10**9), "holds"),
+            (variant(shape=[2, 64, 16, 2]), "needs 5 dimensions"),
+            (variant(dtype="complex64"), "unsupported 'complex64'"),
+            (variant(strides=[-1, 1, 1, 1, 1]), "must not be negative"),
+            (variant(shape=[3, 64, 16, 2, 64]), "MHA layers are [2, num_blocks"),
+            (variant(offset=1), "multiple of the element size"),
+            ([], "expected 1..1024 handles"),
+        ]
+        for handles, words in cases:
+            with pytest.raises(BadRequest, match=None) as error:
+                client.register_kv_cache(handles, model=MODEL, layout="mha", block_size=16)
+            assert words in str(error.value), (handles, str(error.value))
+        for overrides, words in [({"block_size": 32}, "differs from block_size"),
+                                 ({"block_size": 48}, "divide the chunk size"),
+                                 ({"layout": "gqa"}, "`layout`"),
+                                 ({"kv_worker_id": 3}, "not in [0, 1)"),
+                                 ({"model": ""}, "`model`")]:
+            with pytest.raises(BadRequest) as error:
+                register(client, cache, **overrides)
+            assert words in str(error.value)
+        assert client.ping() > 0
+
+
+def test_a_bad_item_refuses_the_whole_batch(client):
+    hashes = prompt(tag=50, num_chunks=2)
+    with make_cache(4 * BLOCKS_PER_CHUNK, 3) as cache:
+        registration = register(client, cache)
+        good = TransferItem.build("good", hashes, chunk_blocks([0, 1]))
+        bad_items = {
+            "out of range": TransferItem.build("bad", prompt(51, 1), [0] * 15 + [64]),
+            "negative": TransferItem.build("bad", prompt(51, 1), [-1] + [0] * 15),
+            "count": TransferItem.build("bad", prompt(51, 1), [0] * 15),
+            "salt": TransferItem.build("bad", prompt(51, 1), [0] * 16, cache_salt="has space"),
+        }
+        messages = {"out of range": "ids must be in [0, 64)", "negative": "got range [-1",
+                    "count": "need 16 block ids", "salt": "cache_salt"}
+        for reason, bad in bad_items.items():
+            for call in (client.store, client.retrieve):
+                with pytest.raises(BadRequest) as error:
+                    call(registration, [good, bad])
+                assert messages[reason] in str(error.value)
+                assert "items[1]" in str(error.value)
+        assert client.lookup(MODEL, 1, [LookupItem.build("x", hashes)]) == [0]
+        assert client.stats().pending_stores == 0
+        assert client.store(registration, [good]) == [bytes([StoreStatus.STORED] * 2)]
+        client.unregister(registration)
+        with pytest.raises(UnknownInstance):
+            client.rpc.call(protocol.StoreRequest(registration.instance_id, [good]))
+
+
+def test_too_many_chunks_in_one_message_is_refused():
+    with run_server("--max-chunks-per-message", "4") as server, CacheClient(server.url) as client:
+        with pytest.raises(BadRequest, match="5 chunks in one message; the limit is 4"):
+            client.lookup(MODEL, 1, [LookupItem.build("a", prompt(1, 3)),
+                                     LookupItem.build("b", prompt(2, 2))])
+        assert client.lookup(MODEL, 1, [LookupItem.build("a", prompt(1, 4))]) == [0]

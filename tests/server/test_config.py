@@ -1,0 +1,63 @@
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from lmcache_mp.server.config import Config, parse_size
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("1048576", 1048576), ("512MiB", 512 * 1024**2), ("4GiB", 4 * 1024**3), ("2gb", 2 * 10**9),
+    ("1.5GiB", int(1.5 * 1024**3)), (" 64 KiB ", 64 * 1024),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "-1GiB", "GiB", "4 parsecs", "1e9"])
+def test_parse_size_rejects_nonsense(text):
+    with pytest.raises(ValueError, match="invalid size"):
+        parse_size(text)
+
+
+def test_defaults_bind_loopback_5555():
+    config = Config.from_args([], env={})
+    assert config.bind_url == "tcp://127.0.0.1:5555"
+    assert config.chunk_size == 256
+    assert 256 * 1024**2 <= config.cpu_size <= 32 * 1024**3
+
+
+def test_flags_override_env_which_override_defaults():
+    env = {"LMCACHE_MP_PORT": "6000", "LMCACHE_MP_CPU_SIZE": "1GiB", "LMCACHE_MP_LOG_LEVEL": "debug"}
+    config = Config.from_args(["--port", "7000"], env=env)
+    assert config.port == 7000
+    assert config.cpu_size == 1024**3
+    assert config.log_level == "debug"
+    assert Config.from_args(["--url", "ipc:///tmp/x.sock"], env={}).bind_url == "ipc:///tmp/x.sock"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--cpu-size", "lots"], ["--chunk-size", "0"], ["--lease-timeout", "-1"],
+    ["--log-level", "loud"], ["--url", "http://x"], ["--cpu-size", "1KiB"],
+])
+def test_bad_flags_exit_with_a_message(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        Config.from_args(argv, env={})
+    assert exit_info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_bad_env_value_names_the_variable(capsys):
+    with pytest.raises(SystemExit):
+        Config.from_args([], env={"LMCACHE_MP_COPY_THREADS": "many"})
+    assert "LMCACHE_MP_COPY_THREADS" in capsys.readouterr().err
+
+
+def test_help_explains_every_option():
+    out = subprocess.run([sys.executable, "-m", "lmcache_mp.server", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    for field in dataclasses.fields(Config):
+        flag = "--" + field.name.replace("_", "-")
+        assert flag in out
+        assert "LMCACHE_MP_" + field.name.upper() in out.replace("\n", "").replace(" ", "")

@@ -1,0 +1,142 @@
+"""Eviction, leases, dead clients and shutdown, against a real server process."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from lmcache_mp.client import CacheClient, LeaseRef, LookupItem, StoreStatus, TransferItem
+from lmcache_mp.errors import RequestTimeout
+from lmcache_mp.protocol import StoreReply, StoreRequest
+
+from ..utils import run_server, shm_segments
+from ..workers import (
+    BLOCKS_PER_CHUNK, MODEL, Job, WorkerProcess, abandoned_store_worker, chunk_blocks,
+    expected_blocks, make_cache, prompt, retrieve_worker, run,
+)
+
+CHUNK_BYTES = 512 * 1024  # W2
+W1 = dict(layout="mha", num_layers=32, block_size=16, heads=8, head_dim=128, dtype=torch.float16)
+W1_CHUNK_BYTES = 32 * 1024**2
+
+
+def wait_for(predicate, timeout=10.0, interval=0.05):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(interval)
+
+
+@pytest.fixture
+def registered(request):
+    """A W2 cache of 8 chunks with random bytes, registered with the given server's client."""
+    def make(client, seed=1):
+        cache = make_cache(8 * BLOCKS_PER_CHUNK, seed)
+        registration = client.register_kv_cache(cache.handles(), model=MODEL, layout="mha",
+                                                 block_size=16)
+        request.addfinalizer(cache.close)
+        return cache, registration
+    return make
+
+
+def test_a_full_pool_evicts_least_recent_and_a_requests_later_chunks_first(registered):
+    with run_server("--cpu-size", "2MiB") as server, CacheClient(server.url) as client:
+        _, registration = registered(client)
+        first, second = prompt(60, 4), prompt(61, 2)
+        assert client.store(registration, [TransferItem.build("a", first, chunk_blocks(range(4)))]
+                            ) == [bytes([StoreStatus.STORED] * 4)]
+        assert client.store(registration, [TransferItem.build("b", second, chunk_blocks([4, 5]))]
+                            ) == [bytes([StoreStatus.STORED] * 2)]
+        assert client.lookup(MODEL, 1, [LookupItem.build("a", first),
+                                        LookupItem.build("b", second)]) == [2, 2]
+        stats = client.stats()
+        assert stats.evictions == 2
+        assert stats.chunks == 4
+        assert stats.bytes_used == 4 * CHUNK_BYTES <= stats.capacity_bytes
+
+
+def test_held_chunks_survive_pressure_until_their_lease_expires(registered):
+    with run_server("--cpu-size", "1MiB", "--lease-timeout", "1") as server, \
+            CacheClient(server.url) as client:
+        _, registration = registered(client)
+        held, newcomer = prompt(70, 2), prompt(71, 1)
+        client.store(registration, [TransferItem.build("a", held, chunk_blocks([0, 1]))])
+        assert client.lookup(MODEL, 1, [LookupItem.build("reader", held, hold=True)]) == [2]
+        assert client.stats().leases_held == 1
+        store_newcomer = [TransferItem.build("n", newcomer, chunk_blocks([2]))]
+        assert client.store(registration, store_newcomer) == [bytes([StoreStatus.NO_SPACE])]
+        wait_for(lambda: client.stats().leases_held == 0, timeout=5)
+        assert client.store(registration, store_newcomer) == [bytes([StoreStatus.STORED])]
+
+
+def test_retrieve_release_and_end_session_drop_holds(registered):
+    with run_server() as server, CacheClient(server.url) as client:
+        _, registration = registered(client)
+        hashes = prompt(80, 2)
+        client.store(registration, [TransferItem.build("w", hashes, chunk_blocks([0, 1]), "salt")])
+        for request_id in ("r1", "r2", "r3"):
+            client.lookup(MODEL, 1, [LookupItem.build(request_id, hashes, "salt", hold=True)])
+        assert client.stats().leases_held == 3
+        assert client.retrieve(registration, [TransferItem.build(
+            "r1", hashes, chunk_blocks([6, 7]), "salt")]) == [2]
+        assert client.release([LeaseRef("r2", "other-salt")]) == 0
+        assert client.release([LeaseRef("r2", "salt")]) == 2
+        assert client.end_session("r3", "salt") == 2
+        assert client.stats().leases_held == 0
+
+
+def mapped_by(pid: int, segment: str) -> bool:
+    with open(f"/proc/{pid}/maps") as maps:
+        return segment in maps.read()
+
+
+def test_a_client_killed_mid_store_leaves_no_partial_chunk_and_no_leak():
+    with run_server("--cpu-size", "512MiB", "--worker-timeout", "1.5") as server, \
+            CacheClient(server.url) as client:
+        hashes = prompt(90, 8)
+        job = Job(server.url, 8 * BLOCKS_PER_CHUNK, 21, hashes, chunk_blocks(range(8)), shape=W1)
+        with WorkerProcess(abandoned_store_worker, job) as worker:
+            segment = worker.receive()
+            worker.process.kill()
+            worker.process.join()
+        try:
+            wait_for(lambda: client.stats().registrations == 0, timeout=10)
+            stats = client.stats()
+            assert stats.pending_stores == 0
+            (visible,) = client.lookup(MODEL, 1, [LookupItem.build("check", hashes)])
+            assert stats.chunks == visible
+            assert stats.bytes_used == visible * W1_CHUNK_BYTES
+            assert not mapped_by(server.proc.pid, segment)
+        finally:
+            if os.path.exists(f"/dev/shm/{segment}"):
+                os.unlink(f"/dev/shm/{segment}")  # the killed worker could not unlink it
+        if visible:
+            result = run(retrieve_worker, Job(server.url, 8 * BLOCKS_PER_CHUNK, None, hashes,
+                                              chunk_blocks(reversed(range(8))), shape=W1))
+            assert result.retrieved == visible
+            assert torch.equal(result.blocks, expected_blocks(
+                8 * BLOCKS_PER_CHUNK, 21, chunk_blocks(range(visible)), W1))
+
+
+def test_sigterm_finishes_in_flight_work_releases_everything_and_exits_0():
+    before = shm_segments()
+    with run_server("--cpu-size", "512MiB", "--log-level", "info") as server:
+        with CacheClient(server.url, timeout=20) as client, \
+                make_cache(8 * BLOCKS_PER_CHUNK, 4, W1) as cache:
+            registration = client.register_kv_cache(cache.handles(), model=MODEL, layout="mha",
+                                                     block_size=16)
+            pending = client.rpc.submit(StoreRequest(registration.instance_id, [
+                TransferItem.build("r", prompt(95, 8), chunk_blocks(range(8)))]))
+            time.sleep(0.05)
+            assert server.stop() == 0
+            reply = pending.result(timeout=20)
+            assert isinstance(reply, StoreReply)
+            with pytest.raises(RequestTimeout):
+                client.ping(timeout=0.5)
+        log = server.output()
+        assert "releasing 1 registrations" in log
+        assert "shutdown: done" in log
+    assert shm_segments() == before
+

@@ -1,0 +1,170 @@
+"""The chunk store on its own, with an injected clock: prefixes, holds, leases, eviction."""
+
+import pytest
+
+from lmcache_mp.protocol import StoreStatus
+from lmcache_mp.server.pool import ALIGNMENT, ExtentAllocator
+from lmcache_mp.server.store import ChunkKey, ChunkStore, LeaseOwner
+
+CHUNK = 2 * ALIGNMENT
+GEOMETRY = ("test-geometry",)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+def make_store(clock, chunks=8, lease_timeout=10.0):
+    return ChunkStore(ExtentAllocator(chunks * CHUNK), lease_timeout, clock)
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def key(i: int, worker: int = 0, salt: str = "", world: int = 1) -> ChunkKey:
+    return ChunkKey("m", world, worker, salt, h(i))
+
+
+def put(store, keys):
+    """Reserve and commit one request's chunks; return their statuses."""
+    reservations = [store.reserve(k, CHUNK, GEOMETRY) for k in keys]
+    store.commit_request([r.chunk for r in reservations if r.chunk is not None])
+    store.check_invariants()
+    return [r.status for r in reservations]
+
+
+def test_lookup_counts_leading_chunks_and_stops_at_first_miss(clock):
+    store = make_store(clock)
+    put(store, [key(0), key(1), key(3)])
+    assert store.lookup("m", 1, "", [h(0), h(1), h(2), h(3)]) == 2
+    assert store.lookup("m", 1, "", [h(2), h(0)]) == 0
+    assert store.lookup("m", 1, "", []) == 0
+    assert (store.counters.hits, store.counters.misses) == (2, 2 + 2)
+
+
+def test_lookup_needs_every_kv_worker(clock):
+    store = make_store(clock)
+    put(store, [key(0, worker=0, world=2), key(1, worker=0, world=2)])
+    put(store, [key(0, worker=1, world=2)])
+    assert store.lookup("m", 2, "", [h(0), h(1)]) == 1
+
+
+def test_keys_differ_by_salt_model_and_world(clock):
+    store = make_store(clock)
+    put(store, [key(0, salt="a")])
+    assert store.lookup("m", 1, "a", [h(0)]) == 1
+    assert store.lookup("m", 1, "b", [h(0)]) == 0
+    assert store.lookup("m", 1, "", [h(0)]) == 0
+    assert store.lookup("other", 1, "a", [h(0)]) == 0
+    assert store.lookup("m", 2, "a", [h(0)]) == 0
+
+
+def test_pending_chunks_are_invisible_and_abort_frees_them(clock):
+    store = make_store(clock)
+    reservation = store.reserve(key(0), CHUNK, GEOMETRY)
+    assert reservation.status == StoreStatus.STORED
+    assert store.lookup("m", 1, "", [h(0)]) == 0
+    assert store.reserve(key(0), CHUNK, GEOMETRY).status == StoreStatus.ALREADY_STORED
+    assert store.pending == 1 and store.bytes_used == CHUNK
+    store.abort(reservation.chunk)
+    store.check_invariants()
+    assert store.pending == 0 and store.bytes_used == 0
+    assert store.lookup("m", 1, "", [h(0)]) == 0
+
+
+def test_storing_a_stored_chunk_is_skipped(clock):
+    store = make_store(clock)
+    assert put(store, [key(0)]) == [StoreStatus.STORED]
+    assert put(store, [key(0), key(1)]) == [StoreStatus.ALREADY_STORED, StoreStatus.STORED]
+
+
+def test_eviction_is_lru_and_takes_a_requests_later_chunks_first(clock):
+    store = make_store(clock, chunks=4)
+    put(store, [key(0), key(1), key(2)])  # one request: 0 is its first chunk
+    put(store, [key(10)])
+    put(store, [key(11)])  # full: evicts key 2 (request's last chunk), not 0
+    assert store.lookup("m", 1, "", [h(0), h(1), h(2)]) == 2  # a hit makes 0 and 1 recent
+    assert store.counters.evictions == 1
+    put(store, [key(12)])  # evicts 10, now the least recently used
+    assert [store.lookup("m", 1, "", [h(i)]) for i in (10, 11, 12)] == [0, 1, 1]
+    assert store.lookup("m", 1, "", [h(0), h(1)]) == 2
+    assert store.bytes_used <= store.allocator.capacity
+    store.check_invariants()
+
+
+def test_held_chunks_are_never_evicted_and_full_pool_refuses(clock):
+    store = make_store(clock, chunks=2)
+    put(store, [key(0), key(1)])
+    assert store.lookup("m", 1, "", [h(0), h(1)], hold_for="req") == 2
+    assert put(store, [key(2)]) == [StoreStatus.NO_SPACE]
+    assert store.lookup("m", 1, "", [h(0), h(1)]) == 2
+    assert store.release(LeaseOwner("", "req")) == 2
+    assert put(store, [key(2)]) == [StoreStatus.STORED]
+
+
+def test_leases_expire(clock):
+    store = make_store(clock, chunks=1, lease_timeout=5.0)
+    put(store, [key(0)])
+    store.lookup("m", 1, "", [h(0)], hold_for="req")
+    clock.now += 4.9
+    assert store.expire_leases() == 0
+    assert put(store, [key(1)]) == [StoreStatus.NO_SPACE]
+    clock.now += 0.2
+    assert store.expire_leases() == 1
+    assert store.leases_held == 0
+    assert put(store, [key(1)]) == [StoreStatus.STORED]
+
+
+def test_a_new_lookup_replaces_the_requests_lease(clock):
+    store = make_store(clock)
+    put(store, [key(0), key(1)])
+    store.lookup("m", 1, "", [h(0), h(1)], hold_for="req")
+    store.lookup("m", 1, "", [h(0)], hold_for="req")
+    assert store.release(LeaseOwner("", "req")) == 1
+    store.check_invariants()
+
+
+def test_release_is_per_salt_and_per_kv_worker(clock):
+    store = make_store(clock)
+    put(store, [key(0, worker=0, world=2, salt="a")])
+    put(store, [key(0, worker=1, world=2, salt="a")])
+    store.lookup("m", 2, "a", [h(0)], hold_for="req")
+    assert store.release(LeaseOwner("b", "req")) == 0
+    assert store.release(LeaseOwner("a", "req"), kv_worker_id=1) == 1
+    assert store.leases_held == 1
+    assert store.release(LeaseOwner("a", "req")) == 1
+    assert store.leases_held == 0
+    store.check_invariants()
+
+
+def test_hold_prefix_stops_at_miss_and_geometry_mismatch(clock):
+    store = make_store(clock)
+    put(store, [key(0), key(1)])
+    held = store.hold_prefix([key(0), key(5), key(1)], GEOMETRY)
+    assert [c.key for c in held] == [key(0)]
+    assert store.hold_prefix([key(0)], ("other",)) == []
+    store.unhold(held)
+    store.check_invariants()
+
+
+def test_clear_by_salt_keeps_other_tenants_and_chunks_being_read(clock):
+    store = make_store(clock)
+    put(store, [key(0, salt="a"), key(1, salt="a")])
+    put(store, [key(0, salt="b")])
+    reading = store.hold_prefix([key(1, salt="a")], GEOMETRY)
+    assert store.clear("a") == 1
+    assert store.lookup("m", 1, "b", [h(0)]) == 1
+    store.unhold(reading)
+    assert store.clear() == 2
+    assert store.num_chunks == 0 and store.bytes_used == 0
+    store.check_invariants()

@@ -1,0 +1,93 @@
+"""Store and retrieve between worker processes through a real server, compared byte for byte."""
+
+import torch
+
+from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
+
+from ..utils import run_server
+from ..workers import (
+    BLOCKS_PER_CHUNK, MODEL, Job, WorkerProcess, chunk_blocks, expected_blocks, make_cache,
+    prompt, retrieve_worker, run, store_worker,
+)
+
+NUM_BLOCKS = 8 * BLOCKS_PER_CHUNK  # room for 8 chunks
+
+
+def test_two_workers_store_and_retrieve_byte_exact_into_other_blocks(server):
+    hashes = prompt(tag=1, num_chunks=4)
+    source_blocks = chunk_blocks([0, 2, 4, 6])
+    statuses = run(store_worker, Job(server.url, NUM_BLOCKS, 11, hashes, source_blocks))
+    assert statuses == [bytes([StoreStatus.STORED] * 4)]
+
+    target_blocks = list(reversed(chunk_blocks([1, 3, 5, 7])))
+    result = run(retrieve_worker, Job(server.url, NUM_BLOCKS, None, hashes, target_blocks))
+    assert (result.hit, result.retrieved) == (4, 4)
+    assert torch.equal(result.blocks, expected_blocks(NUM_BLOCKS, 11, source_blocks))
+    assert result.untouched_all_zero
+
+
+def test_storing_again_skips_stored_chunks(server):
+    hashes = prompt(tag=2, num_chunks=3)
+    run(store_worker, Job(server.url, NUM_BLOCKS, 5, hashes[:2], chunk_blocks([0, 1])))
+    statuses = run(store_worker, Job(server.url, NUM_BLOCKS, 5, hashes, chunk_blocks([0, 1, 2])))
+    assert statuses == [bytes([StoreStatus.ALREADY_STORED, StoreStatus.ALREADY_STORED,
+                               StoreStatus.STORED])]
+
+
+def test_lookup_answers_the_longest_stored_prefix(server, client):
+    stored = prompt(tag=3, num_chunks=6)
+    run(store_worker, Job(server.url, NUM_BLOCKS, 3, stored[:4], chunk_blocks([0, 1, 2, 3])))
+    diverging = prompt(tag=4, num_chunks=3)
+    items = [LookupItem.build("a", stored), LookupItem.build("b", stored[:2]),
+             LookupItem.build("c", diverging), LookupItem.build("d", []),
+             LookupItem.build("e", [stored[0], diverging[0], stored[1]]),
+             LookupItem.build("f", stored, cache_salt="someone-else")]
+    assert client.lookup(MODEL, 1, items) == [4, 2, 0, 0, 1, 0]
+    assert client.lookup("another-model", 1, items[:1]) == [0]
+    assert client.lookup(MODEL, 2, items[:1]) == [0]  # kv worker 1 of 2 stored nothing
+
+
+def test_retrieve_stops_at_the_first_missing_chunk_and_writes_nothing_after(server):
+    hashes = prompt(tag=5, num_chunks=3)
+    run(store_worker, Job(server.url, NUM_BLOCKS, 9, [hashes[0], hashes[2]],
+                          chunk_blocks([0, 2])))
+    with make_cache(NUM_BLOCKS, None) as cache, CacheClient(server.url) as client:
+        registration = client.register_kv_cache(cache.handles(), model=MODEL, layout="mha",
+                                                block_size=16)
+        target = chunk_blocks([5, 6, 7])
+        assert client.retrieve(registration, [TransferItem.build("r", hashes, target)]) == [1]
+        assert torch.equal(cache.blocks(target[:BLOCKS_PER_CHUNK]).view(torch.uint8),
+                           expected_blocks(NUM_BLOCKS, 9, chunk_blocks([0])))
+        assert bool((cache.blocks(target[BLOCKS_PER_CHUNK:]).view(torch.uint8) == 0).all())
+        client.unregister(registration)
+
+
+def test_several_clients_at_once_each_get_their_own_bytes():
+    with run_server("--cpu-size", "64MiB") as server:
+        jobs = [Job(server.url, NUM_BLOCKS, 100 + n, prompt(tag=100 + n, num_chunks=4),
+                    chunk_blocks([n % 8, (n + 1) % 8, (n + 2) % 8, (n + 3) % 8]),
+                    cache_salt=f"tenant-{n % 2}")
+                for n in range(4)]
+        writers = [WorkerProcess(store_worker, job) for job in jobs]
+        try:
+            assert [w.receive() for w in writers] == [[bytes([StoreStatus.STORED] * 4)]] * 4
+        finally:
+            for writer in writers:
+                writer.__exit__()
+        readers = [WorkerProcess(retrieve_worker, Job(server.url, NUM_BLOCKS, None, job.hashes,
+                                                      chunk_blocks([7, 6, 5, 4]), job.cache_salt))
+                   for job in jobs]
+        try:
+            results = [r.receive() for r in readers]
+            for reader in readers:
+                assert reader.finish() == 0
+        finally:
+            for reader in readers:
+                reader.__exit__()
+        for job, result in zip(jobs, results):
+            assert (result.hit, result.retrieved) == (4, 4)
+            assert torch.equal(result.blocks, expected_blocks(NUM_BLOCKS, job.seed, job.block_ids))
+        with CacheClient(server.url) as client:
+            stats = client.stats()
+        assert stats.leases_held == 0 and stats.pending_stores == 0
+        assert stats.chunks == 16

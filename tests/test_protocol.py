@@ -1,0 +1,96 @@
+"""The wire format on its own: every message round-trips, and bad payloads are named precisely."""
+
+import dataclasses
+import typing
+
+import msgpack
+import pytest
+
+from lmcache_mp import protocol
+from lmcache_mp.errors import BadFrame, BadRequest, UnknownOp
+
+
+def sample(cls):
+    """An instance of a message class with every field set to a non-default value."""
+    values = {int: 3, float: 1.5, str: "x", bool: True, bytes: b"\x01\x02"}
+    hints = typing.get_type_hints(cls, vars(protocol))
+    kwargs = {}
+    for field in dataclasses.fields(cls):
+        name, tp = field.name, hints[field.name]
+        origin = typing.get_origin(tp)
+        if tp in values:
+            kwargs[name] = values[tp]
+        elif origin is list:
+            (item,) = typing.get_args(tp)
+            kwargs[name] = [sample(item)] if dataclasses.is_dataclass(item) else [values[item]]
+        elif origin is dict:
+            kwargs[name] = {"a": 1}
+        else:  # Optional[str]
+            kwargs[name] = "x"
+    if cls is protocol.ShmHandle:
+        kwargs["kind"] = "shm"
+    return cls(**kwargs)
+
+
+@pytest.mark.parametrize("op", list(protocol.OPS))
+def test_every_message_round_trips(op):
+    for cls in (protocol.OPS[op].request, protocol.OPS[op].reply):
+        message = sample(cls)
+        assert protocol.unpack(cls, protocol.pack(message)) == message
+
+
+def test_errors_name_the_field():
+    payload = protocol.pack(protocol.LookupRequest("m", 1, [protocol.LookupItem("r", b"")]))
+    raw = msgpack.unpackb(payload)
+    raw["items"][0]["chunk_hashes"] = [1, 2]
+    with pytest.raises(BadRequest, match=r"`items\[0\].chunk_hashes`: expected bytes, got list"):
+        protocol.unpack(protocol.LookupRequest, msgpack.packb(raw))
+    del raw["model"]
+    with pytest.raises(BadRequest, match="`model`: missing"):
+        protocol.unpack(protocol.LookupRequest, msgpack.packb(raw))
+    with pytest.raises(BadRequest, match="expected int, got bool"):
+        protocol.unpack(protocol.UnregisterKVCacheRequest, msgpack.packb({"instance_id": True}))
+
+
+def test_unknown_fields_are_ignored_and_defaults_fill_in():
+    message = protocol.unpack(protocol.HelloRequest,
+                              msgpack.packb({"protocol_version": 1, "from_the_future": [1]}))
+    assert message == protocol.HelloRequest(1, "")
+
+
+def test_unsupported_handle_kind_is_named():
+    raw = dataclasses.asdict(sample(protocol.RegisterKVCacheRequest))
+    raw["layers"][0]["kind"] = "cuda_ipc"
+    with pytest.raises(BadRequest, match=r"`layers\[0\].kind`: unsupported handle kind 'cuda_ipc'"):
+        protocol.unpack(protocol.RegisterKVCacheRequest, msgpack.packb(raw))
+
+
+@pytest.mark.parametrize("payload", [b"\xc1", b"\x92\x01", b"\xdb\xff\xff\xff\xff", b""])
+def test_invalid_or_truncated_msgpack_is_a_bad_request(payload):
+    with pytest.raises(BadRequest, match="not valid msgpack"):
+        protocol.unpack(protocol.PingRequest, payload)
+
+
+def test_frames():
+    frames = [protocol.encode_request_id(7), b"PING", protocol.pack(protocol.PingRequest())]
+    parsed = protocol.parse_request_frames(frames)
+    assert (parsed.request_id, parsed.op) == (7, "PING")
+    with pytest.raises(BadFrame, match="3 frames"):
+        protocol.parse_request_frames(frames[:2])
+    with pytest.raises(BadFrame, match="8 bytes"):
+        protocol.parse_request_frames([b"\x01", b"PING", b"\x80"])
+    with pytest.raises(UnknownOp, match="FLY"):
+        protocol.parse_request_frames([protocol.encode_request_id(1), b"FLY", b"\x80"])
+    with pytest.raises(BadFrame, match="ASCII"):
+        protocol.parse_request_frames([protocol.encode_request_id(1), b"\xff", b"\x80"])
+
+
+def test_packed_arrays():
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    assert protocol.unpack_hashes(protocol.pack_hashes(hashes), "h") == hashes
+    assert protocol.unpack_block_ids(protocol.pack_block_ids([0, 5, -1, 2**31 - 1]), "b") == [
+        0, 5, -1, 2**31 - 1]
+    with pytest.raises(BadRequest, match="multiple of 16"):
+        protocol.unpack_hashes(b"\x00" * 17, "items[0].chunk_hashes")
+    with pytest.raises(BadRequest, match="multiple of 4"):
+        protocol.unpack_block_ids(b"\x00" * 6, "items[0].block_ids")
