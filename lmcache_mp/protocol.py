@@ -8,6 +8,7 @@ PROTOCOL_VERSION.
 from __future__ import annotations
 
 import dataclasses
+import re
 import struct
 import sys
 import types
@@ -30,6 +31,15 @@ CHUNK_HASH_BYTES = 16
 BLOCK_ID_BYTES = 4  # int32, little-endian
 
 _REQUEST_ID = struct.Struct("<Q")
+_CACHE_SALT = re.compile(r"[\x21-\x7e]{0,256}")  # printable ASCII, no spaces
+
+
+def validate_salt(salt: str, path: str = "cache_salt") -> str:
+    """A cache_salt names a tenant: at most 256 printable ASCII characters without spaces."""
+    if not _CACHE_SALT.fullmatch(salt):
+        raise BadRequest(f"`{path}`: cache_salt must be at most 256 printable ASCII characters "
+                         f"without spaces, got {salt[:40]!r}")
+    return salt
 
 
 # ---------------------------------------------------------------------------
@@ -38,8 +48,9 @@ _REQUEST_ID = struct.Struct("<Q")
 class StoreStatus:
     STORED = 0
     ALREADY_STORED = 1  # committed earlier, or being stored by another request right now
-    NO_SPACE = 2
-    FAILED = 3
+    NO_SPACE = 2  # the pool is full of chunks that are held or inside reservations
+    FAILED = 3  # the copy failed
+    OVER_QUOTA = 4  # the salt is at its cap with chunks that are held
 
 
 # ---------------------------------------------------------------------------
@@ -222,6 +233,20 @@ class StatsRequest:
 
 
 @dataclass
+class TenantStats:
+    """One cache_salt's share; cap None means no cap."""
+
+    bytes_used: int
+    chunks: int
+    cap: int | None
+    reserve: int
+    hits: int
+    misses: int
+    evictions: int
+    refused: int  # chunks a STORE could not place
+
+
+@dataclass
 class StatsReply:
     chunks: int
     bytes_used: int
@@ -234,6 +259,46 @@ class StatsReply:
     registrations: int
     requests: dict[str, int] = field(default_factory=dict)  # op name -> requests served
     prefault_done: bool = True
+    tenants: dict[str, TenantStats] = field(default_factory=dict)  # by cache_salt
+
+
+@dataclass
+class QuotaInfo:
+    """The quota that applies to a salt; `own` is false when it is the default."""
+
+    cache_salt: str
+    cap: int | None
+    reserve: int
+    own: bool
+    bytes_used: int
+
+
+@dataclass
+class QuotaSetRequest:
+    cache_salt: str
+    cap: int | None  # bytes; None for no cap
+    reserve: int = 0
+
+
+@dataclass
+class QuotaGetRequest:
+    cache_salt: str
+
+
+@dataclass
+class QuotaDeleteRequest:
+    cache_salt: str
+
+
+@dataclass
+class QuotaListRequest:
+    pass
+
+
+@dataclass
+class QuotaListReply:
+    default_cap: int | None
+    quotas: list[QuotaInfo]  # every salt with a quota of its own
 
 
 @dataclass(frozen=True)
@@ -254,6 +319,10 @@ OPS: dict[str, OpSpec] = {
     "END_SESSION": OpSpec(EndSessionRequest, EndSessionReply),
     "CLEAR": OpSpec(ClearRequest, ClearReply),
     "STATS": OpSpec(StatsRequest, StatsReply),
+    "QUOTA_SET": OpSpec(QuotaSetRequest, QuotaInfo),
+    "QUOTA_GET": OpSpec(QuotaGetRequest, QuotaInfo),
+    "QUOTA_DELETE": OpSpec(QuotaDeleteRequest, QuotaInfo),
+    "QUOTA_LIST": OpSpec(QuotaListRequest, QuotaListReply),
 }
 
 _OP_BY_REQUEST_TYPE = {spec.request: name for name, spec in OPS.items()}
@@ -272,16 +341,15 @@ class ErrorReply:
 # ---------------------------------------------------------------------------
 # Encoding: plain msgpack maps, never pickle.
 
-def to_wire(message: Any) -> Any:
+def _fields(message: Any) -> dict[str, Any]:
+    """msgpack's hook for what it cannot pack itself: a message's fields as a map."""
     if dataclasses.is_dataclass(message):
-        return {f.name: to_wire(getattr(message, f.name)) for f in dataclasses.fields(message)}
-    if isinstance(message, list):
-        return [to_wire(v) for v in message]
-    return message
+        return message.__dict__  # class-level constants such as ShmHandle.KIND are not in it
+    raise TypeError(f"cannot send a {type(message).__name__} on the wire")
 
 
 def pack(message: Any) -> bytes:
-    return msgpack.packb(to_wire(message), use_bin_type=True)
+    return msgpack.packb(message, default=_fields, use_bin_type=True)
 
 
 def unpack(cls: type, payload: bytes) -> Any:

@@ -10,23 +10,28 @@ from lmcache_mp import protocol
 from lmcache_mp.errors import BadFrame, BadRequest, UnknownOp
 
 
+SCALARS = {int: 3, float: 1.5, str: "x", bool: True, bytes: b"\x01\x02"}
+
+
+def sample_value(tp):
+    """A non-default value of a field type."""
+    origin = typing.get_origin(tp)
+    if tp in SCALARS:
+        return SCALARS[tp]
+    if dataclasses.is_dataclass(tp):
+        return sample(tp)
+    if origin is list:
+        return [sample_value(typing.get_args(tp)[0])]
+    if origin is dict:
+        return {"a": sample_value(typing.get_args(tp)[1])}
+    (inner,) = [t for t in typing.get_args(tp) if t is not type(None)]  # X | None
+    return sample_value(inner)
+
+
 def sample(cls):
     """An instance of a message class with every field set to a non-default value."""
-    values = {int: 3, float: 1.5, str: "x", bool: True, bytes: b"\x01\x02"}
     hints = typing.get_type_hints(cls, vars(protocol))
-    kwargs = {}
-    for field in dataclasses.fields(cls):
-        name, tp = field.name, hints[field.name]
-        origin = typing.get_origin(tp)
-        if tp in values:
-            kwargs[name] = values[tp]
-        elif origin is list:
-            (item,) = typing.get_args(tp)
-            kwargs[name] = [sample(item)] if dataclasses.is_dataclass(item) else [values[item]]
-        elif origin is dict:
-            kwargs[name] = {"a": 1}
-        else:  # Optional[str]
-            kwargs[name] = "x"
+    kwargs = {f.name: sample_value(hints[f.name]) for f in dataclasses.fields(cls)}
     if cls is protocol.ShmHandle:
         kwargs["kind"] = "shm"
     return cls(**kwargs)

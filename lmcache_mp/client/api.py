@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from ..errors import UnknownInstance
 from ..protocol import (
     PROTOCOL_VERSION, ClearRequest, EndSessionRequest, HelloReply, HelloRequest, LeaseRef,
-    LookupItem, LookupRequest, PingRequest, RegisterKVCacheRequest, ReleaseRequest,
+    LookupItem, LookupRequest, PingRequest, QuotaDeleteRequest, QuotaGetRequest, QuotaInfo,
+    QuotaListReply, QuotaListRequest, QuotaSetRequest, RegisterKVCacheRequest, ReleaseRequest,
     RetrieveRequest, StatsReply, StatsRequest, StoreRequest, TensorHandle, TransferItem,
     UnregisterKVCacheRequest,
 )
@@ -123,3 +124,18 @@ class CacheClient:
 
     def stats(self) -> StatsReply:
         return self.rpc.call(StatsRequest())
+
+    # -- quotas (admin) ----------------------------------------------------------------------
+
+    def quota_set(self, cache_salt: str, cap: int | None, reserve: int = 0) -> QuotaInfo:
+        """Cap (None: no cap) and reservation in bytes; lowering a cap evicts at once."""
+        return self.rpc.call(QuotaSetRequest(cache_salt, cap, reserve))
+
+    def quota_get(self, cache_salt: str) -> QuotaInfo:
+        return self.rpc.call(QuotaGetRequest(cache_salt))
+
+    def quota_delete(self, cache_salt: str) -> QuotaInfo:
+        return self.rpc.call(QuotaDeleteRequest(cache_salt))
+
+    def quota_list(self) -> QuotaListReply:
+        return self.rpc.call(QuotaListRequest())

@@ -75,6 +75,9 @@ class RpcClient:
         self._state = threading.Condition(self._lock)  # callers waiting for the leader
         self._background_wake = threading.Condition(self._lock)
         self._leader: int | None = None  # thread ident of the thread waiting on the socket
+        self._followers = 0  # threads in call() waiting for the leader
+        self._kicked = False  # a byte waits in the kick pipe
+        self._unattended_ids: set[int] = set()  # submitted calls that no call() waits on
         self._waiting: dict[int, _Call] = {}  # sent; reply not in yet
         self._unsent: deque[_Call] = deque()
         self._deadlines: list[tuple[float, int]] = []
@@ -105,21 +108,24 @@ class RpcClient:
     def call(self, request: Any, timeout: float | None = None) -> Any:
         """Send `request` and wait for its reply; raises ServerError or TransportError subclasses."""
         future = self._submit(request, timeout, attended=True)
+        me = threading.get_ident()
         while not future.done():
-            with self._state:
-                while self._leader is not None and not future.done():
-                    self._state.wait()
-                if future.done():
-                    break
-                self._leader = threading.get_ident()
+            if self._leader != me:
+                with self._state:
+                    self._followers += 1
+                    while self._leader is not None and not future.done():
+                        self._state.wait()
+                    self._followers -= 1
+                    if future.done():
+                        break
+                    self._leader = me
             try:
                 self._lead(until=future.done)
             finally:
                 with self._state:
-                    self._leader = None
-                    self._state.notify_all()
-                    if self._unattended():
-                        self._background_wake.notify()
+                    self._resign()
+            if self._closed:
+                break  # close() fails every open future
         return future.result()
 
     def close(self) -> None:
@@ -161,15 +167,29 @@ class RpcClient:
                          deadline, future, attended)
             heapq.heappush(self._deadlines, (deadline, request_id))
             self._unsent.append(call)
-            if not attended:
+            if attended:
+                if self._leader is None:  # lead straight away: no hand-off on the way back
+                    self._leader = threading.get_ident()
+            else:
+                self._unattended_ids.add(request_id)
                 self._background_wake.notify()  # it may need to lead
             self._flush_unsent()
         return future
 
     def _unattended(self) -> bool:
         """Whether a submitted future that nobody waits on is still open."""
-        return any(not c.attended and not c.future.done()
-                   for c in itertools.chain(self._waiting.values(), self._unsent))
+        calls = itertools.chain(self._waiting.values(), self._unsent)
+        self._unattended_ids.intersection_update(
+            c.request_id for c in calls if not c.attended and not c.future.done())
+        return bool(self._unattended_ids)
+
+    def _resign(self) -> None:
+        """Give up leading (lock held): a follower or the background thread takes over."""
+        self._leader = None
+        if self._followers:
+            self._state.notify_all()
+        if self._unattended_ids and self._unattended():
+            self._background_wake.notify()
 
     # -- leading (one thread at a time) ---------------------------------------------------
 
@@ -178,7 +198,8 @@ class RpcClient:
         while True:
             with self._state:
                 self._pump()
-                self._state.notify_all()
+                if self._followers:
+                    self._state.notify_all()
                 if until() or self._closed:
                     return
                 wait = _RETRY_SEND_S if self._unsent else _IDLE_WAIT_S
@@ -187,11 +208,13 @@ class RpcClient:
             select.select([self._fd, self._kick_r], [], [], wait)
 
     def _pump(self) -> None:
-        try:
-            while os.read(self._kick_r, 4096):
+        if self._kicked:
+            self._kicked = False
+            try:
+                while os.read(self._kick_r, 4096):
+                    pass
+            except BlockingIOError:
                 pass
-        except BlockingIOError:
-            pass
         self._flush_unsent()
         self._receive()
         self._expire()
@@ -216,7 +239,9 @@ class RpcClient:
     def _after_send(self) -> None:
         self._last_sent = time.monotonic()
         # A send can swallow the socket FD's edge for a reply that arrived meanwhile.
-        if self._leader is not None and self._leader != threading.get_ident():
+        if (self._leader is not None and self._leader != threading.get_ident()
+                and not self._kicked):
+            self._kicked = True
             os.write(self._kick_w, b"x")
 
     def _receive(self) -> None:
@@ -282,8 +307,7 @@ class RpcClient:
                 self._lead(until=lambda: not self._unattended())
             finally:
                 with self._state:
-                    self._leader = None
-                    self._state.notify_all()
+                    self._resign()
 
     def _heartbeat(self) -> None:
         request_id = next(self._ids)  # never waited on: its reply is dropped like a late one

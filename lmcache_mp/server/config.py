@@ -5,38 +5,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..sizes import format_size, parse_size
+from ..errors import BadRequest
+from ..protocol import validate_salt
+from .quotas import Quota, QuotaBook, load_quota_file, parse_cap, parse_quota_flag
+
 ENV_PREFIX = "LMCACHE_MP_"
-
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str) -> int:
-    """Parse a byte size such as `4GiB`, `512MiB`, `1.5GB` or `1048576`."""
-    match = _SIZE_RE.match(str(text))
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _SIZE_UNITS:
-        raise ValueError(f"invalid size {text!r}: use a number with an optional unit "
-                         f"such as 512MiB, 4GiB or 2GB")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
-
-
-def format_size(num_bytes: int) -> str:
-    for unit in ("TiB", "GiB", "MiB", "KiB"):
-        scale = _SIZE_UNITS[unit.lower()]
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.1f}{unit}"
-    return f"{num_bytes}B"
-
 
 def default_cpu_size() -> int:
     """A fifth of physical memory, capped at 32 GiB, floored at 256 MiB."""
@@ -67,8 +44,10 @@ def _log_level(text: str) -> str:
 
 
 def option(default: Any, help: str, parse: Callable[[str], Any], metavar: str | None = None,
-           default_factory: Callable[[], Any] | None = None) -> Any:
-    meta = {"help": help, "parse": parse, "metavar": metavar}
+           default_factory: Callable[[], Any] | None = None, repeat: bool = False,
+           shown: str | None = None) -> Any:
+    """A Config field; `repeat` makes a list of values (the env var separates them by spaces)."""
+    meta = {"help": help, "parse": parse, "metavar": metavar, "repeat": repeat, "shown": shown}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -100,6 +79,16 @@ class Config:
                                      "in-flight requests before failing them",
                                      _positive(float), "SEC")
     log_level: str = option("info", f"one of {', '.join(LOG_LEVELS)}", _log_level, "LEVEL")
+    default_quota: int | None = option(None, "cap for every cache_salt without a quota of its "
+                                       "own: a size, or unlimited", parse_cap, "CAP",
+                                       shown="unlimited")
+    quota: list[tuple[str, Quota]] = option(
+        None, "one tenant's quota: SALT=CAP[:RESERVE], e.g. team-a=2GiB:512MiB or =1GiB for "
+        "the empty salt; CAP may be unlimited; repeat the flag for more salts", parse_quota_flag,
+        "SALT=CAP[:RESERVE]", default_factory=list, repeat=True, shown="none")
+    quota_file: str | None = option(None, "TOML file of quotas, read at start-up and again on "
+                                    "SIGHUP: a [quotas] table of \"SALT\" = \"CAP[:RESERVE]\"; "
+                                    "it overrides --quota for the salts it names", str, "PATH")
 
     @property
     def bind_url(self) -> str:
@@ -110,6 +99,16 @@ class Config:
             raise ValueError(f"--cpu-size must be at least 1MiB, got {self.cpu_size} bytes")
         if not self.bind_url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"--url must start with tcp:// or ipc://, got {self.bind_url!r}")
+        for salt, _ in self.quota:
+            try:
+                validate_salt(salt, "--quota")
+            except BadRequest as exc:
+                raise ValueError(str(exc)) from None
+
+    def quota_book(self, capacity: int) -> QuotaBook:
+        """The quotas from --default-quota, --quota and --quota-file; raises QuotaError."""
+        file_quotas = load_quota_file(self.quota_file) if self.quota_file else {}
+        return QuotaBook(capacity, Quota(self.default_quota), dict(self.quota), file_quotas)
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None, env: dict[str, str] | None = None) -> Config:
@@ -123,13 +122,14 @@ class Config:
         """Flags win over LMCACHE_MP_* environment variables, which win over defaults."""
         values = {}
         for f in dataclasses.fields(cls):
-            flag_value = getattr(args, f.name, None)
             env_name = ENV_PREFIX + f.name.upper()
-            if flag_value is not None:
-                values[f.name] = flag_value
+            if hasattr(args, f.name):  # absent flags are left out of the namespace
+                values[f.name] = getattr(args, f.name)
             elif env_name in env:
+                parse = f.metadata["parse"]
                 try:
-                    values[f.name] = f.metadata["parse"](env[env_name])
+                    values[f.name] = ([parse(part) for part in env[env_name].split()]
+                                      if f.metadata["repeat"] else parse(env[env_name]))
                 except ValueError as exc:
                     parser.error(f"{env_name}={env[env_name]!r}: {exc}")
         config = cls(**values)
@@ -156,11 +156,14 @@ def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(Config):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        shown = format_size(default) if f.metadata["parse"] is parse_size else default
+        shown = f.metadata["shown"]
+        if shown is None:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            shown = format_size(default) if f.metadata["parse"] is parse_size else default
         parser.add_argument(
-            _flag(f.name), dest=f.name, default=None, metavar=f.metadata["metavar"],
+            _flag(f.name), dest=f.name, default=argparse.SUPPRESS, metavar=f.metadata["metavar"],
             type=_argparse_type(f.metadata["parse"]),
+            action="append" if f.metadata["repeat"] else "store",
             help=f"{f.metadata['help']} (default: {shown}; env {ENV_PREFIX}{f.name.upper()})")
 
 
@@ -169,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lmcache-mp-server",
         description="Run the lmcache-mp KV-cache server: one per node, shared by every "
                     "inference worker on it.",
-        epilog="SIGINT/SIGTERM drain in-flight requests and exit 0; a second signal exits at once.")
+        epilog="SIGINT/SIGTERM drain in-flight requests and exit 0; a second signal exits at "
+               "once. SIGHUP reloads --quota-file. `lmcache-mp-server quota --help` shows the "
+               "admin command that edits quotas of a running server.")
     add_config_arguments(parser)
     return parser

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -15,26 +14,21 @@ from .. import __version__
 from ..errors import BadRequest, UnsupportedVersion
 from ..protocol import (
     PROTOCOL_VERSION, ClearReply, ClearRequest, EndSessionReply, EndSessionRequest, HelloReply,
-    HelloRequest, LookupReply, LookupRequest, PingReply, PingRequest, RegisterKVCacheReply,
-    RegisterKVCacheRequest, ReleaseReply, ReleaseRequest, RetrieveReply, RetrieveRequest,
+    HelloRequest, LookupReply, LookupRequest, PingReply, PingRequest, QuotaDeleteRequest,
+    QuotaGetRequest, QuotaInfo, QuotaListReply, QuotaListRequest, QuotaSetRequest,
+    RegisterKVCacheReply, RegisterKVCacheRequest, ReleaseReply, ReleaseRequest, RetrieveReply,
+    RetrieveRequest, TenantStats,
     StatsReply, StatsRequest, StoreReply, StoreRequest, StoreStatus, TransferItem, UnregisterKVCacheReply,
-    UnregisterKVCacheRequest, unpack_block_ids, unpack_hashes,
+    UnregisterKVCacheRequest, unpack_block_ids, unpack_hashes, validate_salt,
 )
 from .config import Config
 from .copy_engine import CopyEngine
 from .pool import CpuPool
+from .quotas import Quota, QuotaError, load_quota_file
 from .registry import DTYPES, MAX_KV_WORLD_SIZE, KVCacheInstance, Registry
 from .store import Chunk, ChunkKey, ChunkStore, LeaseOwner
 
-_SALT = re.compile(r"[\x21-\x7e]{0,256}")  # printable ASCII, no spaces
 MAX_REQUEST_ID_CHARS = 512
-
-
-def validate_salt(salt: str, path: str) -> str:
-    if not _SALT.fullmatch(salt):
-        raise BadRequest(f"`{path}`: cache_salt must be at most 256 printable ASCII characters "
-                         f"without spaces")
-    return salt
 
 
 def _validate_request_id(request_id: str, path: str) -> str:
@@ -97,6 +91,10 @@ class Dispatcher:
             EndSessionRequest: self.end_session,
             ClearRequest: self.clear,
             StatsRequest: self.stats,
+            QuotaSetRequest: self.quota_set,
+            QuotaGetRequest: self.quota_get,
+            QuotaDeleteRequest: self.quota_delete,
+            QuotaListRequest: self.quota_list,
         }
 
     def handle(self, client: bytes, op: str, request: Any) -> Any | Awaitable[Any]:
@@ -234,10 +232,57 @@ class Dispatcher:
         return ClearReply(self.store.clear(req.cache_salt))
 
     def stats(self, client: bytes, req: StatsRequest) -> StatsReply:
-        counters = self.store.counters
+        store = self.store
+        tenants = {}
+        for salt in {*store.tenants, *store.quotas.configured()}:
+            usage, quota = store.tenants.get(salt), store.quotas.get(salt)
+            tenants[salt] = TenantStats(
+                usage.bytes_used if usage else 0, usage.chunks if usage else 0, quota.cap,
+                quota.reserve, usage.hits if usage else 0, usage.misses if usage else 0,
+                usage.evictions if usage else 0, usage.refused if usage else 0)
         return StatsReply(
-            chunks=self.store.num_chunks, bytes_used=self.store.bytes_used,
-            capacity_bytes=self.pool.capacity, hits=counters.hits, misses=counters.misses,
-            evictions=counters.evictions, leases_held=self.store.leases_held,
-            pending_stores=self.store.pending, registrations=len(self.registry),
-            requests=dict(self.requests_served), prefault_done=self.pool.prefault_done.is_set())
+            chunks=store.num_chunks, bytes_used=store.bytes_used,
+            capacity_bytes=self.pool.capacity, hits=store.total("hits"),
+            misses=store.total("misses"), evictions=store.total("evictions"),
+            leases_held=store.leases_held, pending_stores=store.pending,
+            registrations=len(self.registry), requests=dict(self.requests_served),
+            prefault_done=self.pool.prefault_done.is_set(), tenants=tenants)
+
+    # -- quotas ----------------------------------------------------------------------------
+
+    def _quota_info(self, salt: str) -> QuotaInfo:
+        quota = self.store.quotas.get(salt)
+        usage = self.store.tenants.get(salt)
+        return QuotaInfo(salt, quota.cap, quota.reserve, salt in self.store.quotas.configured(),
+                         usage.bytes_used if usage else 0)
+
+    def quota_set(self, client: bytes, req: QuotaSetRequest) -> QuotaInfo:
+        salt = validate_salt(req.cache_salt)
+        try:
+            self.store.quotas.set(salt, Quota(req.cap, req.reserve))
+        except QuotaError as exc:
+            raise BadRequest(f"quota for {salt!r} refused: {exc}") from None
+        self.store.enforce_cap(salt)
+        return self._quota_info(salt)
+
+    def quota_get(self, client: bytes, req: QuotaGetRequest) -> QuotaInfo:
+        return self._quota_info(validate_salt(req.cache_salt))
+
+    def quota_delete(self, client: bytes, req: QuotaDeleteRequest) -> QuotaInfo:
+        """Drop the run-time quota; the file's, the flags' or the default applies again."""
+        salt = validate_salt(req.cache_salt)
+        self.store.quotas.delete(salt)
+        self.store.enforce_cap(salt)
+        return self._quota_info(salt)
+
+    def quota_list(self, client: bytes, req: QuotaListRequest) -> QuotaListReply:
+        return QuotaListReply(self.store.quotas.default.cap,
+                              [self._quota_info(salt)
+                               for salt in sorted(self.store.quotas.configured())])
+
+    def reload_quota_file(self) -> None:
+        """Read --quota-file again (on SIGHUP); raises QuotaError and keeps the old quotas."""
+        if self.config.quota_file is None:
+            raise QuotaError("no --quota-file to reload")
+        self.store.quotas.replace_file(load_quota_file(self.config.quota_file))
+        self.store.enforce_caps()

@@ -1,36 +1,55 @@
-"""Eviction policy: which evictable chunk goes next."""
+"""Eviction policy: which evictable chunk goes next, least recently used first, tenant by tenant."""
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 
-class LRUPolicy:
-    """Least recently used first.
+class TenantLRUPolicy:
+    """LRU order within each tenant, and a global recency stamp to compare tenants.
 
-    Holds only keys the store may evict (committed, not held); sizes, holds and memory
-    are the store's business.
+    Holds only keys the store may evict (committed, not held); sizes, holds, quotas and
+    memory are the store's business: it says which tenants may give up a chunk.
     """
 
     def __init__(self) -> None:
-        self._order: OrderedDict[Hashable, None] = OrderedDict()
+        self._orders: dict[str, OrderedDict[Hashable, int]] = {}
+        self._clock = itertools.count()
 
     def __len__(self) -> int:
-        return len(self._order)
+        return sum(len(order) for order in self._orders.values())
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._order
+    def __contains__(self, item: tuple[str, Hashable]) -> bool:
+        tenant, key = item
+        return key in self._orders.get(tenant, ())
 
-    def add(self, key: Hashable) -> None:
+    def add(self, tenant: str, key: Hashable) -> None:
         """Add as the most recently used."""
-        self._order[key] = None
+        self._orders.setdefault(tenant, OrderedDict())[key] = next(self._clock)
 
-    def touch(self, key: Hashable) -> None:
-        self._order.move_to_end(key)
+    def touch(self, tenant: str, key: Hashable) -> None:
+        order = self._orders[tenant]
+        order[key] = next(self._clock)
+        order.move_to_end(key)
 
-    def remove(self, key: Hashable) -> None:
-        del self._order[key]
+    def remove(self, tenant: str, key: Hashable) -> None:
+        order = self._orders[tenant]
+        del order[key]
+        if not order:
+            del self._orders[tenant]
 
-    def victim(self) -> Hashable | None:
-        return next(iter(self._order), None)
+    def victim(self, tenant: str) -> Hashable | None:
+        """The tenant's least recently used key."""
+        return next(iter(self._orders.get(tenant, ())), None)
+
+    def global_victim(self, may_evict: Callable[[str, Hashable], bool]
+                      ) -> tuple[str, Hashable] | None:
+        """The least recently used key among tenants whose oldest key `may_evict` allows."""
+        best: tuple[int, str, Hashable] | None = None
+        for tenant, order in self._orders.items():
+            key, stamp = next(iter(order.items()))
+            if (best is None or stamp < best[0]) and may_evict(tenant, key):
+                best = (stamp, tenant, key)
+        return None if best is None else (best[1], best[2])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import signal
@@ -16,10 +17,12 @@ import zmq
 
 from .. import __version__, protocol
 from ..errors import InternalError, ServerError, ShuttingDown
-from .config import Config, format_size
+from ..sizes import format_size
+from .config import Config
 from .copy_engine import CopyEngine
 from .dispatcher import Dispatcher
 from .pool import CpuPool
+from .quotas import QuotaError
 from .registry import Registry
 from .store import ChunkStore
 
@@ -65,6 +68,18 @@ class Server:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._handle_exit, sig)
+        loop.add_signal_handler(signal.SIGHUP, self._reload_quotas)
+
+    def _reload_quotas(self) -> None:
+        if self.dispatcher is None:
+            logger.warning("SIGHUP before start-up finished: ignored")
+            return
+        try:
+            self.dispatcher.reload_quota_file()
+        except QuotaError as exc:
+            logger.error("SIGHUP: quotas not reloaded, the old ones stay: %s", exc)
+            return
+        logger.info("SIGHUP: reloaded quotas from %s", self.config.quota_file)
 
     def _handle_exit(self, sig: signal.Signals) -> None:
         if self.should_exit:
@@ -80,8 +95,9 @@ class Server:
         # Parallelism comes from the copy threads; torch's own pool would oversubscribe the cores.
         torch.set_num_threads(1)
         self._pool = CpuPool(config.cpu_size)
+        store = ChunkStore(self._pool.allocator, config.lease_timeout,
+                           config.quota_book(self._pool.capacity))
         self._pool.start_prefault()
-        store = ChunkStore(self._pool.allocator, config.lease_timeout)
         registry = Registry(config.chunk_size, time.monotonic)
         self._copy_engine = CopyEngine(config.copy_threads)
         self.dispatcher = Dispatcher(config, store, self._pool, registry, self._copy_engine)
@@ -104,12 +120,11 @@ class Server:
 
     def _drain(self) -> None:
         """Handle what has arrived. ZeroMQ's FD is edge-triggered: keep going until EVENTS is empty."""
+        socket = self._socket
         for _ in range(_MAX_MESSAGES_PER_WAKE):
-            try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            if not socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
-            self._on_message(frames)
+            self._on_message(socket.recv_multipart(zmq.NOBLOCK))
         # More is waiting: yield to replies and copies, then come back.
         asyncio.get_running_loop().call_soon(self._drain)
 
@@ -120,25 +135,27 @@ class Server:
             parsed = protocol.parse_request_frames(body)
             request = protocol.unpack(protocol.OPS[parsed.op].request, parsed.payload)
             result = self.dispatcher.handle(client, parsed.op, request)
+            if not inspect.isawaitable(result):
+                reply = protocol.reply_frames(request_id, result)
         except Exception as exc:
             self._send_error(client, request_id, exc)
             return
-        if isinstance(result, Awaitable):
+        if inspect.isawaitable(result):
             task = asyncio.ensure_future(self._finish(client, request_id, result))
             self._in_flight[task] = _InFlight(client, request_id)
             task.add_done_callback(self._forget)
         else:
-            self._send(client, protocol.reply_frames(request_id, result))
+            self._send(client, reply)
 
     async def _finish(self, client: bytes, request_id: int, pending: Awaitable) -> None:
         try:
-            reply = await pending
+            reply = protocol.reply_frames(request_id, await pending)
         except Exception as exc:
             if asyncio.current_task() not in self._answered:
                 self._send_error(client, request_id, exc)
             return
         if asyncio.current_task() not in self._answered:
-            self._send(client, protocol.reply_frames(request_id, reply))
+            self._send(client, reply)
 
     def _forget(self, task: asyncio.Task) -> None:
         self._in_flight.pop(task, None)

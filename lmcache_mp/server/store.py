@@ -1,4 +1,4 @@
-"""The chunk store: the key index, reserve/commit, holds and leases, eviction and accounting.
+"""The chunk store: the key index, reserve/commit, holds and leases, quotas, eviction, accounting.
 
 Runs on the event loop thread only; copies happen elsewhere, between reserve and commit.
 """
@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..protocol import StoreStatus
-from .eviction import LRUPolicy
+from .eviction import TenantLRUPolicy
 from .pool import ExtentAllocator, aligned
+from .quotas import Quota, QuotaBook
 
 
 class ChunkKey(NamedTuple):
@@ -37,6 +38,11 @@ class Chunk:
     committed: bool = False
     holds: int = 0  # leases plus reads in flight; a held chunk is never evicted
 
+    @property
+    def footprint(self) -> int:
+        """Pool bytes it takes, alignment included: what quotas count."""
+        return aligned(self.nbytes)
+
 
 @dataclass
 class Lease:
@@ -45,10 +51,15 @@ class Lease:
 
 
 @dataclass
-class StoreCounters:
+class TenantUsage:
+    """One cache_salt's share of the store and what happened to it."""
+
+    bytes_used: int = 0  # committed and pending chunks
+    chunks: int = 0  # committed chunks
     hits: int = 0
     misses: int = 0
     evictions: int = 0
+    refused: int = 0  # chunks a STORE could not place, over the cap or out of space
 
 
 @dataclass
@@ -61,13 +72,15 @@ class Reservation:
 
 class ChunkStore:
     def __init__(self, allocator: ExtentAllocator, lease_timeout: float,
+                 quotas: QuotaBook | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.allocator = allocator
         self.lease_timeout = lease_timeout
+        self.quotas = quotas or QuotaBook(allocator.capacity, Quota(), {})
         self.clock = clock
-        self.counters = StoreCounters()
+        self.tenants: dict[str, TenantUsage] = {}
         self._chunks: dict[ChunkKey, Chunk] = {}
-        self._policy = LRUPolicy()
+        self._policy = TenantLRUPolicy()
         self._leases: dict[LeaseOwner, Lease] = {}
         self._pending = 0
 
@@ -90,6 +103,16 @@ class ChunkStore:
         """Pool bytes taken by committed and pending chunks."""
         return self.allocator.used
 
+    def total(self, counter: str) -> int:
+        """A TenantUsage counter summed over every tenant."""
+        return sum(getattr(usage, counter) for usage in self.tenants.values())
+
+    def _tenant(self, cache_salt: str) -> TenantUsage:
+        usage = self.tenants.get(cache_salt)
+        if usage is None:
+            usage = self.tenants[cache_salt] = TenantUsage()
+        return usage
+
     def _visible(self, key: ChunkKey) -> Chunk | None:
         chunk = self._chunks.get(key)
         return chunk if chunk is not None and chunk.committed else None
@@ -106,12 +129,13 @@ class ChunkStore:
                 break
             found.extend(ranks)
             hit += 1
-        self.counters.hits += hit
-        self.counters.misses += len(hashes) - hit
+        usage = self._tenant(cache_salt)
+        usage.hits += hit
+        usage.misses += len(hashes) - hit
         # Later chunks become older than earlier ones, so eviction trims prefixes from the end.
         for chunk in reversed(found):
-            if chunk.key in self._policy:
-                self._policy.touch(chunk.key)
+            if (cache_salt, chunk.key) in self._policy:
+                self._policy.touch(cache_salt, chunk.key)
         if hold_for is not None:
             owner = LeaseOwner(cache_salt, hold_for)
             self.release(owner)
@@ -125,24 +149,34 @@ class ChunkStore:
     # -- store: reserve, then commit or abort -------------------------------------------
 
     def reserve(self, key: ChunkKey, nbytes: int, geometry: Hashable) -> Reservation:
+        """Place a pending chunk, evicting within the salt's cap and above others' reservations."""
         if key in self._chunks:
             return Reservation(StoreStatus.ALREADY_STORED)
-        offset = self._allocate(nbytes)
+        usage = self._tenant(key.cache_salt)
+        size = aligned(nbytes)
+        if not self._fit_under_cap(key.cache_salt, size):
+            usage.refused += 1
+            return Reservation(StoreStatus.OVER_QUOTA)
+        offset = self._allocate(size)
         if offset is None:
+            usage.refused += 1
             return Reservation(StoreStatus.NO_SPACE)
         chunk = Chunk(key, offset, nbytes, geometry)
         self._chunks[key] = chunk
         self._pending += 1
+        usage.bytes_used += size
         return Reservation(StoreStatus.STORED, chunk)
 
     def commit(self, chunk: Chunk) -> None:
         chunk.committed = True
         self._pending -= 1
-        self._policy.add(chunk.key)
+        self._tenant(chunk.key.cache_salt).chunks += 1
+        self._policy.add(chunk.key.cache_salt, chunk.key)
 
     def abort(self, chunk: Chunk) -> None:
         self._pending -= 1
         del self._chunks[chunk.key]
+        self._tenant(chunk.key.cache_salt).bytes_used -= chunk.footprint
         self.allocator.free(chunk.offset, chunk.nbytes)
 
     def commit_request(self, chunks: Sequence[Chunk]) -> None:
@@ -150,24 +184,60 @@ class ChunkStore:
         for chunk in reversed(chunks):
             self.commit(chunk)
 
-    def _allocate(self, nbytes: int) -> int | None:
-        offset = self.allocator.allocate(nbytes)
+    def _fit_under_cap(self, cache_salt: str, size: int) -> bool:
+        """Evict the salt's own LRU chunks until `size` more bytes fit under its cap."""
+        cap = self.quotas.get(cache_salt).cap
+        if cap is None:
+            return True
+        if size > cap:
+            return False
+        usage = self._tenant(cache_salt)
+        while usage.bytes_used + size > cap:
+            victim = self._policy.victim(cache_salt)
+            if victim is None:
+                return False
+            self._evict(self._chunks[victim])
+        return True
+
+    def _allocate(self, size: int) -> int | None:
+        """Pool space, evicting the least recent chunks of tenants above their reservation."""
+        offset = self.allocator.allocate(size)
         while offset is None:
-            victim = self._policy.victim()
+            victim = self._policy.global_victim(self._may_evict)
             if victim is None:
                 return None
-            self._evict(self._chunks[victim])
-            offset = self.allocator.allocate(nbytes)
+            self._evict(self._chunks[victim[1]])
+            offset = self.allocator.allocate(size)
         return offset
+
+    def _may_evict(self, cache_salt: str, key: Hashable) -> bool:
+        reserve = self.quotas.get(cache_salt).reserve
+        usage = self.tenants[cache_salt]
+        return usage.bytes_used - self._chunks[key].footprint >= reserve
 
     def _evict(self, chunk: Chunk) -> None:
         self._remove(chunk)
-        self.counters.evictions += 1
+        self._tenant(chunk.key.cache_salt).evictions += 1
 
     def _remove(self, chunk: Chunk) -> None:
-        self._policy.remove(chunk.key)
+        salt = chunk.key.cache_salt
+        self._policy.remove(salt, chunk.key)
         del self._chunks[chunk.key]
+        usage = self._tenant(salt)
+        usage.bytes_used -= chunk.footprint
+        usage.chunks -= 1
         self.allocator.free(chunk.offset, chunk.nbytes)
+
+    # -- quotas ----------------------------------------------------------------------------
+
+    def enforce_cap(self, cache_salt: str) -> int:
+        """Evict the salt's unheld chunks until it is under its cap; return how many went."""
+        before = self._tenant(cache_salt).evictions
+        self._fit_under_cap(cache_salt, 0)
+        return self._tenant(cache_salt).evictions - before
+
+    def enforce_caps(self) -> int:
+        return sum(self.enforce_cap(salt) for salt in list(self.tenants))
 
     # -- retrieve: hold while reading ----------------------------------------------------
 
@@ -186,11 +256,11 @@ class ChunkStore:
         for chunk in reversed(chunks):
             chunk.holds -= 1
             if chunk.holds == 0:
-                self._policy.add(chunk.key)
+                self._policy.add(chunk.key.cache_salt, chunk.key)
 
     def _hold(self, chunk: Chunk) -> None:
         if chunk.holds == 0:
-            self._policy.remove(chunk.key)
+            self._policy.remove(chunk.key.cache_salt, chunk.key)
         chunk.holds += 1
 
     # -- leases --------------------------------------------------------------------------
@@ -233,9 +303,13 @@ class ChunkStore:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the accounting disagrees with the index (O(chunks))."""
-        assert self.allocator.used == sum(aligned(c.nbytes) for c in self._chunks.values())
+        chunks = self._chunks.values()
+        assert self.allocator.used == sum(c.footprint for c in chunks)
         assert self.allocator.used <= self.allocator.capacity
-        assert self._pending == sum(1 for c in self._chunks.values() if not c.committed)
-        assert len(self._policy) == sum(1 for c in self._chunks.values()
-                                        if c.committed and c.holds == 0)
-        assert all(c.holds >= 0 for c in self._chunks.values())
+        assert self._pending == sum(1 for c in chunks if not c.committed)
+        assert len(self._policy) == sum(1 for c in chunks if c.committed and c.holds == 0)
+        assert all(c.holds >= 0 for c in chunks)
+        for salt, usage in self.tenants.items():
+            mine = [c for c in chunks if c.key.cache_salt == salt]
+            assert usage.bytes_used == sum(c.footprint for c in mine)
+            assert usage.chunks == sum(1 for c in mine if c.committed)

@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-from lmcache_mp.server.config import Config, parse_size
+from lmcache_mp.server.config import Config
+from lmcache_mp.sizes import parse_size
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -138,5 +138,5 @@ def test_sigterm_finishes_in_flight_work_releases_everything_and_exits_0():
         log = server.output()
         assert "releasing 1 registrations" in log
         assert "shutdown: done" in log
-    assert shm_segments() == before
+    assert shm_segments() - before == set()  # nothing left behind by server or worker
 

@@ -4,6 +4,7 @@ import pytest
 
 from lmcache_mp.protocol import StoreStatus
 from lmcache_mp.server.pool import ALIGNMENT, ExtentAllocator
+from lmcache_mp.server.quotas import Quota, QuotaBook
 from lmcache_mp.server.store import ChunkKey, ChunkStore, LeaseOwner
 
 CHUNK = 2 * ALIGNMENT
@@ -24,7 +25,7 @@ def clock():
 
 
 def make_store(clock, chunks=8, lease_timeout=10.0):
-    return ChunkStore(ExtentAllocator(chunks * CHUNK), lease_timeout, clock)
+    return ChunkStore(ExtentAllocator(chunks * CHUNK), lease_timeout, clock=clock)
 
 
 def h(i: int) -> bytes:
@@ -49,7 +50,7 @@ def test_lookup_counts_leading_chunks_and_stops_at_first_miss(clock):
     assert store.lookup("m", 1, "", [h(0), h(1), h(2), h(3)]) == 2
     assert store.lookup("m", 1, "", [h(2), h(0)]) == 0
     assert store.lookup("m", 1, "", []) == 0
-    assert (store.counters.hits, store.counters.misses) == (2, 2 + 2)
+    assert (store.total("hits"), store.total("misses")) == (2, 2 + 2)
 
 
 def test_lookup_needs_every_kv_worker(clock):
@@ -94,7 +95,7 @@ def test_eviction_is_lru_and_takes_a_requests_later_chunks_first(clock):
     put(store, [key(10)])
     put(store, [key(11)])  # full: evicts key 2 (request's last chunk), not 0
     assert store.lookup("m", 1, "", [h(0), h(1), h(2)]) == 2  # a hit makes 0 and 1 recent
-    assert store.counters.evictions == 1
+    assert store.total("evictions") == 1
     put(store, [key(12)])  # evicts 10, now the least recently used
     assert [store.lookup("m", 1, "", [h(i)]) for i in (10, 11, 12)] == [0, 1, 1]
     assert store.lookup("m", 1, "", [h(0), h(1)]) == 2
@@ -168,3 +169,72 @@ def test_clear_by_salt_keeps_other_tenants_and_chunks_being_read(clock):
     assert store.clear() == 2
     assert store.num_chunks == 0 and store.bytes_used == 0
     store.check_invariants()
+
+
+# -- tenants and quotas ----------------------------------------------------------------
+
+
+def quota_store(clock, chunks, quotas, default=Quota()):
+    allocator = ExtentAllocator(chunks * CHUNK)
+    book = QuotaBook(allocator.capacity, default, quotas)
+    return ChunkStore(allocator, 10.0, book, clock=clock)
+
+
+def test_a_tenant_at_its_cap_evicts_only_itself_then_is_refused(clock):
+    store = quota_store(clock, 10, {"flood": Quota(cap=3 * CHUNK)})
+    put(store, [key(0, salt="steady"), key(1, salt="steady")])
+    for i in range(6):
+        put(store, [key(100 + i, salt="flood")])
+    assert store.tenants["flood"].bytes_used == 3 * CHUNK
+    assert store.tenants["flood"].evictions == 3
+    assert store.lookup("m", 1, "steady", [h(0), h(1)]) == 2
+    assert store.lookup("m", 1, "flood", [h(105), h(104), h(103)]) == 3  # newest survive
+    store.lookup("m", 1, "flood", [h(103), h(104), h(105)], hold_for="reader")
+    assert put(store, [key(200, salt="flood")]) == [StoreStatus.OVER_QUOTA]
+    assert store.tenants["flood"].refused == 1
+    assert store.tenants["steady"].evictions == 0
+
+
+def test_a_chunk_larger_than_the_cap_is_refused_without_evicting(clock):
+    store = quota_store(clock, 10, {"tiny": Quota(cap=CHUNK // 2)})
+    assert put(store, [key(0, salt="tiny")]) == [StoreStatus.OVER_QUOTA]
+    assert store.tenants["tiny"].bytes_used == 0
+
+
+def test_global_pressure_spares_tenants_inside_their_reservation(clock):
+    store = quota_store(clock, 6, {"reserved": Quota(reserve=3 * CHUNK)})
+    put(store, [key(i, salt="reserved") for i in range(3)])
+    for i in range(20):
+        assert put(store, [key(100 + i, salt="flood")]) == [StoreStatus.STORED]
+    assert store.lookup("m", 1, "reserved", [h(0), h(1), h(2)]) == 3
+    assert store.tenants["reserved"].evictions == 0
+    assert store.tenants["flood"].bytes_used == 3 * CHUNK
+    # Above its reservation, the reserved tenant's oldest chunks are fair game again.
+    put(store, [key(3, salt="reserved")])
+    put(store, [key(4, salt="reserved")])
+    assert store.tenants["reserved"].bytes_used == 5 * CHUNK
+
+
+def test_the_pool_refuses_when_only_reserved_or_held_chunks_remain(clock):
+    store = quota_store(clock, 4, {"a": Quota(reserve=2 * CHUNK), "b": Quota(reserve=2 * CHUNK)})
+    put(store, [key(0, salt="a"), key(1, salt="a")])
+    put(store, [key(0, salt="b"), key(1, salt="b")])
+    assert put(store, [key(9, salt="c")]) == [StoreStatus.NO_SPACE]
+    assert store.tenants["c"].refused == 1
+
+
+def test_lowering_a_cap_evicts_down_to_it_at_once(clock):
+    store = quota_store(clock, 10, {})
+    put(store, [key(i, salt="t") for i in range(6)])
+    store.quotas.set("t", Quota(cap=2 * CHUNK))
+    assert store.enforce_cap("t") == 4
+    assert store.tenants["t"].bytes_used == 2 * CHUNK
+    assert store.lookup("m", 1, "t", [h(0), h(1)]) == 2  # the prefix stays
+
+
+def test_the_default_cap_applies_to_salts_without_their_own(clock):
+    store = quota_store(clock, 10, {"vip": Quota()}, default=Quota(cap=CHUNK))
+    put(store, [key(0, salt="anyone"), key(1, salt="anyone")])
+    assert store.tenants["anyone"].bytes_used == CHUNK
+    put(store, [key(0, salt="vip"), key(1, salt="vip")])
+    assert store.tenants["vip"].bytes_used == 2 * CHUNK

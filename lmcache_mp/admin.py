@@ -1,0 +1,71 @@
+"""`lmcache-mp-server quota set|get|delete|list`: edit a running server's quotas over the wire."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .client import CacheClient
+from .errors import LMCacheMPError
+from .protocol import QuotaInfo
+from .server.quotas import QuotaError, parse_quota
+from .sizes import format_size
+
+DEFAULT_URL = "tcp://127.0.0.1:5555"
+
+
+def _size(value: int | None) -> str:
+    return "unlimited" if value is None else format_size(value)
+
+
+def _line(info: QuotaInfo) -> str:
+    source = "own quota" if info.own else "default"
+    return (f"{info.cache_salt!r}: cap {_size(info.cap)}, reserve {_size(info.reserve)}, "
+            f"using {_size(info.bytes_used)} ({source})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmcache-mp-server quota",
+        description="Read or change per-tenant (cache_salt) quotas of a running server. "
+                    "Changes last until the server restarts; put lasting ones in --quota-file.")
+    parser.add_argument("--url", default=os.environ.get("LMCACHE_MP_URL", DEFAULT_URL),
+                        help="the server's endpoint (default: $LMCACHE_MP_URL or "
+                             f"{DEFAULT_URL})")
+    parser.add_argument("--timeout", type=float, default=5.0,
+                        help="seconds to wait for the server (default: 5)")
+    actions = parser.add_subparsers(dest="action", required=True)
+    set_ = actions.add_parser("set", help="give SALT a cap and an optional reservation; "
+                                          "lowering a cap evicts down to it at once")
+    set_.add_argument("salt", help="the cache_salt ('' for requests without one)")
+    set_.add_argument("quota", help="CAP[:RESERVE], e.g. 2GiB, 2GiB:512MiB, unlimited:1GiB")
+    for name, text in (("get", "show the quota that applies to SALT and its usage"),
+                       ("delete", "drop SALT's run-time quota: the file's, the flags' or "
+                                  "the default applies again")):
+        action = actions.add_parser(name, help=text)
+        action.add_argument("salt", help="the cache_salt")
+    actions.add_parser("list", help="show the default cap and every salt with its own quota")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        with CacheClient(args.url, timeout=args.timeout, client_name="lmcache-mp-admin") as client:
+            if args.action == "set":
+                quota = parse_quota(args.quota)
+                print(_line(client.quota_set(args.salt, quota.cap, quota.reserve)))
+            elif args.action == "get":
+                print(_line(client.quota_get(args.salt)))
+            elif args.action == "delete":
+                print(_line(client.quota_delete(args.salt)))
+            else:
+                listing = client.quota_list()
+                print(f"default cap: {_size(listing.default_cap)}")
+                for info in listing.quotas:
+                    print(_line(info))
+    except (QuotaError, LMCacheMPError) as exc:
+        print(f"lmcache-mp-server quota: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
