@@ -253,7 +253,7 @@ class Dispatcher:
     def _quota_info(self, salt: str) -> QuotaInfo:
         quota = self.store.quotas.get(salt)
         usage = self.store.tenants.get(salt)
-        return QuotaInfo(salt, quota.cap, quota.reserve, salt in self.store.quotas.configured(),
+        return QuotaInfo(salt, quota.cap, quota.reserve, self.store.quotas.has_own(salt),
                          usage.bytes_used if usage else 0)
 
     def quota_set(self, client: bytes, req: QuotaSetRequest) -> QuotaInfo:
@@ -271,7 +271,10 @@ class Dispatcher:
     def quota_delete(self, client: bytes, req: QuotaDeleteRequest) -> QuotaInfo:
         """Drop the run-time quota; the file's, the flags' or the default applies again."""
         salt = validate_salt(req.cache_salt)
-        self.store.quotas.delete(salt)
+        try:
+            self.store.quotas.delete(salt)
+        except QuotaError as exc:
+            raise BadRequest(f"quota for {salt!r} not deleted: {exc}") from None
         self.store.enforce_cap(salt)
         return self._quota_info(salt)
 

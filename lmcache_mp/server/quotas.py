@@ -124,8 +124,17 @@ class QuotaBook:
         self._check(table)
         self._runtime[salt] = quota
 
+    def has_own(self, salt: str) -> bool:
+        return salt in self._runtime or salt in self._file or salt in self._flags
+
     def delete(self, salt: str) -> bool:
-        return self._runtime.pop(salt, None) is not None
+        """Drop the salt's run-time quota; refused if what applies again breaks the rules."""
+        if salt not in self._runtime:
+            return False
+        self._check({**self._flags, **self._file,
+                     **{k: v for k, v in self._runtime.items() if k != salt}})
+        del self._runtime[salt]
+        return True
 
     def replace_file(self, file_quotas: dict[str, Quota]) -> None:
         table = {**self._flags, **file_quotas, **self._runtime}

@@ -78,7 +78,10 @@ class ChunkStore:
         self.lease_timeout = lease_timeout
         self.quotas = quotas or QuotaBook(allocator.capacity, Quota(), {})
         self.clock = clock
+        # Salts that hold chunks or have a quota of their own; the counters of salts that
+        # no longer do are folded into _departed, so that any number of salts costs nothing.
         self.tenants: dict[str, TenantUsage] = {}
+        self._departed = TenantUsage()
         self._chunks: dict[ChunkKey, Chunk] = {}
         self._policy = TenantLRUPolicy()
         self._leases: dict[LeaseOwner, Lease] = {}
@@ -104,8 +107,9 @@ class ChunkStore:
         return self.allocator.used
 
     def total(self, counter: str) -> int:
-        """A TenantUsage counter summed over every tenant."""
-        return sum(getattr(usage, counter) for usage in self.tenants.values())
+        """A TenantUsage counter summed over every salt, listed or departed."""
+        return getattr(self._departed, counter) + sum(
+            getattr(usage, counter) for usage in self.tenants.values())
 
     def _tenant(self, cache_salt: str) -> TenantUsage:
         usage = self.tenants.get(cache_salt)
@@ -129,7 +133,7 @@ class ChunkStore:
                 break
             found.extend(ranks)
             hit += 1
-        usage = self._tenant(cache_salt)
+        usage = self.tenants.get(cache_salt, self._departed)  # a hit means it is listed
         usage.hits += hit
         usage.misses += len(hashes) - hit
         # Later chunks become older than earlier ones, so eviction trims prefixes from the end.
@@ -152,20 +156,24 @@ class ChunkStore:
         """Place a pending chunk, evicting within the salt's cap and above others' reservations."""
         if key in self._chunks:
             return Reservation(StoreStatus.ALREADY_STORED)
-        usage = self._tenant(key.cache_salt)
         size = aligned(nbytes)
         if not self._fit_under_cap(key.cache_salt, size):
-            usage.refused += 1
+            self._refuse(key.cache_salt)
             return Reservation(StoreStatus.OVER_QUOTA)
         offset = self._allocate(size)
         if offset is None:
-            usage.refused += 1
+            self._refuse(key.cache_salt)
             return Reservation(StoreStatus.NO_SPACE)
+        usage = self._tenant(key.cache_salt)
         chunk = Chunk(key, offset, nbytes, geometry)
         self._chunks[key] = chunk
         self._pending += 1
         usage.bytes_used += size
         return Reservation(StoreStatus.STORED, chunk)
+
+    def _refuse(self, cache_salt: str) -> None:
+        self._tenant(cache_salt).refused += 1
+        self.forget_if_idle(cache_salt)
 
     def commit(self, chunk: Chunk) -> None:
         chunk.committed = True
@@ -178,6 +186,7 @@ class ChunkStore:
         del self._chunks[chunk.key]
         self._tenant(chunk.key.cache_salt).bytes_used -= chunk.footprint
         self.allocator.free(chunk.offset, chunk.nbytes)
+        self.forget_if_idle(chunk.key.cache_salt)
 
     def commit_request(self, chunks: Sequence[Chunk]) -> None:
         """Commit one request's chunks, later chunks first so that they are evicted first."""
@@ -191,13 +200,16 @@ class ChunkStore:
             return True
         if size > cap:
             return False
-        usage = self._tenant(cache_salt)
-        while usage.bytes_used + size > cap:
+        while self._used_by(cache_salt) + size > cap:
             victim = self._policy.victim(cache_salt)
             if victim is None:
                 return False
             self._evict(self._chunks[victim])
         return True
+
+    def _used_by(self, cache_salt: str) -> int:
+        usage = self.tenants.get(cache_salt)
+        return usage.bytes_used if usage else 0
 
     def _allocate(self, size: int) -> int | None:
         """Pool space, evicting the least recent chunks of tenants above their reservation."""
@@ -216,8 +228,8 @@ class ChunkStore:
         return usage.bytes_used - self._chunks[key].footprint >= reserve
 
     def _evict(self, chunk: Chunk) -> None:
-        self._remove(chunk)
         self._tenant(chunk.key.cache_salt).evictions += 1
+        self._remove(chunk)
 
     def _remove(self, chunk: Chunk) -> None:
         salt = chunk.key.cache_salt
@@ -227,14 +239,26 @@ class ChunkStore:
         usage.bytes_used -= chunk.footprint
         usage.chunks -= 1
         self.allocator.free(chunk.offset, chunk.nbytes)
+        self.forget_if_idle(salt)
+
+    def forget_if_idle(self, cache_salt: str) -> None:
+        """Stop listing a salt that holds nothing and has no quota of its own."""
+        usage = self.tenants.get(cache_salt)
+        if usage is None or usage.bytes_used or self.quotas.has_own(cache_salt):
+            return
+        for counter in ("hits", "misses", "evictions", "refused"):
+            setattr(self._departed, counter,
+                    getattr(self._departed, counter) + getattr(usage, counter))
+        del self.tenants[cache_salt]
 
     # -- quotas ----------------------------------------------------------------------------
 
     def enforce_cap(self, cache_salt: str) -> int:
         """Evict the salt's unheld chunks until it is under its cap; return how many went."""
-        before = self._tenant(cache_salt).evictions
+        before = self.total("evictions")
         self._fit_under_cap(cache_salt, 0)
-        return self._tenant(cache_salt).evictions - before
+        self.forget_if_idle(cache_salt)
+        return self.total("evictions") - before
 
     def enforce_caps(self) -> int:
         return sum(self.enforce_cap(salt) for salt in list(self.tenants))
@@ -313,3 +337,5 @@ class ChunkStore:
             mine = [c for c in chunks if c.key.cache_salt == salt]
             assert usage.bytes_used == sum(c.footprint for c in mine)
             assert usage.chunks == sum(1 for c in mine if c.committed)
+            assert mine or self.quotas.has_own(salt), f"idle salt {salt!r} still listed"
+        assert all(c.key.cache_salt in self.tenants for c in chunks)

@@ -79,3 +79,12 @@ def test_bad_quota_files_are_refused(tmp_path, text, words):
 def test_missing_quota_file():
     with pytest.raises(QuotaError, match="No such file"):
         load_quota_file("/nonexistent/quotas.toml")
+
+
+def test_delete_is_refused_when_the_quota_it_uncovers_breaks_the_pool():
+    book = QuotaBook(64 * MiB, Quota(), {"a": Quota(reserve=60 * MiB)})
+    book.set("a", Quota(reserve=0))
+    book.set("b", Quota(reserve=60 * MiB))
+    with pytest.raises(QuotaError, match="reservations add up to"):
+        book.delete("a")
+    assert book.get("a").reserve == 0

@@ -220,7 +220,20 @@ def test_the_pool_refuses_when_only_reserved_or_held_chunks_remain(clock):
     put(store, [key(0, salt="a"), key(1, salt="a")])
     put(store, [key(0, salt="b"), key(1, salt="b")])
     assert put(store, [key(9, salt="c")]) == [StoreStatus.NO_SPACE]
-    assert store.tenants["c"].refused == 1
+    assert store.total("refused") == 1
+    assert "c" not in store.tenants  # it holds nothing: not listed, however many salts come
+
+
+def test_idle_salts_are_not_listed_but_their_counters_still_count(clock):
+    store = quota_store(clock, 4, {"own": Quota(cap=CHUNK)})
+    for n in range(100):
+        store.lookup("m", 1, f"visitor-{n}", [h(0)])
+    assert set(store.tenants) == set()  # "own" has a quota but was never used
+    put(store, [key(0, salt="x")])
+    store.lookup("m", 1, "x", [h(0), h(1)])
+    assert store.clear("x") == 1
+    assert "x" not in store.tenants
+    assert (store.total("hits"), store.total("misses")) == (1, 101)
 
 
 def test_lowering_a_cap_evicts_down_to_it_at_once(clock):

@@ -61,8 +61,8 @@ def test_two_tenants_with_the_same_prompt_never_see_each_other(cache):
         assert client.clear("bob") == 3
         assert client.lookup(MODEL, 1, [LookupItem.build("q", hashes, "alice")]) == [3]
         tenants = client.stats().tenants
-        assert tenants["alice"].chunks == 3 and tenants["bob"].chunks == 0
-        assert (tenants["bob"].hits, tenants["bob"].misses) == (0, 3)
+        assert tenants["alice"].chunks == 3
+        assert "bob" not in tenants  # it holds nothing any more
         assert client.release([LeaseRef("r", "alice")]) == 3
 
 
