@@ -874,7 +874,6 @@ def main(argv: list[str] | None = None) -> int:
         need = max(args.w1_chunks * W1.chunk_bytes, args.w2_chunks * W2.chunk_bytes,
                    lookup_chunks * W2.chunk_bytes)
         cpu_size_arg = f"{(int(need * 1.1) + 64 * MiB) // MiB}MiB"
-    cpu_size = 0  # the pool's capacity, as the server reports it
     server_args = ["--copy-threads", str(args.copy_threads)] if args.copy_threads else []
     copy_threads = args.copy_threads or 2  # the server's default
 
@@ -969,7 +968,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"## lmcache-mp core benchmark{' (--quick: smoke figures only)' if args.quick else ''}")
     print()
     print(f"{W1.describe()}; {W2.describe()}. Server: ipc://, CPU pool "
-          f"{cpu_size / MiB:.0f} MiB, {copy_threads} copy threads; {os.cpu_count()} CPUs. "
+          f"{results['meta'].get('pool_capacity_bytes', 0) / MiB:.0f} MiB, {copy_threads} copy threads; {os.cpu_count()} CPUs. "
           f"Bandwidth: medians of {args.reps} repetitions; bound = single-thread torch copy of "
           f"the same bytes between touched buffers, measured in each repetition; ratio = median "
           f"of the per-repetition ratios. Latency: {args.lat_rounds} interleaved rounds of "
