@@ -29,6 +29,7 @@ STATUS_ERR = b"err"
 
 CHUNK_HASH_BYTES = 16
 BLOCK_ID_BYTES = 4  # int32, little-endian
+SKIP_BLOCK = -1  # in RETRIEVE block_ids: leave this block of the chunk unwritten
 
 _REQUEST_ID = struct.Struct("<Q")
 _CACHE_SALT = re.compile(r"[\x21-\x7e]{0,256}")  # printable ASCII, no spaces
@@ -108,6 +109,7 @@ class RegisterKVCacheRequest:
     block_size: int
     layers: list[TensorHandle]
     tp_rank: int = 0
+    tp_group: str = ""  # names one engine's TP group, so that MLA replicas stay apart
 
 
 @dataclass
@@ -247,6 +249,20 @@ class TenantStats:
 
 
 @dataclass
+class InstanceStats:
+    """One registered KV cache, and the transfers it asked for or received."""
+
+    instance_id: int
+    model: str
+    kv_world_size: int
+    kv_worker_id: int
+    tp_rank: int
+    stores: int  # STORE requests it sent
+    retrieves: int  # RETRIEVE requests it sent
+    loads_pushed: int  # LOAD_DONE notices it was sent as an MLA follower
+
+
+@dataclass
 class StatsReply:
     chunks: int
     bytes_used: int
@@ -260,6 +276,7 @@ class StatsReply:
     requests: dict[str, int] = field(default_factory=dict)  # op name -> requests served
     prefault_done: bool = True
     tenants: dict[str, TenantStats] = field(default_factory=dict)  # by cache_salt
+    instances: list[InstanceStats] = field(default_factory=list)
 
 
 @dataclass
@@ -299,6 +316,25 @@ class QuotaListRequest:
 class QuotaListReply:
     default_cap: int | None
     quotas: list[QuotaInfo]  # every salt with a quota of its own
+
+
+# ---------------------------------------------------------------------------
+# Push messages: sent by the server with request id 0, status ok, unasked.
+
+@dataclass
+class LoadDoneItem:
+    request_id: str
+    cache_salt: str
+    retrieved: int  # leading chunks now in this rank's blocks
+
+
+@dataclass
+class LoadDone:
+    """To an MLA follower: the leader's RETRIEVE has landed in this rank's blocks too."""
+
+    instance_id: int  # the follower's own registration
+    items: list[LoadDoneItem]
+    event: str = "LOAD_DONE"
 
 
 @dataclass(frozen=True)
@@ -507,6 +543,10 @@ def parse_request_frames(frames: list[bytes]) -> RequestFrames:
     if op not in OPS:
         raise UnknownOp(f"unknown op {op[:64]!r}; known ops: {', '.join(OPS)}")
     return RequestFrames(request_id, op, frames[2])
+
+
+def push_frames(message: Any) -> list[bytes]:
+    return [encode_request_id(PUSH_REQUEST_ID), STATUS_OK, pack(message)]
 
 
 def reply_frames(request_id: int, message: Any) -> list[bytes]:

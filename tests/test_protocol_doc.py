@@ -1,7 +1,8 @@
 """docs/protocol.md, checked against the code and a real server.
 
 - the op, field, error-code, status-byte and dtype tables match lmcache_mp.protocol
-  (nested fields too: `items[].x` for arrays of maps, `tenants{}.x` for maps of maps);
+  (nested fields too: `items[].x` for arrays of maps, `tenants{}.x` for maps of maps),
+  and so do the push-message frames and the LOAD_DONE fields;
 - the worked chunk-hash example matches lmcache_mp.client.chunk_hashes;
 - the example exchange, replayed frame by frame against a fresh server, gets exactly
   the replies the document shows (and the KV bytes really move), with the
@@ -10,6 +11,12 @@
   and the QUOTA_SET error examples;
 - the quota model holds on a real server: the layers (default, --quota, --quota-file,
   QUOTA_SET), SIGHUP reloads, usage in 4096-byte units, OVER_QUOTA and STATS `tenants`;
+- the MLA example exchange (a leader and a follower on two connections, with the
+  follower's LOAD_DONE push) replays against a real server, and the MLA rules hold with
+  a W3-like cache: only the leader stores and retrieves (the follower gets the documented
+  bad_request), its RETRIEVE lands byte for byte in the follower's blocks and in no other
+  cache, the follower is told with one LOAD_DONE per RETRIEVE, and STATS `instances`
+  counts it all;
 - the documented limits and validation rules hold, and a registration can only be
   used by the routing identity that made it (also after that identity reconnects);
 - the example client, extracted from the document, runs against a real server and
@@ -40,6 +47,7 @@ from typing import Any, Union
 
 import msgpack
 import pytest
+import torch
 import zmq
 
 from lmcache_mp import errors, protocol
@@ -48,6 +56,8 @@ from lmcache_mp.client.hashing import HASH_SEED
 from lmcache_mp.server.dispatcher import MAX_REQUEST_ID_CHARS
 from lmcache_mp.server.pool import ALIGNMENT, aligned
 from lmcache_mp.server.registry import DTYPES, MAX_KV_WORLD_SIZE, MAX_LAYERS
+
+from .workers import MLA, chunk_blocks, expected_blocks, make_cache, prompt
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
 DOC = DOC_PATH.read_text(encoding="utf-8")
@@ -163,7 +173,7 @@ def code_fields(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
 # the payload as JSON where hex"..." is a msgpack bin and <name> is a placeholder for a
 # value the server chooses (bound from the reply it first appears in).
 
-_MESSAGE_LINE = re.compile(r"^([CS]): \[([0-9a-f]{16})\] \[([A-Za-z_]+)\]$")
+_MESSAGE_LINE = re.compile(r"^(?:([a-z]+) )?([CS]): \[([0-9a-f]{16})\] \[([A-Za-z_]+)\]$")
 _HEX = re.compile(r'hex"([0-9a-f]*)"')
 _PLACEHOLDER = re.compile(r"<([a-z_]+)>")
 
@@ -214,19 +224,31 @@ def bind(expected: Any, got: Any, bound: dict[str, Any]) -> Any:
     return expected
 
 
-def parse_exchange(block: str) -> list[tuple[str, bytes, str, Any]]:
-    messages: list[tuple[str, bytes, str, list[str]]] = []
+def parse_messages(block: str) -> list[tuple[str | None, str, bytes, str, Any]]:
+    """(connection, side, request id, op or status, payload) per message.
+
+    The connection is the word before `C:`/`S:` (`leader C: ...`), None where there is none.
+    """
+    messages: list[tuple[str | None, str, bytes, str, list[str]]] = []
     for line in block.splitlines():
         if not line.strip() or line.startswith("#"):
             continue
         match = _MESSAGE_LINE.match(line)
         if match:
-            side, request_id, word = match.groups()
-            messages.append((side, bytes.fromhex(request_id), word, []))
+            connection, side, request_id, word = match.groups()
+            messages.append((connection, side, bytes.fromhex(request_id), word, []))
         else:
             assert messages and line.startswith("   "), f"unexpected line in the exchange: {line!r}"
-            messages[-1][3].append(line)
-    return [(side, rid, word, parse_payload("\n".join(body))) for side, rid, word, body in messages]
+            messages[-1][4].append(line)
+    return [(connection, side, rid, word, parse_payload("\n".join(body)))
+            for connection, side, rid, word, body in messages]
+
+
+def parse_exchange(block: str) -> list[tuple[str, bytes, str, Any]]:
+    """An exchange on one connection: (side, request id, op or status, payload) per message."""
+    messages = parse_messages(block)
+    assert {m[0] for m in messages} <= {None}, "this exchange must not name connections"
+    return [m[1:] for m in messages]
 
 
 # ---------------------------------------------------------------------------
@@ -583,6 +605,281 @@ def test_the_quota_model_holds_on_a_real_server(tmp_path: Path) -> None:
             assert call(sock, 18, "UNREGISTER_KV_CACHE", {"instance_id": reg["instance_id"]}) == {}
     finally:
         kv.close()
+
+
+# ---------------------------------------------------------------------------
+# MLA and push messages.
+
+def _push_section() -> list[str]:
+    return section("## Push messages")
+
+
+def test_push_messages_and_load_done_match_the_code() -> None:
+    # The frames of a push message: request id 0, status ok, a map with `event`.
+    frames = {row[0]: row[1] for row in table_after(_push_section(), "The server sends",
+                                                     skip_prose=True)}
+    notice = protocol.LoadDone(7, [protocol.LoadDoneItem("r", "", 1)])
+    wire = protocol.push_frames(notice)
+    assert protocol.PUSH_REQUEST_ID == 0 and wire[:2] == [bytes(8), protocol.STATUS_OK]
+    assert wire[0].hex() in frames["0"] and "request id 0" in frames["0"]
+    assert frames["1"].startswith(f"status: {protocol.STATUS_OK.decode()} ")
+    assert "event (str)" in frames["2"]
+    assert msgpack.unpackb(wire[2], raw=False)["event"] == "LOAD_DONE"
+
+    # The LOAD_DONE table is the LoadDone message, field for field.
+    (load_done,) = [lines for heading, lines in _subsections(_push_section()).items()
+                    if heading == "LOAD_DONE"]
+    rows = table_after(load_done, "**Fields**")
+    assert [tuple(row[:2]) for row in rows] == [(path, tp) for path, tp, _ in
+                                                code_fields(protocol.LoadDone)]
+    (event_row,) = [row for row in rows if row[0] == "event"]
+    assert f'"{protocol.LoadDone.__dataclass_fields__["event"].default}"' in event_row[2]
+
+    # Pushes exist now: nothing may say otherwise; and STATS documents `instances`.
+    flat = re.sub(r"\s+", " ", DOC)
+    assert "none yet" not in flat and "may appear in a later version" not in flat
+    assert "recorded, no effect in version 1" not in flat
+    assert "In version 1 a RETRIEVE writes only" not in flat
+    stats_rows = [row[0] for row in table_after(doc_operations()["STATS"], "**Reply**")]
+    assert "instances[].loads_pushed" in stats_rows
+
+
+def _subsections(lines: list[str]) -> dict[str, list[str]]:
+    headings = [i for i, line in enumerate(lines) if line.startswith("### ")]
+    return {lines[start].removeprefix("### ").strip("`"): lines[start + 1:end]
+            for start, end in zip(headings, [*headings[1:], len(lines)])}
+
+
+def _mla_refusal_message(op: str, instance_id: int, tp_rank: int) -> str:
+    """The refusal of a follower's STORE or RETRIEVE as the document quotes it."""
+    (quoted,) = re.findall(r'"(under MLA only the TP leader[^"]*)"',
+                           "\n".join(section("## Parallelism and MLA")))
+    quoted = re.sub(r"\s+", " ", quoted)
+    assert " sends STORE; instance N has tp_rank R," in quoted, quoted
+    return quoted.replace(" sends STORE;", f" sends {op};").replace(
+        " instance N ", f" instance {instance_id} ").replace(" tp_rank R,", f" tp_rank {tp_rank},")
+
+
+@contextlib.contextmanager
+def _connections(url: str, *names: str) -> Iterator[dict[str, zmq.Socket]]:
+    """One DEALER per name, each with a fixed routing identity, as a registering client has."""
+    context = zmq.Context()
+    sockets: dict[str, zmq.Socket] = {}
+    try:
+        for name in names:
+            sockets[name] = _fixed_identity_dealer(
+                context, url, f"lmcache-mp-{name}-".encode() + uuid.uuid4().bytes)
+        yield sockets
+    finally:
+        for sock in sockets.values():
+            sock.close()
+        context.term()
+
+
+def _nothing_more(*sockets: zmq.Socket, wait_ms: int = 300) -> None:
+    time.sleep(wait_ms / 1000)
+    for sock in sockets:
+        assert not sock.poll(0), f"unexpected message: {sock.recv_multipart()}"
+
+
+# The cache of the MLA example exchange: one layer [16, 128, 16] float16.
+DOC_MLA = dict(layout="mla", num_layers=1, block_size=128, heads=1, head_dim=16,
+               dtype=torch.float16)
+
+
+def test_mla_example_exchange_replays_against_a_real_server() -> None:
+    (block,) = fenced_blocks(section("### MLA example exchange"), "text")
+    messages = parse_messages(block)
+    assert {m[0] for m in messages} == {"leader", "follower"}
+    # Request ids count from 1 on each connection.
+    for name in ("leader", "follower"):
+        sent = [m[2] for m in messages if m[0] == name and m[1] == "C"]
+        assert sent == [rid(n) for n in range(1, len(sent) + 1)], name
+    # Exactly one push: LOAD_DONE to the follower, its fields in the table's order.
+    (push,) = [m for m in messages if m[1] == "S" and m[2] == rid(0)]
+    assert push[0] == "follower" and push[3] == "ok"
+    load_done_rows = table_after(_subsections(_push_section())["LOAD_DONE"], "**Fields**")
+    assert list(push[4]) == [row[0] for row in load_done_rows if "." not in row[0]]
+    assert push[4]["event"] == "LOAD_DONE"
+    # Every request gets its reply on its own connection, in order there.
+    for name in ("leader", "follower"):
+        own = [m for m in messages if m[0] == name and m[2] != rid(0)]
+        assert [m[1] for m in own] == ["C", "S"] * (len(own) // 2)
+        assert all(c[2] == s[2] for c, s in zip(own[0::2], own[1::2]))
+
+    seed, num_blocks = 5, 16
+    caches = {"leader": make_cache(num_blocks, seed, DOC_MLA),
+              "follower": make_cache(num_blocks, None, DOC_MLA)}
+    try:
+        bound: dict[str, Any] = {}
+        with running_server() as running, \
+                _connections(running.url, "leader", "follower") as sockets:
+            for connection, side, request_id, word, payload in messages:
+                sock = sockets[connection]
+                if side == "C":
+                    request = substitute(payload, bound)
+                    if word == "REGISTER_KV_CACHE":
+                        kv = caches[connection]
+                        assert [dict(h, name=None) for h in request["layers"]] == \
+                            [dict(dataclasses.asdict(h), name=None) for h in kv.handles()]
+                        request["layers"] = [dict(h, name=kv.name) for h in request["layers"]]
+                    sock.send_multipart([request_id, word.encode(),
+                                         msgpack.packb(request, use_bin_type=True)])
+                    continue
+                assert sock.poll(REPLY_TIMEOUT_MS), f"nothing for the {connection}: {payload}"
+                got_id, status, body = sock.recv_multipart()
+                got = msgpack.unpackb(body, raw=False)
+                assert (got_id, status.decode()) == (request_id, word), got
+                assert got == bind(payload, got, bound), (connection, payload)
+                if got_id == rid(0):  # the push, field for field in the document's order
+                    assert list(got) == list(push[4])
+            _nothing_more(*sockets.values())
+            leader_id, follower_id = bound["leader_id"], bound["follower_id"]
+            assert leader_id != follower_id
+
+            # The follower's blocks 4..7 now hold the leader's blocks 0..3, byte for byte;
+            # nothing else of its cache was written.
+            follower = caches["follower"].blocks(list(range(num_blocks))).view(torch.uint8)
+            source = expected_blocks(num_blocks, seed, [0, 1, 2, 3], DOC_MLA)
+            assert follower[:, 4:8].equal(source)
+            assert not follower[:, :4].any() and not follower[:, 8:].any()
+            leader = caches["leader"].blocks([4, 5, 6, 7, 8, 9]).view(torch.uint8)
+            assert leader[:, :4].equal(source)
+            assert leader[:, 4:].equal(expected_blocks(num_blocks, seed, [8, 9], DOC_MLA))
+
+            # The follower may not STORE or RETRIEVE: the document's message, nothing applied.
+            store, retrieve = [m[4] for m in messages if m[0] == "leader" and m[1] == "C"
+                               and m[3] in ("STORE", "RETRIEVE")]
+            for n, op, request in ((10, "STORE", store), (11, "RETRIEVE", retrieve)):
+                _, status, err = exchange(sockets["follower"], [rid(n), op.encode(), msgpack.packb(
+                    substitute(dict(request, instance_id=Placeholder("follower_id")), bound))])
+                assert (status, err) == (b"err", {
+                    "code": "bad_request",
+                    "message": _mla_refusal_message(op, follower_id, 1)}), op
+            _nothing_more(*sockets.values())
+
+            stats = call(sockets["leader"], 10, "STATS", {})
+            counters = {i["instance_id"]: (i["tp_rank"], i["stores"], i["retrieves"],
+                                           i["loads_pushed"]) for i in stats["instances"]}
+            assert counters == {leader_id: (0, 1, 1, 0), follower_id: (1, 0, 0, 1)}
+            assert stats["leases_held"] == 0
+            for n, name in enumerate(("leader", "follower")):
+                assert call(sockets[name], 20 + n, "UNREGISTER_KV_CACHE",
+                            {"instance_id": bound[f"{name}_id"]}) == {}
+    finally:
+        for kv in caches.values():
+            kv.close()
+
+
+def test_an_mla_leaders_retrieve_lands_in_its_followers_only() -> None:
+    """A W3-like cache (tests/workers.MLA): two items, one salted, one partly stored."""
+    num_blocks, seed, model = 12 * 16, 11, "w3-model"
+    caches = {"leader": make_cache(num_blocks, seed, MLA),
+              "follower": make_cache(num_blocks, None, MLA),
+              "other": make_cache(num_blocks, None, MLA)}  # another model: not in the group
+
+    def register(sock: zmq.Socket, n: int, name: str, model: str, tp_rank: int) -> int:
+        return call(sock, n, "REGISTER_KV_CACHE", {
+            "model": model, "kv_world_size": 1, "kv_worker_id": 0, "layout": "mla",
+            "block_size": MLA["block_size"], "tp_rank": tp_rank,
+            "layers": [dataclasses.asdict(h) for h in caches[name].handles()]})["instance_id"]
+
+    def transfer(instance_id: int, *items: tuple[str, list[bytes], list[int], str]) -> dict:
+        return {"instance_id": instance_id, "items": [
+            {"request_id": request_id, "chunk_hashes": b"".join(hashes),
+             "block_ids": struct.pack(f"<{len(blocks)}i", *blocks), "cache_salt": salt}
+            for request_id, hashes, blocks, salt in items]}
+
+    def blocks(name: str, slots: list[int]) -> torch.Tensor:
+        return caches[name].blocks(chunk_blocks(slots)).view(torch.uint8)
+
+    prompt_a, prompt_b = prompt(300, 3), prompt(301, 3)
+    try:
+        with running_server() as running, \
+                _connections(running.url, "leader", "follower", "other") as sockets:
+            leader, follower, other = sockets["leader"], sockets["follower"], sockets["other"]
+            leader_id = register(leader, 1, "leader", model, 0)
+            follower_id = register(follower, 1, "follower", model, 1)
+            other_id = register(other, 1, "other", "other-model", 1)
+
+            # A follower's STORE is refused with the documented message, and stores nothing.
+            _, status, err = exchange(follower, [rid(2), b"STORE", msgpack.packb(transfer(
+                follower_id, ("f", prompt_a, chunk_blocks([0, 1, 2]), "")))])
+            assert (status, err) == (b"err", {
+                "code": "bad_request", "message": _mla_refusal_message("STORE", follower_id, 1)})
+            assert call(follower, 3, "LOOKUP", {"model": model, "kv_world_size": 1, "items": [
+                {"request_id": "f", "chunk_hashes": b"".join(prompt_a)}]}) == {"hits": [0]}
+
+            # The leader stores 3 chunks of prompt A and 2 of prompt B (under a salt).
+            stored = protocol.StoreStatus.STORED
+            assert call(leader, 2, "STORE", transfer(
+                leader_id, ("w-a", prompt_a, chunk_blocks([0, 1, 2]), ""),
+                ("w-b", prompt_b[:2], chunk_blocks([3, 4]), "team-a"))) == \
+                {"results": [bytes([stored] * 3), bytes([stored] * 2)]}
+            _nothing_more(follower, other, wait_ms=100)  # a STORE is not fanned out
+
+            # The leader retrieves both into other blocks; B's third chunk is missing.
+            assert call(leader, 3, "RETRIEVE", transfer(
+                leader_id, ("gen-a", prompt_a, chunk_blocks([9, 8, 7]), ""),
+                ("gen-b", prompt_b, chunk_blocks([10, 11, 6]), "team-a"))) == \
+                {"retrieved": [3, 2]}
+            assert follower.poll(REPLY_TIMEOUT_MS)
+            got_id, status, body = follower.recv_multipart()
+            assert (got_id, status) == (rid(0), b"ok")
+            assert msgpack.unpackb(body, raw=False) == {
+                "instance_id": follower_id,
+                "items": [{"request_id": "gen-a", "cache_salt": "", "retrieved": 3},
+                          {"request_id": "gen-b", "cache_salt": "team-a", "retrieved": 2}],
+                "event": "LOAD_DONE"}
+
+            # Byte for byte in the follower (and the leader); nothing else was written.
+            for name in ("leader", "follower"):
+                assert blocks(name, [9, 8, 7]).equal(
+                    expected_blocks(num_blocks, seed, chunk_blocks([0, 1, 2]), MLA)), name
+                assert blocks(name, [10, 11]).equal(
+                    expected_blocks(num_blocks, seed, chunk_blocks([3, 4]), MLA)), name
+            assert blocks("leader", [6]).equal(
+                expected_blocks(num_blocks, seed, chunk_blocks([6]), MLA))
+            assert not blocks("follower", [0, 1, 2, 3, 4, 5, 6]).any()
+            assert not blocks("other", list(range(12))).any()
+
+            # A RETRIEVE that finds nothing still tells the follower, with 0.
+            assert call(leader, 4, "RETRIEVE", transfer(
+                leader_id, ("gen-c", prompt(302, 1), chunk_blocks([5]), ""))) == {"retrieved": [0]}
+            assert follower.poll(REPLY_TIMEOUT_MS)
+            got_id, status, body = follower.recv_multipart()
+            assert (got_id, status, msgpack.unpackb(body, raw=False)) == (rid(0), b"ok", {
+                "instance_id": follower_id,
+                "items": [{"request_id": "gen-c", "cache_salt": "", "retrieved": 0}],
+                "event": "LOAD_DONE"})
+
+            # Nor may a follower RETRIEVE; the registration of another model got nothing.
+            _, status, err = exchange(follower, [rid(4), b"RETRIEVE", msgpack.packb(transfer(
+                follower_id, ("f", prompt_a, chunk_blocks([0, 1, 2]), "")))])
+            assert (status, err) == (b"err", {
+                "code": "bad_request",
+                "message": _mla_refusal_message("RETRIEVE", follower_id, 1)})
+            _nothing_more(leader, follower, other)
+
+            stats = call(leader, 5, "STATS", {})
+            assert stats["registrations"] == 3
+            assert stats["instances"] == [
+                {"instance_id": leader_id, "model": model, "kv_world_size": 1, "kv_worker_id": 0,
+                 "tp_rank": 0, "stores": 1, "retrieves": 2, "loads_pushed": 0},
+                {"instance_id": follower_id, "model": model, "kv_world_size": 1,
+                 "kv_worker_id": 0, "tp_rank": 1, "stores": 0, "retrieves": 0, "loads_pushed": 2},
+                {"instance_id": other_id, "model": "other-model", "kv_world_size": 1,
+                 "kv_worker_id": 0, "tp_rank": 1, "stores": 0, "retrieves": 0, "loads_pushed": 0}]
+            assert list(stats["instances"][0]) == [
+                row[0].removeprefix("instances[].") for row in
+                table_after(doc_operations()["STATS"], "**Reply**")
+                if row[0].startswith("instances[].")]
+            for sock, instance_id in ((leader, leader_id), (follower, follower_id),
+                                      (other, other_id)):
+                assert call(sock, 6, "UNREGISTER_KV_CACHE", {"instance_id": instance_id}) == {}
+    finally:
+        for kv in caches.values():
+            kv.close()
 
 
 # ---------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import time
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +62,7 @@ class Job:
     cache_salt: str = ""
     request_id: str = "req"
     shape: dict | None = None
+    parallel: object = None  # a ParallelStrategy, for rank_worker
 
 
 def _register(client: CacheClient, cache: SharedKVCache, shape: dict):
@@ -113,6 +116,88 @@ def retrieve_worker(job: Job, conn) -> None:
         client.unregister(registration)
 
 
+# A W3-like MLA cache (DESIGN.md), with 4 layers instead of 32 to keep tests quick.
+MLA = dict(layout="mla", num_layers=4, block_size=16, heads=1, head_dim=576,
+           dtype=torch.bfloat16)
+
+
+def mla_leader_worker(job: Job, conn) -> None:
+    """TP rank 0 under MLA: STORE from job.block_ids, then LOOKUP and RETRIEVE into the
+    blocks the parent sends; send the RETRIEVE reply."""
+    with make_cache(job.num_blocks, job.seed, MLA) as cache, \
+            CacheClient(job.url, timeout=30) as client:
+        registration = client.register_kv_cache(cache.handles(), model=MODEL, layout="mla",
+                                                 block_size=16, tp_rank=0)
+        client.store(registration, [TransferItem.build("w", job.hashes, job.block_ids)])
+        targets = conn.recv()
+        client.lookup(MODEL, 1, [LookupItem.build(job.request_id, job.hashes, hold=True)])
+        conn.send(client.retrieve(registration, [TransferItem.build(
+            job.request_id, job.hashes, targets)]))
+        conn.recv()
+        client.unregister(registration)
+
+
+def mla_follower_worker(job: Job, conn) -> None:
+    """TP rank 1 under MLA: register, try a STORE (refused), then wait for the leader's load
+    to land here; send what landed and the bytes of the blocks."""
+    with make_cache(job.num_blocks, None, MLA) as cache, \
+            CacheClient(job.url, timeout=30, mla_follower=True) as client:
+        registration = client.register_kv_cache(cache.handles(), model=MODEL, layout="mla",
+                                                 block_size=16, tp_rank=1)
+        try:
+            client.store(registration, [TransferItem.build("x", job.hashes, job.block_ids)])
+            refusal = None
+        except Exception as exc:  # sent back to the test, which checks it
+            refusal = f"{type(exc).__name__}: {exc}"
+        conn.send(refusal)
+        landed = client.wait_for_load(job.request_id, timeout=30)
+        conn.send((landed, cache.blocks(job.block_ids).view(torch.uint8).clone()))
+        conn.recv()
+        client.unregister(registration)
+
+
+def rank_worker(job: Job, conn) -> None:
+    """One engine worker rank: a WorkerAdapter driven by commands from the test.
+
+    job.shape is the cache layout; job.seed + rank seeds its bytes (each rank its own
+    shard). Commands: ("store", items), ("load", items), ("finished", timeout) → the
+    requests finished within the timeout and the load-error blocks, ("blocks", ids) →
+    their bytes, ("exit",).
+    """
+    from lmcache_mp.client import WorkerAdapter
+
+    parallel = job.parallel
+    shape = job.shape or W2
+    seed = None if job.seed is None else job.seed + parallel.worker_id
+    with make_cache(job.num_blocks, seed, shape) as cache, CacheClient(
+            job.url, timeout=30, mla_follower=not parallel.sends_transfers) as client:
+        adapter = WorkerAdapter(client, MODEL, parallel, load_timeout=10)
+        adapter.register_kv_cache(cache)
+        conn.send("ready")
+        stores, loads = set(), set()
+        while True:
+            command, *args = conn.recv()
+            if command == "exit":
+                return
+            if command == "store":
+                adapter.start_store(args[0])
+            elif command == "load":
+                adapter.start_load(args[0])
+            elif command == "finished":
+                expected, deadline = args[0], time.monotonic() + 20
+                while not expected <= stores | loads and time.monotonic() < deadline:
+                    done_stores, done_loads = adapter.get_finished()
+                    stores |= {f"store:{r}" for r in done_stores}
+                    loads |= {f"load:{r}" for r in done_loads}
+                    time.sleep(0.005)
+                conn.send((stores & expected | loads & expected,
+                           adapter.get_block_ids_with_load_errors()))
+                stores -= expected
+                loads -= expected
+            elif command == "blocks":
+                conn.send(cache.blocks(args[0]).view(torch.uint8).clone())
+
+
 @dataclass
 class RetrieveResult:
     hit: int
@@ -150,7 +235,21 @@ class WorkerProcess:
 
 def run(target, job: Job, timeout: float = 60.0):
     """Run a worker, return what it sends first, then let it exit."""
-    with WorkerProcess(target, job) as worker:
-        result = worker.receive(timeout)
-        assert worker.finish() == 0
-        return result
+    return run_all(target, [job], timeout=timeout)[0]
+
+
+def run_all(target, jobs: list[Job], while_waiting=None, timeout: float = 60.0) -> list:
+    """Run one worker per job at once; return what each sends first, then let them all exit.
+
+    `while_waiting` is called over and over until every worker has sent something.
+    """
+    with contextlib.ExitStack() as stack:
+        workers = [stack.enter_context(WorkerProcess(target, job)) for job in jobs]
+        deadline = time.monotonic() + timeout
+        while while_waiting is not None and not all(w.conn.poll() for w in workers):
+            assert time.monotonic() < deadline, "workers sent nothing in time"
+            while_waiting()
+        results = [w.receive(timeout) for w in workers]
+        for worker in workers:
+            assert worker.finish() == 0
+        return results

@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..errors import UnknownInstance
+from ..errors import LMCacheMPError, RequestTimeout, UnknownInstance
 from ..protocol import (
     PROTOCOL_VERSION, ClearRequest, EndSessionRequest, HelloReply, HelloRequest, LeaseRef,
-    LookupItem, LookupRequest, PingRequest, QuotaDeleteRequest, QuotaGetRequest, QuotaInfo,
+    LoadDone, LookupItem, LookupRequest, PingRequest, QuotaDeleteRequest, QuotaGetRequest, QuotaInfo,
     QuotaListReply, QuotaListRequest, QuotaSetRequest, RegisterKVCacheRequest, ReleaseRequest,
     RetrieveRequest, StatsReply, StatsRequest, StoreRequest, TensorHandle, TransferItem,
-    UnregisterKVCacheRequest,
+    UnregisterKVCacheRequest, unpack,
 )
 from .rpc import DEFAULT_TIMEOUT_S, RpcClient
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_S = 5.0
+_MAX_UNCLAIMED_LOADS = 10_000  # LOAD_DONE notices nobody waited for (aborted requests)
 
 
 @dataclass
@@ -40,10 +42,18 @@ class CacheClient:
     out) registers again and retries once.
     """
 
-    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT_S, client_name: str = ""):
+    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT_S, client_name: str = "",
+                 mla_follower: bool = False):
+        """`mla_follower`: this process is a non-leader rank of an MLA TP group; it sends no
+        STORE or RETRIEVE and learns from LOAD_DONE pushes when the leader's loads have
+        landed in its own blocks (see wait_for_load)."""
         self.client_name = client_name
-        self.rpc = RpcClient(url, timeout=timeout, heartbeat_interval=DEFAULT_HEARTBEAT_S)
+        self.rpc = RpcClient(url, timeout=timeout, heartbeat_interval=DEFAULT_HEARTBEAT_S,
+                             on_push=self._on_push if mla_follower else None)
         self._register_lock = threading.Lock()
+        # (cache_salt, request_id) -> chunks landed, oldest first
+        self._loads: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._loads_landed = threading.Condition()
 
     def close(self) -> None:
         self.rpc.close()
@@ -67,9 +77,11 @@ class CacheClient:
 
     def register_kv_cache(self, handles: list[TensorHandle], *, model: str, layout: str,
                           block_size: int, kv_world_size: int = 1, kv_worker_id: int = 0,
-                          tp_rank: int = 0) -> Registration:
+                          tp_rank: int = 0, tp_group: str = "") -> Registration:
+        """`tp_group` names the engine's TP group under MLA (the same on all its ranks, and
+        different for every engine replica serving the same model on this node)."""
         request = RegisterKVCacheRequest(model, kv_world_size, kv_worker_id, layout, block_size,
-                                         handles, tp_rank)
+                                         handles, tp_rank, tp_group)
         self.hello()
         reply = self.rpc.call(request)
         return Registration(request, reply.instance_id, reply.num_blocks,
@@ -78,7 +90,8 @@ class CacheClient:
     def unregister(self, registration: Registration) -> None:
         self.rpc.call(UnregisterKVCacheRequest(registration.instance_id))
 
-    def _register_again(self, registration: Registration, stale_id: int) -> None:
+    def register_again(self, registration: Registration, stale_id: int) -> None:
+        """After the server lost the registration (restart, timeout): register it anew."""
         with self._register_lock:
             if registration.instance_id != stale_id:
                 return  # another thread got there first
@@ -110,7 +123,7 @@ class CacheClient:
         try:
             return self.rpc.call(request_type(instance_id, items), timeout)
         except UnknownInstance:
-            self._register_again(registration, instance_id)
+            self.register_again(registration, instance_id)
             return self.rpc.call(request_type(registration.instance_id, items), timeout)
 
     def release(self, leases: list[LeaseRef]) -> int:
@@ -124,6 +137,37 @@ class CacheClient:
 
     def stats(self) -> StatsReply:
         return self.rpc.call(StatsRequest())
+
+    # -- MLA followers -------------------------------------------------------------------
+
+    def _on_push(self, payload: bytes) -> None:
+        try:
+            notice = unpack(LoadDone, payload)
+        except LMCacheMPError as exc:
+            logger.warning("ignoring a push message that does not decode: %s", exc)
+            return
+        with self._loads_landed:
+            for item in notice.items:
+                self._loads[(item.cache_salt, item.request_id)] = item.retrieved
+            while len(self._loads) > _MAX_UNCLAIMED_LOADS:
+                self._loads.popitem(last=False)
+            self._loads_landed.notify_all()
+
+    def poll_load(self, request_id: str, cache_salt: str = "") -> int | None:
+        """MLA follower: the chunks landed for this request if its LOAD_DONE came, else None."""
+        with self._loads_landed:
+            return self._loads.pop((cache_salt, request_id), None)
+
+    def wait_for_load(self, request_id: str, cache_salt: str = "",
+                      timeout: float | None = None) -> int:
+        """MLA follower: wait until the leader's RETRIEVE for this request has landed in this
+        rank's blocks; return how many leading chunks did. Raises RequestTimeout."""
+        key = (cache_salt, request_id)
+        with self._loads_landed:
+            if not self._loads_landed.wait_for(lambda: key in self._loads,
+                                               self.rpc.timeout if timeout is None else timeout):
+                raise RequestTimeout(f"no LOAD_DONE for request {request_id!r} in time")
+            return self._loads.pop(key)
 
     # -- quotas (admin) ----------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +56,11 @@ class RpcClient:
     """
 
     def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT_S,
-                 heartbeat_interval: float | None = None):
+                 heartbeat_interval: float | None = None,
+                 on_push: Callable[[bytes], None] | None = None):
+        """`on_push(payload)` receives what the server sends unasked (request id 0); it runs
+        on whichever thread reads the socket, with the client's lock held: keep it short."""
+        self.on_push = on_push
         self.url = url
         self.timeout = timeout
         self._heartbeat_interval = heartbeat_interval
@@ -188,19 +193,21 @@ class RpcClient:
         self._leader = None
         if self._followers:
             self._state.notify_all()
-        if self._unattended_ids and self._unattended():
-            self._background_wake.notify()
+        if self.on_push is not None or (self._unattended_ids and self._unattended()):
+            self._background_wake.notify()  # the socket needs a watcher again
 
     # -- leading (one thread at a time) ---------------------------------------------------
 
-    def _lead(self, until) -> None:
-        """Wait on the socket and pump, until `until()` is true or the client closes."""
+    def _lead(self, until, at_most: float | None = None) -> None:
+        """Wait on the socket and pump, until `until()` is true, the client closes, or
+        `at_most` seconds have passed."""
+        end = None if at_most is None else time.monotonic() + at_most
         while True:
             with self._state:
                 self._pump()
                 if self._followers:
                     self._state.notify_all()
-                if until() or self._closed:
+                if until() or self._closed or (end is not None and time.monotonic() >= end):
                     return
                 wait = _RETRY_SEND_S if self._unsent else _IDLE_WAIT_S
                 if self._deadlines:
@@ -251,7 +258,12 @@ class RpcClient:
             if len(frames) != 3 or len(frames[0]) != protocol.REQUEST_ID_BYTES:
                 logger.warning("dropping a malformed reply of %d frames", len(frames))
                 continue
-            call = self._waiting.pop(protocol.decode_request_id(frames[0]), None)
+            request_id = protocol.decode_request_id(frames[0])
+            if request_id == protocol.PUSH_REQUEST_ID and frames[1] == protocol.STATUS_OK:
+                if self.on_push is not None:
+                    self.on_push(frames[2])
+                continue
+            call = self._waiting.pop(request_id, None)
             if call is None:
                 if frames[1] == protocol.STATUS_ERR:
                     logger.warning("server error for no pending call: %r", frames[2][:200])
@@ -287,7 +299,8 @@ class RpcClient:
     # -- the background thread ------------------------------------------------------------
 
     def _background(self) -> None:
-        """Leads while submitted futures have nobody waiting; sends heartbeats when idle."""
+        """Leads while submitted futures have nobody waiting; sends heartbeats when idle;
+        with `on_push`, watches the socket whenever no call does."""
         while True:
             with self._state:
                 if self._closed:
@@ -299,15 +312,20 @@ class RpcClient:
                         self._heartbeat()
                         due = self._heartbeat_interval
                     idle_wait = due
-                if self._leader is not None or not self._unattended():
+                if self._leader is not None or not self._needs_watcher():
                     self._background_wake.wait(idle_wait)
                     continue
                 self._leader = threading.get_ident()
             try:
-                self._lead(until=lambda: not self._unattended())
+                # Hand the socket over as soon as a call() wants it: it leads for itself.
+                self._lead(until=lambda: self._followers > 0 or not self._needs_watcher(),
+                           at_most=idle_wait)
             finally:
                 with self._state:
                     self._resign()
+
+    def _needs_watcher(self) -> bool:
+        return self.on_push is not None or self._unattended()
 
     def _heartbeat(self) -> None:
         request_id = next(self._ids)  # never waited on: its reply is dropped like a late one

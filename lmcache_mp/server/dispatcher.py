@@ -14,10 +14,11 @@ from .. import __version__
 from ..errors import BadRequest, UnsupportedVersion
 from ..protocol import (
     PROTOCOL_VERSION, ClearReply, ClearRequest, EndSessionReply, EndSessionRequest, HelloReply,
-    HelloRequest, LookupReply, LookupRequest, PingReply, PingRequest, QuotaDeleteRequest,
+    HelloRequest, InstanceStats, LoadDone, LoadDoneItem, LookupReply, LookupRequest, PingReply,
+    PingRequest, QuotaDeleteRequest,
     QuotaGetRequest, QuotaInfo, QuotaListReply, QuotaListRequest, QuotaSetRequest,
     RegisterKVCacheReply, RegisterKVCacheRequest, ReleaseReply, ReleaseRequest, RetrieveReply,
-    RetrieveRequest, TenantStats,
+    RetrieveRequest, SKIP_BLOCK, TenantStats,
     StatsReply, StatsRequest, StoreReply, StoreRequest, StoreStatus, TransferItem, UnregisterKVCacheReply,
     UnregisterKVCacheRequest, unpack_block_ids, unpack_hashes, validate_salt,
 )
@@ -37,6 +38,12 @@ def _validate_request_id(request_id: str, path: str) -> str:
     return request_id
 
 
+def _leading_successes(errors, count: int) -> int:
+    """How many of the next `count` copy outcomes succeed before the first failure."""
+    outcomes = [next(errors) is None for _ in range(count)]
+    return outcomes.index(False) if False in outcomes else count
+
+
 def _lease_owner(cache_salt: str, request_id: str, prefix: str = "") -> LeaseOwner:
     return LeaseOwner(validate_salt(cache_salt, f"{prefix}cache_salt"),
                       _validate_request_id(request_id, f"{prefix}request_id"))
@@ -45,7 +52,8 @@ def _lease_owner(cache_salt: str, request_id: str, prefix: str = "") -> LeaseOwn
 class _Transfer:
     """One validated STORE or RETRIEVE item: its keys and, per chunk, its block ids."""
 
-    def __init__(self, instance: KVCacheInstance, item: TransferItem, path: str):
+    def __init__(self, instance: KVCacheInstance, item: TransferItem, path: str,
+                 allow_skip: bool):
         self.owner = _lease_owner(item.cache_salt, item.request_id, f"{path}.")
         salt = self.owner.cache_salt
         hashes = unpack_hashes(item.chunk_hashes, f"{path}.chunk_hashes")
@@ -55,9 +63,11 @@ class _Transfer:
             raise BadRequest(f"`{path}.block_ids`: {len(hashes)} chunks need "
                              f"{len(hashes) * per_chunk} block ids ({per_chunk} per chunk), "
                              f"got {len(block_ids)}")
-        if block_ids and not (0 <= min(block_ids) and max(block_ids) < instance.num_blocks):
-            raise BadRequest(f"`{path}.block_ids`: ids must be in [0, {instance.num_blocks}), "
-                             f"got range [{min(block_ids)}, {max(block_ids)}]")
+        written = [b for b in block_ids if b != SKIP_BLOCK] if allow_skip else block_ids
+        if written and not (0 <= min(written) and max(written) < instance.num_blocks):
+            skip = f" (or {SKIP_BLOCK} to leave a block alone)" if allow_skip else ""
+            raise BadRequest(f"`{path}.block_ids`: ids must be in [0, {instance.num_blocks})"
+                             f"{skip}, got range [{min(written)}, {max(written)}]")
         self.keys = [ChunkKey(instance.model, instance.kv_world_size, instance.kv_worker_id,
                               salt, h) for h in hashes]
         ids = torch.tensor(block_ids, dtype=torch.int64)
@@ -72,7 +82,9 @@ class Dispatcher:
     """
 
     def __init__(self, config: Config, store: ChunkStore, pool: CpuPool, registry: Registry,
-                 copy_engine: CopyEngine):
+                 copy_engine: CopyEngine, push: Callable[[bytes, Any], None]):
+        """`push(client, message)` sends a message the client did not ask for (MLA loads)."""
+        self.push = push
         self.config = config
         self.store = store
         self.pool = pool
@@ -148,8 +160,10 @@ class Dispatcher:
         return LookupReply([self.store.lookup(req.model, req.kv_world_size, salt, hashes, hold_for)
                             for salt, hashes, hold_for in parsed])
 
-    def _transfers(self, instance: KVCacheInstance, items: list[TransferItem]) -> list[_Transfer]:
-        transfers = [_Transfer(instance, item, f"items[{i}]") for i, item in enumerate(items)]
+    def _transfers(self, instance: KVCacheInstance, items: list[TransferItem],
+                   allow_skip: bool = False) -> list[_Transfer]:
+        transfers = [_Transfer(instance, item, f"items[{i}]", allow_skip)
+                     for i, item in enumerate(items)]
         self._check_batch_size([len(t.keys) for t in transfers])
         return transfers
 
@@ -158,16 +172,28 @@ class Dispatcher:
         return (self.pool.view(chunk.offset, chunk.nbytes).view(DTYPES[geometry.dtype])
                 .view(geometry.chunk_shape))
 
-    async def _copy(self, instance: KVCacheInstance, jobs: list) -> list[BaseException | None]:
-        instance.copies_in_flight += 1
+    async def _copy(self, instances: list[KVCacheInstance], jobs: list
+                    ) -> list[BaseException | None]:
+        for instance in instances:
+            instance.copies_in_flight += 1
         try:
             return await self.copy_engine.run(jobs)
         finally:
-            self.registry.copy_finished(instance)
+            for instance in instances:
+                self.registry.copy_finished(instance)
+
+    def _sender(self, client: bytes, instance_id: int, op: str) -> KVCacheInstance:
+        instance = self.registry.get(instance_id, client)
+        if instance.geometry.layout == "mla" and instance.tp_rank != 0:
+            raise BadRequest(f"under MLA only the TP leader (tp_rank 0) sends {op}; instance "
+                             f"{instance_id} has tp_rank {instance.tp_rank}, and the server "
+                             f"fills its blocks when the leader retrieves")
+        return instance
 
     def store_chunks(self, client: bytes, req: StoreRequest) -> Awaitable[StoreReply]:
-        instance = self.registry.get(req.instance_id, client)
+        instance = self._sender(client, req.instance_id, "STORE")
         transfers = self._transfers(instance, req.items)
+        instance.stores += 1
         geometry = instance.geometry
         # Reserve synchronously, before any await: validation and reservation see one state.
         reservations = [[self.store.reserve(key, geometry.chunk_bytes, geometry) for key in t.keys]
@@ -180,7 +206,7 @@ class Dispatcher:
         try:
             jobs = [partial(instance.gather, transfers[i].block_ids[c],
                             self._chunk_tensor(chunk, instance)) for i, c, chunk in pending]
-            errors = await self._copy(instance, jobs)
+            errors = await self._copy([instance], jobs)
         except BaseException:
             for _, _, chunk in pending:
                 self.store.abort(chunk)
@@ -198,25 +224,33 @@ class Dispatcher:
         return StoreReply([bytes(s) for s in statuses])
 
     def retrieve_chunks(self, client: bytes, req: RetrieveRequest) -> Awaitable[RetrieveReply]:
-        instance = self.registry.get(req.instance_id, client)
-        transfers = self._transfers(instance, req.items)
+        instance = self._sender(client, req.instance_id, "RETRIEVE")
+        transfers = self._transfers(instance, req.items, allow_skip=True)
+        instance.retrieves += 1
         held = [self.store.hold_prefix(t.keys, instance.geometry) for t in transfers]
         return self._finish_retrieve(instance, transfers, held)
 
-    async def _finish_retrieve(self, instance, transfers, held) -> RetrieveReply:
+    async def _finish_retrieve(self, leader, transfers, held) -> RetrieveReply:
+        # Under MLA every rank of the TP group holds the same latent cache: fill them all.
+        targets = [leader, *self.registry.tp_followers(leader)]
         try:
-            jobs = [partial(instance.scatter, t.block_ids[c], self._chunk_tensor(chunk, instance))
-                    for t, chunks in zip(transfers, held) for c, chunk in enumerate(chunks)]
-            errors = iter(await self._copy(instance, jobs))
+            jobs = [partial(target.scatter, t.block_ids[c], self._chunk_tensor(chunk, leader))
+                    for target in targets for t, chunks in zip(transfers, held)
+                    for c, chunk in enumerate(chunks)]
+            errors = iter(await self._copy(targets, jobs))
         finally:
             for chunks in held:
                 self.store.unhold(chunks)
-        retrieved = []
-        for t, chunks in zip(transfers, held):
-            outcomes = [next(errors) is None for _ in chunks]
-            retrieved.append(outcomes.index(False) if False in outcomes else len(outcomes))
-            self.store.release(t.owner, instance.kv_worker_id)
-        return RetrieveReply(retrieved)
+        landed = {target.instance_id: [_leading_successes(errors, len(chunks)) for chunks in held]
+                  for target in targets}
+        for t in transfers:
+            self.store.release(t.owner, leader.kv_worker_id)
+        for follower in targets[1:]:
+            follower.loads_pushed += 1
+            self.push(follower.owner, LoadDone(follower.instance_id, [
+                LoadDoneItem(t.owner.request_id, t.owner.cache_salt, n)
+                for t, n in zip(transfers, landed[follower.instance_id])]))
+        return RetrieveReply(landed[leader.instance_id])
 
     def release(self, client: bytes, req: ReleaseRequest) -> ReleaseReply:
         owners = [_lease_owner(ref.cache_salt, ref.request_id, f"items[{i}].")
@@ -246,7 +280,10 @@ class Dispatcher:
             misses=store.total("misses"), evictions=store.total("evictions"),
             leases_held=store.leases_held, pending_stores=store.pending,
             registrations=len(self.registry), requests=dict(self.requests_served),
-            prefault_done=self.pool.prefault_done.is_set(), tenants=tenants)
+            prefault_done=self.pool.prefault_done.is_set(), tenants=tenants,
+            instances=[InstanceStats(i.instance_id, i.model, i.kv_world_size, i.kv_worker_id,
+                                     i.tp_rank, i.stores, i.retrieves, i.loads_pushed)
+                       for i in self.registry.instances()])
 
     # -- quotas ----------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import BadRequest, UnknownInstance
-from ..protocol import RegisterKVCacheRequest, ShmHandle
+from ..protocol import SKIP_BLOCK, RegisterKVCacheRequest, ShmHandle
 from .pool import populate
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class KVCacheInstance:
     kv_world_size: int
     kv_worker_id: int
     tp_rank: int
+    tp_group: str
     num_blocks: int
     geometry: Geometry
     layers: list[torch.Tensor]
@@ -89,6 +90,9 @@ class KVCacheInstance:
     last_seen: float
     copies_in_flight: int = 0
     closed: bool = False
+    stores: int = 0  # STORE requests it sent
+    retrieves: int = 0  # RETRIEVE requests it sent
+    loads_pushed: int = 0  # LOAD_DONE notices sent to it as an MLA follower
     _populating: threading.Thread | None = None
 
     def start_populating(self) -> None:
@@ -110,8 +114,13 @@ class KVCacheInstance:
                 torch.index_select(layer, dim, block_ids, out=dest)
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy a chunk-shaped tensor into the given blocks of every layer."""
+        """Copy a chunk-shaped tensor into the given blocks of every layer; a block id of
+        SKIP_BLOCK leaves that block alone (the engine already holds it)."""
         dim = self.geometry.block_dim
+        positions = (block_ids != SKIP_BLOCK).nonzero().flatten()
+        if len(positions) < len(block_ids):
+            block_ids = block_ids[positions]
+            src = src.index_select(dim + 1, positions)
         targets = [(self.stacked, src, dim + 1)] if self.stacked is not None else [
             (layer, chunk_layer, dim) for layer, chunk_layer in zip(self.layers, src)]
         per_block = self.geometry.block_bytes >= _PER_BLOCK_SCATTER_BYTES
@@ -171,6 +180,7 @@ def _validate_handles(req: RegisterKVCacheRequest, chunk_size: int) -> tuple[Geo
     _check(0 <= req.kv_worker_id < req.kv_world_size,
            f"`kv_worker_id`: {req.kv_worker_id} not in [0, {req.kv_world_size})")
     _check(req.tp_rank >= 0, "`tp_rank`: must not be negative")
+    _check(len(req.tp_group) <= 256, "`tp_group`: at most 256 characters")
     _check(0 < len(req.model) <= 512, "`model`: expected 1..512 characters")
     first = req.layers[0]
     rank = LAYOUTS[req.layout]
@@ -255,6 +265,7 @@ class Registry:
         instance = KVCacheInstance(
             instance_id=self._new_id(), owner=owner, model=req.model,
             kv_world_size=req.kv_world_size, kv_worker_id=req.kv_worker_id, tp_rank=req.tp_rank,
+            tp_group=req.tp_group,
             num_blocks=num_blocks, geometry=geometry, layers=layers, stacked=stacked,
             mappings=list(mappings.values()), last_seen=self.clock())
         self._instances[instance.instance_id] = instance
@@ -304,3 +315,18 @@ class Registry:
 
     def instance_ids(self) -> list[int]:
         return list(self._instances)
+
+    def instances(self) -> list[KVCacheInstance]:
+        return list(self._instances.values())
+
+    def tp_followers(self, leader: KVCacheInstance) -> list[KVCacheInstance]:
+        """Under MLA, the other ranks of the leader's TP group: the same engine (tp_group),
+        model, kv rank and cache shape, so they take the same chunks into the same blocks."""
+        if leader.geometry.layout != "mla":
+            return []
+        return [i for i in self._instances.values()
+                if i is not leader and i.tp_rank != leader.tp_rank
+                and i.tp_group == leader.tp_group and i.model == leader.model
+                and i.kv_world_size == leader.kv_world_size
+                and i.kv_worker_id == leader.kv_worker_id and i.geometry == leader.geometry
+                and i.num_blocks == leader.num_blocks]

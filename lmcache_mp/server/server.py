@@ -100,7 +100,8 @@ class Server:
         self._pool.start_prefault()
         registry = Registry(config.chunk_size, time.monotonic)
         self._copy_engine = CopyEngine(config.copy_threads)
-        self.dispatcher = Dispatcher(config, store, self._pool, registry, self._copy_engine)
+        self.dispatcher = Dispatcher(config, store, self._pool, registry, self._copy_engine,
+                                     push=self._push)
         self._exit_requested = asyncio.Event()
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -160,6 +161,9 @@ class Server:
     def _forget(self, task: asyncio.Task) -> None:
         self._in_flight.pop(task, None)
         self._answered.discard(task)
+
+    def _push(self, client: bytes, message: object) -> None:
+        self._send(client, protocol.push_frames(message))
 
     def _send_error(self, client: bytes, request_id: int, exc: BaseException) -> None:
         if not isinstance(exc, ServerError):

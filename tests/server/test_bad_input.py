@@ -134,11 +134,11 @@ def test_a_bad_item_refuses_the_whole_batch(client):
         good = TransferItem.build("good", hashes, chunk_blocks([0, 1]))
         bad_items = {
             "out of range": TransferItem.build("bad", prompt(51, 1), [0] * 15 + [64]),
-            "negative": TransferItem.build("bad", prompt(51, 1), [-1] + [0] * 15),
+            "negative": TransferItem.build("bad", prompt(51, 1), [-2] + [0] * 15),
             "count": TransferItem.build("bad", prompt(51, 1), [0] * 15),
             "salt": TransferItem.build("bad", prompt(51, 1), [0] * 16, cache_salt="has space"),
         }
-        messages = {"out of range": "ids must be in [0, 64)", "negative": "got range [-1",
+        messages = {"out of range": "ids must be in [0, 64)", "negative": "got range [-2",
                     "count": "need 16 block ids", "salt": "cache_salt"}
         for reason, bad in bad_items.items():
             for call in (client.store, client.retrieve):

@@ -12,8 +12,9 @@ from lmcache_mp.client import CacheClient, LeaseRef, LookupItem, StoreStatus, Tr
 from lmcache_mp.errors import BadRequest
 
 from ..utils import run_server
-from ..workers import BLOCKS_PER_CHUNK, MODEL, Job, WorkerProcess, chunk_blocks, make_cache, prompt
-from ..workers import store_worker
+from ..workers import (
+    BLOCKS_PER_CHUNK, MODEL, Job, chunk_blocks, make_cache, prompt, run_all, store_worker,
+)
 
 MiB = 1024**2
 CHUNK = 512 * 1024  # W2
@@ -172,18 +173,12 @@ def test_concurrent_tenants_never_exceed_their_caps_or_the_pool():
         jobs = [Job(server.url, 8 * BLOCKS_PER_CHUNK, n, prompt(70 + n, 8),
                     chunk_blocks(range(8)), cache_salt=f"t{n}", request_id=f"r{n}")
                 for n in range(4)]
-        workers = [WorkerProcess(store_worker, job) for job in jobs]
-        try:
-            observed = []
-            while any(not w.conn.poll() for w in workers):
-                observed.append(client.stats())
-                time.sleep(0.01)
-            results = [w.receive() for w in workers]
-            for worker in workers:
-                assert worker.finish() == 0
-        finally:
-            for worker in workers:
-                worker.__exit__()
+        observed = []
+
+        def watch():
+            observed.append(client.stats())
+            time.sleep(0.01)
+        results = run_all(store_worker, jobs, while_waiting=watch)
         observed.append(client.stats())
         limits = {f"t{n}": int(caps[n].split("=")[1][:-3]) * MiB for n in range(4)}
         for stats in observed:

@@ -1,13 +1,15 @@
 """Store and retrieve between worker processes through a real server, compared byte for byte."""
 
+import pytest
 import torch
 
-from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
+from lmcache_mp.client import SKIP_BLOCK, CacheClient, LookupItem, StoreStatus, TransferItem
+from lmcache_mp.errors import BadRequest
 
 from ..utils import run_server
 from ..workers import (
-    BLOCKS_PER_CHUNK, MODEL, Job, WorkerProcess, chunk_blocks, expected_blocks, make_cache,
-    prompt, retrieve_worker, run, store_worker,
+    BLOCKS_PER_CHUNK, MODEL, Job, chunk_blocks, expected_blocks, make_cache, prompt,
+    retrieve_worker, run, run_all, store_worker,
 )
 
 NUM_BLOCKS = 8 * BLOCKS_PER_CHUNK  # room for 8 chunks
@@ -68,22 +70,10 @@ def test_several_clients_at_once_each_get_their_own_bytes():
                     chunk_blocks([n % 8, (n + 1) % 8, (n + 2) % 8, (n + 3) % 8]),
                     cache_salt=f"tenant-{n % 2}")
                 for n in range(4)]
-        writers = [WorkerProcess(store_worker, job) for job in jobs]
-        try:
-            assert [w.receive() for w in writers] == [[bytes([StoreStatus.STORED] * 4)]] * 4
-        finally:
-            for writer in writers:
-                writer.__exit__()
-        readers = [WorkerProcess(retrieve_worker, Job(server.url, NUM_BLOCKS, None, job.hashes,
-                                                      chunk_blocks([7, 6, 5, 4]), job.cache_salt))
-                   for job in jobs]
-        try:
-            results = [r.receive() for r in readers]
-            for reader in readers:
-                assert reader.finish() == 0
-        finally:
-            for reader in readers:
-                reader.__exit__()
+        assert run_all(store_worker, jobs) == [[bytes([StoreStatus.STORED] * 4)]] * 4
+        results = run_all(retrieve_worker, [
+            Job(server.url, NUM_BLOCKS, None, job.hashes, chunk_blocks([7, 6, 5, 4]),
+                job.cache_salt) for job in jobs])
         for job, result in zip(jobs, results):
             assert (result.hit, result.retrieved) == (4, 4)
             assert torch.equal(result.blocks, expected_blocks(NUM_BLOCKS, job.seed, job.block_ids))
@@ -91,3 +81,24 @@ def test_several_clients_at_once_each_get_their_own_bytes():
             stats = client.stats()
         assert stats.leases_held == 0 and stats.pending_stores == 0
         assert stats.chunks == 16
+
+
+def test_retrieve_leaves_skip_blocks_alone_and_store_refuses_them(server):
+    hashes = prompt(tag=6, num_chunks=2)
+    source = chunk_blocks([0, 1])
+    run(store_worker, Job(server.url, NUM_BLOCKS, 12, hashes, source))
+    with make_cache(NUM_BLOCKS, 99) as cache, CacheClient(server.url) as client:
+        registration = client.register_kv_cache(cache.handles(), model=MODEL, layout="mha",
+                                                block_size=16)
+        target = chunk_blocks([4, 5])
+        # The engine already holds the first 5 blocks of the first chunk: leave them be.
+        engine_owned = target[:5]
+        before = cache.blocks(engine_owned).view(torch.uint8).clone()
+        with_skips = [SKIP_BLOCK] * 5 + target[5:]
+        assert client.retrieve(registration, [TransferItem.build("r", hashes, with_skips)]) == [2]
+        assert torch.equal(cache.blocks(engine_owned).view(torch.uint8), before)
+        assert torch.equal(cache.blocks(target[5:]).view(torch.uint8),
+                           expected_blocks(NUM_BLOCKS, 12, source[5:]))
+        with pytest.raises(BadRequest, match=r"ids must be in \[0, 128\), got range \[-1"):
+            client.store(registration, [TransferItem.build("s", hashes, with_skips)])
+        client.unregister(registration)
