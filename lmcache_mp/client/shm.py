@@ -11,6 +11,7 @@ import torch
 from ..protocol import ShmHandle
 
 SEGMENT_PREFIX = "lmcache_mp_"
+SHM_DIR = "/dev/shm/"
 
 
 def layer_shape(layout: str, num_blocks: int, block_size: int, heads: int, head_dim: int
@@ -81,3 +82,46 @@ class SharedKVCache:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def shm_handles(tensors: list[torch.Tensor]) -> list[ShmHandle]:
+    """The handle of each CPU tensor whose memory lies in a POSIX shared-memory segment mapped
+    into this process: a SharedKVCache layer, any strided view of one, or any other segment
+    under /dev/shm. The segment is found through /proc/self/maps (Linux), read once.
+
+    Raises ValueError naming the tensor (by position) and what is wrong: not on the CPU, or
+    not in shared memory (plain torch allocations are private to the process, so the server
+    cannot map them).
+    """
+    with open("/proc/self/maps") as maps:
+        segments = []
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(SHM_DIR):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                segments.append((start, end, int(fields[2], 16), fields[5].rstrip("\n")))
+    handles = []
+    for i, tensor in enumerate(tensors):
+        if tensor.device.type != "cpu":
+            raise ValueError(f"tensor {i} is on {tensor.device}, not in CPU shared memory")
+        address = tensor.data_ptr()
+        found = [(address - start + file_offset, path) for start, end, file_offset, path
+                 in segments if start <= address < end]
+        if not found:
+            raise ValueError(f"tensor {i} (shape {list(tensor.shape)}) is not in shared memory: "
+                             f"its memory is mapped from no file under {SHM_DIR}")
+        offset, path = found[0]
+        name = path.removeprefix(SHM_DIR)
+        if name.endswith(" (deleted)"):
+            raise ValueError(f"tensor {i} lies in shared memory {name.removesuffix(' (deleted)')!r}"
+                             f", which was unlinked: no other process can open it")
+        last = sum((dim - 1) * stride for dim, stride in zip(tensor.shape, tensor.stride()))
+        span = (last + 1) * tensor.itemsize
+        size = os.stat(path).st_size
+        if offset + span > size:
+            raise ValueError(f"tensor {i} ends at byte {offset + span} of shared memory {name!r}, "
+                             f"which holds {size} bytes")
+        handles.append(ShmHandle(name=name, offset=offset, shape=list(tensor.shape),
+                                 strides=list(tensor.stride()),
+                                 dtype=str(tensor.dtype).removeprefix("torch.")))
+    return handles

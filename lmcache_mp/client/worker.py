@@ -46,7 +46,8 @@ class WorkerAdapter:
         self.parallel = parallel
         self.load_timeout = load_timeout
         self.registration: Registration | None = None
-        self._stores: dict[str, Future | None] = {}
+        # Every STORE still open per request: a chunked prefill sends one per step.
+        self._stores: dict[str, list[Future | None]] = {}
         self._loads: dict[str, _Load] = {}
         self._load_errors: set[int] = set()
 
@@ -63,7 +64,7 @@ class WorkerAdapter:
         one STORE for the batch. An MLA follower sends nothing; its stores finish at once."""
         future = self._submit(StoreRequest, items) if self.parallel.sends_transfers and items else None
         for item in items:
-            self._stores[item.request_id] = future
+            self._stores.setdefault(item.request_id, []).append(future)
 
     def start_load(self, items: list[TransferItem]) -> None:
         """Before a forward pass that reads these blocks: one item per request, one
@@ -86,12 +87,13 @@ class WorkerAdapter:
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(requests whose stores finished, requests whose loads finished) since the last
         call; called after every forward pass. A failed store is logged and finished."""
-        stores = {rid for rid, future in self._stores.items() if future is None or future.done()}
+        stores = {rid for rid, futures in self._stores.items()
+                  if all(f is None or f.done() for f in futures)}
         for rid in stores:
-            future = self._stores.pop(rid)
-            if future is not None and future.exception() is not None:
-                logger.warning("store for %s skipped: %s", rid, future.exception())
-                self._recover(future.exception())
+            for future in self._stores.pop(rid):
+                if future is not None and future.exception() is not None:
+                    logger.warning("store for %s skipped: %s", rid, future.exception())
+                    self._recover(future.exception())
         loads = set()
         now = time.monotonic()
         for rid, load in list(self._loads.items()):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lmcache_mp.client import SharedKVCache
+from lmcache_mp.client.shm import shm_handles
 
 
 def test_layers_live_back_to_back_in_one_segment_described_by_handles():
@@ -29,3 +30,15 @@ def test_mla_layout():
         SharedKVCache("mla", 2, 4, 16, 2, 576)
     with pytest.raises(ValueError, match="layout"):
         SharedKVCache("gqa", 2, 4, 16, 2, 64)
+
+
+def test_shm_handles_find_the_segment_of_any_view_and_refuse_private_memory():
+    with SharedKVCache("mha", 2, 8, 16, 2, 8) as cache:
+        view = cache.layers[1][:, 2:5]
+        (handle,) = shm_handles([view])
+        assert handle.name == cache.name
+        assert handle.offset == cache.handles()[1].offset + view.storage_offset() * 2 - (
+            cache.layers[1].storage_offset() * 2)
+        assert handle.shape == list(view.shape) and handle.strides == list(view.stride())
+        with pytest.raises(ValueError, match="tensor 1 .* is not in shared memory"):
+            shm_handles([view, torch.zeros(4)])

@@ -1,0 +1,1 @@
+"""Connectors that plug lmcache-mp into inference engines; each imports its engine itself."""

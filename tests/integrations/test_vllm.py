@@ -1,0 +1,573 @@
+"""The vLLM connector against a real server, driven by vLLM's own scheduler and data types.
+
+An `Engine` here is vLLM without a model: vLLM's real Scheduler (which builds our
+connector's scheduler side), one worker-side connector per rank whose KV cache vLLM's own
+allocator (`allocate_kv_cache`) places in shared memory through the connector's
+`get_mem_pool_context`, and a stand-in for the model runner that calls the worker hooks in
+the order vLLM's does, writes each scheduled token's KV as a function of its prefix (so
+that a cached prefix must come back byte for byte), and hands the workers' reports to the
+scheduler aggregated by vLLM's KVOutputAggregator.
+
+The Scheduler needs a real ModelConfig: it is built from a config.json written here (a
+4-layer Llama, no weights). The first ModelConfig on a machine costs 8-17 s, while vLLM
+inspects the architecture in a subprocess and caches the result. The MLA test and the
+tests of single hooks drive the connector by hand instead: a ModelConfig with use_mla comes
+only from an MLA architecture, which would cost that inspection again, so they attach a
+stand-in with the two attributes the connector reads (model, use_mla) and build
+SchedulerOutput, NewRequestData and KVCacheBlocks themselves, as vLLM's scheduler would.
+"""
+
+import copy
+import json
+import os
+import pickle
+import time
+import types
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # the CUDA wheel, on a machine without GPU
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    pytest.importorskip("vllm")
+    from vllm.config import (
+        CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import (
+        KVCacheBlock, get_request_block_hasher, init_none_hash,
+    )
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MLAAttentionSpec,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+from lmcache_mp.client import CacheClient, SharedKVCache
+from lmcache_mp.integrations.vllm import (
+    ConnectorConfig, LMCacheMPServerConnector, StepMetadata,
+)
+
+from ..utils import ipc_url, run_server, shm_segments
+
+BLOCK = 16
+LAYERS = 4
+NUM_BLOCKS = 160
+CONNECTOR = "LMCacheMPServerConnector"
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+    "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 64, "num_hidden_layers": LAYERS, "vocab_size": 32000,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "float16",
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with run_server("--lease-timeout", "30") as srv:
+        yield srv
+
+
+def prompt(tag: int, length: int) -> list[int]:
+    return [(tag * 7919 + i * 13) % 30000 for i in range(length)]
+
+
+def kv_byte(tokens, position: int, layer: int, rank: int) -> int:
+    """What the fake forward pass writes for a token: a function of its whole prefix."""
+    return (sum(tokens[:position + 1]) * 31 + position * 7 + layer * 3 + rank * 101) % 251
+
+
+def transfer_config(url: str, **extra) -> KVTransferConfig:
+    return KVTransferConfig(kv_connector=CONNECTOR,
+                            kv_connector_module_path="lmcache_mp.integrations.vllm",
+                            kv_role="kv_both", kv_connector_extra_config={"url": url, **extra})
+
+
+def kv_cache_config(spec) -> KVCacheConfig:
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    page = spec.page_size_bytes
+    return KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[KVCacheTensor(size=page * NUM_BLOCKS * LAYERS, layers=names,
+                                        layer_stride=page * NUM_BLOCKS, block_stride=page)],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+
+
+def worker_connector(vllm_config, kvcc: KVCacheConfig, rank: int):
+    """A worker-side connector for one rank and the KV cache vLLM allocates through it."""
+    config = copy.deepcopy(vllm_config)
+    config.parallel_config.rank = rank  # as vLLM's worker sets it
+    connector = LMCacheMPServerConnector(config, KVConnectorRole.WORKER, kvcc)
+    with connector.get_mem_pool_context():
+        caches = allocate_kv_cache(kvcc, torch.device("cpu"), KVCacheLayout.LBHNC)
+    connector.register_kv_caches(caches)
+    return connector, list(caches.values())
+
+
+class Engine:
+    """vLLM's Scheduler with our connector, and the workers of `tp` ranks (see the module
+    docstring); `step()` is one engine step."""
+
+    def __init__(self, model_dir: str, url: str, tp: int = 1, **extra):
+        self.config = VllmConfig(
+            model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float16",
+                                     max_model_len=4096),
+            cache_config=CacheConfig(block_size=BLOCK),
+            parallel_config=ParallelConfig(tensor_parallel_size=tp),
+            scheduler_config=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8,
+                                             max_model_len=4096, is_encoder_decoder=False),
+            kv_transfer_config=transfer_config(url, **extra))
+        self.config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64,
+                                 dtype=torch.float16)
+        kvcc = kv_cache_config(spec)
+        self.scheduler = Scheduler(self.config, kvcc, StructuredOutputManager(self.config),
+                                   block_size=BLOCK)
+        self.workers = [worker_connector(self.config, kvcc, rank) for rank in range(tp)]
+        # As vLLM's engine core does: block hashes are what its own prefix cache looks up.
+        hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.block_hasher = get_request_block_hasher(BLOCK, hash_fn)
+        self.aggregator = KVOutputAggregator(tp)
+        self.block_tables: dict[str, list[int]] = {}
+        self.first_computed: dict[str, int] = {}  # the first position a forward pass wrote
+        self.statuses: dict[str, list[RequestStatus]] = {}
+        self.reports: list[KVConnectorOutput] = []
+
+    def add(self, request_id: str, tokens: list[int], cache_salt: str | None = None) -> Request:
+        request = Request(request_id, tokens, SamplingParams(max_tokens=2), None,
+                          cache_salt=cache_salt, block_hasher=self.block_hasher)
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self) -> None:
+        output = self.scheduler.schedule()
+        for request_id, request in self.scheduler.requests.items():
+            self.statuses.setdefault(request_id, []).append(request.status)
+        starts = {}
+        for new in output.scheduled_new_reqs:
+            starts[new.req_id] = new.num_computed_tokens
+            self.block_tables[new.req_id] = list(new.block_ids[0])
+        cached = output.scheduled_cached_reqs
+        for i, request_id in enumerate(cached.req_ids):
+            starts[request_id] = cached.num_computed_tokens[i]
+            if request_id in cached.resumed_req_ids:
+                self.block_tables[request_id] = list(cached.new_block_ids[i][0])
+            elif cached.new_block_ids[i] is not None:
+                self.block_tables[request_id].extend(cached.new_block_ids[i][0])
+        runner_outputs = []
+        for rank, (connector, caches) in enumerate(self.workers):
+            meta = pickle.loads(pickle.dumps(output.kv_connector_metadata))  # as to a worker
+            connector.handle_preemptions(meta)
+            connector.bind_connector_metadata(meta)
+            for request_id, count in output.num_scheduled_tokens.items():
+                self._forward(request_id, starts[request_id], count, caches, rank)
+            connector.start_load_kv(None)
+            connector.wait_for_save()
+            results = connector.get_transfer_results(output.finished_req_ids)
+            report = KVConnectorOutput(
+                finished_sending=results.finished_sending or None,
+                finished_recving=results.finished_recving or None,
+                invalid_block_ids=connector.get_block_ids_with_load_errors())
+            connector.clear_connector_metadata()
+            runner_outputs.append(self._runner_output(output, report))
+        merged = self.aggregator.aggregate(runner_outputs)
+        self.reports.append(merged.kv_connector_output)
+        self.scheduler.update_from_output(output, merged)
+
+    def _forward(self, request_id, start, count, caches, rank) -> None:
+        tokens = self.scheduler.requests[request_id].all_token_ids
+        self.first_computed.setdefault(request_id, start)
+        table = self.block_tables[request_id]
+        for position in range(start, start + count):
+            block, slot = table[position // BLOCK], position % BLOCK
+            for layer, cache in enumerate(caches):
+                cache.view(torch.uint8)[block, :, slot, :] = kv_byte(tokens, position, layer, rank)
+
+    def _runner_output(self, output: SchedulerOutput, report) -> ModelRunnerOutput:
+        request_ids = list(output.num_scheduled_tokens)
+        sampled = [[7] if self.scheduler.requests[r].num_computed_tokens
+                   >= self.scheduler.requests[r].num_tokens else [] for r in request_ids]
+        return ModelRunnerOutput(req_ids=request_ids,
+                                 req_id_to_index={r: i for i, r in enumerate(request_ids)},
+                                 sampled_token_ids=sampled, kv_connector_output=report)
+
+    def run_until_idle(self, max_steps: int = 300) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.requests:
+                return
+            self.step()
+            time.sleep(0.001)  # the server copies while the engine steps
+        raise AssertionError(f"requests left: {self.scheduler.requests}")
+
+    def assert_kv(self, request_id: str, tokens: list[int], start: int = 0) -> None:
+        """Byte-exact: each prompt position from `start` holds its prefix's KV, on every rank."""
+        table = self.block_tables[request_id]
+        for rank, (_, caches) in enumerate(self.workers):
+            for layer, cache in enumerate(caches):
+                raw = cache.view(torch.uint8)
+                for position in range(start, len(tokens)):
+                    got = raw[table[position // BLOCK], :, position % BLOCK, :]
+                    expected = kv_byte(tokens, position, layer, rank)
+                    assert bool((got == expected).all()), (request_id, rank, layer, position)
+
+    def close(self) -> None:
+        for connector, _ in self.workers:
+            connector.shutdown()
+        self.scheduler.connector.shutdown()
+
+
+@pytest.fixture
+def engines(model_dir, server):
+    made = []
+
+    def make(**kwargs) -> Engine:
+        made.append(Engine(model_dir, server.url, **kwargs))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def stats(server):
+    with CacheClient(server.url) as client:
+        return client.stats()
+
+
+# -- vLLM's scheduler, end to end ----------------------------------------------------------------
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_second_engine_loads_what_the_first_computed_byte_for_byte(engines, server, tp):
+    tokens = prompt(tp, 3 * 256 + 100)  # 3 full chunks; more than one step's 512 tokens
+    first = engines(tp=tp)
+    first.add("a", tokens)
+    first.run_until_idle()
+    first.assert_kv("a", tokens)
+    assert first.first_computed["a"] == 0
+
+    # A restarted engine (fresh KV cache) with a prompt sharing 808 tokens: our 3 chunks.
+    second = engines(tp=tp)
+    longer = tokens[:808] + prompt(50 + tp, 300)
+    second.add("b", longer)
+    second.add("other-tenant", tokens, cache_salt="tenant-b")
+    second.run_until_idle()
+    assert RequestStatus.WAITING_FOR_REMOTE_KVS in second.statuses["b"]
+    assert second.first_computed["b"] == 768  # the forward passes never computed the hit
+    second.assert_kv("b", longer)  # so these bytes are the ones the first engine wrote
+    assert second.first_computed["other-tenant"] == 0  # a different salt never hits
+    assert RequestStatus.WAITING_FOR_REMOTE_KVS not in second.statuses["other-tenant"]
+    assert not any(r.invalid_block_ids for r in second.reports)
+    assert stats(server).leases_held == 0
+    for engine in (first, second):  # every block went back to vLLM's pool
+        assert engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
+
+
+def test_an_abort_during_the_load_frees_the_blocks_once_the_load_is_reported(engines, server):
+    tokens = prompt(3, 2 * 256 + 10)
+    writer = engines()
+    writer.add("w", tokens)
+    writer.run_until_idle()
+    reader = engines()
+    reader.add("r", tokens)
+    for _ in range(50):
+        reader.step()
+        if reader.scheduler.requests["r"].status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            break
+    reader.scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    reader.run_until_idle()  # vLLM keeps the blocks until the workers report the load
+    assert reader.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
+    assert stats(server).leases_held == 0
+
+
+def test_an_engine_hit_within_our_chunk_leaves_the_engines_blocks_alone(engines, server):
+    """vLLM's own prefix cache has 20 blocks; ours has 3 chunks (48 blocks): we load chunks
+    1-2 but must not write blocks 16-19, which vLLM holds (and other requests may read)."""
+    tokens = prompt(4, 3 * 256 + 20)
+    writer = engines()
+    writer.add("w", tokens)
+    writer.run_until_idle()
+    engine = engines()
+    engine.add("short", tokens[:20 * BLOCK + 5])  # leaves 20 blocks in vLLM's prefix cache
+    engine.run_until_idle()
+    shared = engine.block_tables["short"][16:20]
+    for _, caches in engine.workers:
+        for cache in caches:
+            cache.view(torch.uint8)[shared] = 0xEE  # a write into them would show
+    engine.add("long", tokens)
+    engine.run_until_idle()
+    assert engine.block_tables["long"][:20] == engine.block_tables["short"][:20]
+    assert engine.first_computed["long"] == 768  # 320 from vLLM, 448 loaded
+    for _, caches in engine.workers:
+        for cache in caches:
+            assert bool((cache.view(torch.uint8)[shared] == 0xEE).all())
+    engine.assert_kv("long", tokens, start=20 * BLOCK)
+    assert stats(server).leases_held == 0
+
+
+# -- MLA, hooks driven by hand -----------------------------------------------------------------
+
+def hand_config(url: str, tp: int = 1, mla: bool = False, **extra):
+    """A VllmConfig without a ModelConfig, and a stand-in with what the connector reads."""
+    config = VllmConfig(cache_config=CacheConfig(block_size=BLOCK),
+                        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                        kv_transfer_config=transfer_config(url, **extra))
+    config.model_config = types.SimpleNamespace(model="tiny-mla" if mla else "tiny",
+                                                use_mla=mla)
+    return config
+
+
+def blocks_of(ids: list[int]) -> KVCacheBlocks:
+    return KVCacheBlocks(([KVCacheBlock(block_id=i) for i in ids],))
+
+
+def scheduler_output(new=(), num_scheduled=None, finished=()) -> SchedulerOutput:
+    output = SchedulerOutput.make_empty()
+    output.scheduled_new_reqs = [NewRequestData.from_request(r, (ids,)) for r, ids in new]
+    output.scheduled_cached_reqs = CachedRequestData.make_empty()
+    output.num_scheduled_tokens = dict(num_scheduled or {})
+    output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens.values())
+    output.finished_req_ids = set(finished)
+    return output
+
+
+def lookup(scheduler, request, computed=0):
+    for _ in range(2000):
+        tokens, load_async = scheduler.get_num_new_matched_tokens(request, computed)
+        if tokens is not None:
+            return tokens, load_async
+        time.sleep(0.002)
+    raise AssertionError("no lookup answer")
+
+
+def worker_step(workers, meta, finished=()):
+    """Each worker's hooks for one step; returns what each reported."""
+    reports = []
+    for worker in workers:
+        meta = pickle.loads(pickle.dumps(meta))  # as vLLM sends it to worker processes
+        worker.handle_preemptions(meta)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        results = worker.get_transfer_results(set(finished))
+        reports.append((results.finished_sending, results.finished_recving,
+                        worker.get_block_ids_with_load_errors()))
+        worker.clear_connector_metadata()
+    return reports
+
+
+def step_until_reported(workers, scheduler, meta, kind: int, request_id: str, finished=()):
+    """Steps (the first with `meta`) until every worker has reported the request as
+    finished sending (kind 0) or receiving (kind 1); returns the load errors reported."""
+    waiting, errors = set(range(len(workers))), set()
+    for _ in range(2000):
+        for rank, report in enumerate(worker_step(workers, meta, finished)):
+            errors |= report[2]
+            if request_id in report[kind]:
+                waiting.discard(rank)
+        if not waiting:
+            return errors
+        time.sleep(0.002)
+        meta, finished = scheduler.build_connector_meta(scheduler_output()), ()
+    raise AssertionError(f"{request_id} not reported by ranks {waiting}")
+
+
+def test_mla_tp2_the_leader_stores_and_loads_and_the_follower_gets_the_bytes(server):
+    config = hand_config(server.url, tp=2, mla=True)
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    kvcc = kv_cache_config(spec)
+    scheduler = LMCacheMPServerConnector(config, KVConnectorRole.SCHEDULER, kvcc)
+    workers, caches = zip(*[worker_connector(config, kvcc, rank) for rank in range(2)])
+    try:
+        generator = torch.Generator().manual_seed(5)
+        leader_bytes = [c.view(torch.uint8) for c in caches[0]]
+        for raw in leader_bytes:  # the latent cache: the same on every rank of a TP group
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
+        for leader_layer, follower_layer in zip(caches[0], caches[1]):
+            follower_layer.copy_(leader_layer)
+        tokens = prompt(9, 2 * 256 + 30)
+        source, target = list(range(0, 34)), list(range(100, 134))
+
+        first = Request("first", tokens, SamplingParams(max_tokens=1), None)
+        assert lookup(scheduler, first) == (0, False)
+        scheduler.update_state_after_alloc(first, blocks_of(source), 0)
+        meta = scheduler.build_connector_meta(
+            scheduler_output(new=[(first, source)], num_scheduled={"first": len(tokens)}))
+        assert isinstance(meta, StepMetadata) and len(meta.stores) == 1 and not meta.loads
+        worker_step(workers, meta)
+        first.status = RequestStatus.FINISHED_STOPPED
+        assert scheduler.request_finished(first, source) == (True, None)  # stores in flight
+        meta = scheduler.build_connector_meta(scheduler_output(finished={"first"}))
+        assert meta.await_stores == ["first"]
+        step_until_reported(workers, scheduler, meta, 0, "first", finished={"first"})
+
+        second = Request("second", tokens, SamplingParams(max_tokens=1), None)
+        assert lookup(scheduler, second) == (512, True)
+        scheduler.update_state_after_alloc(second, blocks_of(target), 512)
+        meta = scheduler.build_connector_meta(scheduler_output())
+        assert [load.request_id for load in meta.loads] == ["second"]
+        assert step_until_reported(workers, scheduler, meta, 1, "second") == set()
+        for rank in range(2):
+            for layer, cache in enumerate(caches[rank]):
+                assert torch.equal(cache[target[:32]].view(torch.uint8),
+                                   leader_bytes[layer][source[:32]]), (rank, layer)
+        second.status = RequestStatus.FINISHED_STOPPED
+        scheduler.update_connector_output(KVConnectorOutput(finished_recving={"second"}))
+        assert scheduler.request_finished(second, target) == (False, None)
+        instances = {i.tp_rank: i for i in stats(server).instances if i.model == "tiny-mla"}
+        assert (instances[0].stores, instances[0].retrieves) == (1, 1)
+        assert (instances[1].stores, instances[1].retrieves, instances[1].loads_pushed) == (0, 0, 1)
+        assert stats(server).leases_held == 0
+    finally:
+        for worker in (*workers, scheduler):
+            worker.shutdown()
+
+
+def test_vllm_taking_none_of_our_hit_releases_the_hold_and_stores_the_rest(server):
+    """vLLM may take fewer tokens than offered (a request that skips prefix caching,
+    another connector of a MultiConnector): nothing is loaded and the hold goes."""
+    config = hand_config(server.url)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    kvcc = kv_cache_config(spec)
+    scheduler = LMCacheMPServerConnector(config, KVConnectorRole.SCHEDULER, kvcc)
+    worker, _ = worker_connector(config, kvcc, 0)
+    try:
+        tokens = prompt(11, 3 * 256 + 5)
+        writer = Request("writer", tokens[:512], SamplingParams(max_tokens=1), None)
+        assert lookup(scheduler, writer) == (0, False)
+        scheduler.update_state_after_alloc(writer, blocks_of(list(range(32))), 0)
+        worker_step([worker], scheduler.build_connector_meta(
+            scheduler_output(new=[(writer, list(range(32)))], num_scheduled={"writer": 512})))
+        writer.status = RequestStatus.FINISHED_STOPPED
+        assert scheduler.request_finished(writer, list(range(32)))[0] is True
+        step_until_reported([worker], scheduler, scheduler.build_connector_meta(
+            scheduler_output(finished={"writer"})), 0, "writer", finished={"writer"})
+        chunks = stats(server).chunks
+
+        reader = Request("reader", tokens, SamplingParams(max_tokens=1), None)
+        assert lookup(scheduler, reader) == (512, True)
+        assert stats(server).leases_held == 1
+        blocks = list(range(40, 89))
+        scheduler.update_state_after_alloc(reader, blocks_of(blocks), 0)  # vLLM takes none
+        meta = scheduler.build_connector_meta(
+            scheduler_output(new=[(reader, blocks)], num_scheduled={"reader": len(tokens)}))
+        assert not meta.loads
+        assert len(meta.stores) == 1  # all 3 chunks: the first two are stored already
+        worker_step([worker], meta)
+        for _ in range(500):
+            if stats(server).leases_held == 0 and stats(server).chunks == chunks + 1:
+                break
+            time.sleep(0.005)
+        assert (stats(server).leases_held, stats(server).chunks) == (0, chunks + 1)
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
+def test_a_preempted_requests_store_is_read_before_its_blocks_are_reused(server):
+    config = hand_config(server.url)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    kvcc = kv_cache_config(spec)
+    scheduler = LMCacheMPServerConnector(config, KVConnectorRole.SCHEDULER, kvcc)
+    worker, _ = worker_connector(config, kvcc, 0)
+    try:
+        tokens = prompt(12, 4 * 256)
+        request = Request("preempted", tokens, SamplingParams(max_tokens=1), None)
+        assert lookup(scheduler, request) == (0, False)
+        scheduler.update_state_after_alloc(request, blocks_of(list(range(64))), 0)
+        meta = scheduler.build_connector_meta(scheduler_output(
+            new=[(request, list(range(64)))], num_scheduled={"preempted": len(tokens)}))
+        chunks = stats(server).chunks
+        worker.bind_connector_metadata(meta)
+        worker.wait_for_save()  # the store is in flight
+        worker.clear_connector_metadata()
+        output = scheduler_output()
+        output.preempted_req_ids = {"preempted"}
+        meta = scheduler.build_connector_meta(output)
+        assert meta.preempted == ["preempted"]
+        worker.handle_preemptions(meta)  # returns once the server has read the blocks
+        assert stats(server).chunks == chunks + 4
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
+# -- failures and misuse ---------------------------------------------------------------------
+
+def test_an_unreachable_server_gives_misses_and_a_clear_start_up_error_in_bounded_time():
+    config = hand_config(ipc_url(), lookup_timeout=0.3, timeout=0.3)
+    scheduler = LMCacheMPServerConnector(config, KVConnectorRole.SCHEDULER, None)
+    worker = LMCacheMPServerConnector(config, KVConnectorRole.WORKER, None)
+    try:
+        request = Request("r", prompt(1, 600), SamplingParams(max_tokens=1), None)
+        started = time.monotonic()
+        assert lookup(scheduler, request) == (0, False)
+        assert time.monotonic() - started < 3
+        with SharedKVCache("mha", 2, 64, BLOCK, 2, 64) as cache:
+            with pytest.raises(RuntimeError, match="cannot register.*is it running"):
+                worker.register_kv_caches({f"l{i}": t for i, t in enumerate(cache.layers)})
+        assert time.monotonic() - started < 5
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
+def test_worker_refuses_caches_it_cannot_share_and_a_wrong_chunk_size(server):
+    config = hand_config(server.url)
+    worker = LMCacheMPServerConnector(config, KVConnectorRole.WORKER, None)
+    try:
+        private = {"layer.0": torch.zeros(8, 2, BLOCK, 128, dtype=torch.float16)}
+        with pytest.raises(ValueError, match="not in shared memory.*get_mem_pool_context"):
+            worker.register_kv_caches(private)
+        with SharedKVCache("mha", 2, 8, 32, 2, 64) as cache:
+            with pytest.raises(ValueError, match="blocks of 32 tokens.*block_size is 16"):
+                worker.register_kv_caches({f"l{i}": t for i, t in enumerate(cache.layers)})
+    finally:
+        worker.shutdown()
+    config.kv_transfer_config.kv_connector_extra_config["chunk_size"] = 512
+    worker = LMCacheMPServerConnector(config, KVConnectorRole.WORKER, None)
+    try:
+        with SharedKVCache("mha", 2, 64, BLOCK, 2, 64) as cache:
+            with pytest.raises(ValueError, match="chunks of 256 tokens.*chunk_size is 512"):
+                worker.register_kv_caches({f"l{i}": t for i, t in enumerate(cache.layers)})
+    finally:
+        worker.shutdown()
+    with pytest.raises(RuntimeError, match="is a scheduler hook"):
+        worker.build_connector_meta(scheduler_output())
+
+
+def test_extra_config_is_typed_and_unknown_keys_are_refused():
+    assert ConnectorConfig.from_extra_config({"url": "ipc:///x", "timeout": 2}).timeout == 2.0
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['urll'\]; known: \['chunk_size'"):
+        ConnectorConfig.from_extra_config({"urll": "tcp://x"})
+    with pytest.raises(ValueError, match="'chunk_size'.*positive integer, got 2.5"):
+        ConnectorConfig.from_extra_config({"chunk_size": 2.5})
+
+
+def test_the_kv_cache_segments_are_unlinked_at_shutdown(server):
+    before = shm_segments()
+    config = hand_config(server.url)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    worker, caches = worker_connector(config, kv_cache_config(spec), 0)
+    assert len(shm_segments() - before) == 1
+    worker.shutdown()
+    assert shm_segments() == before
+    del caches
