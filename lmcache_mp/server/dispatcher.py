@@ -72,6 +72,9 @@ class _Transfer:
                               salt, h) for h in hashes]
         ids = torch.tensor(block_ids, dtype=torch.int64)
         self.block_ids = list(ids.split(per_chunk)) if block_ids else []
+        # Per chunk: whether some block is SKIP_BLOCK (decided here, off the copy path).
+        self.skips = [SKIP_BLOCK in block_ids[c:c + per_chunk]
+                      for c in range(0, len(block_ids), per_chunk)] if allow_skip else []
 
 
 class Dispatcher:
@@ -234,7 +237,8 @@ class Dispatcher:
         # Under MLA every rank of the TP group holds the same latent cache: fill them all.
         targets = [leader, *self.registry.tp_followers(leader)]
         try:
-            jobs = [partial(target.scatter, t.block_ids[c], self._chunk_tensor(chunk, leader))
+            jobs = [partial(target.scatter, t.block_ids[c], self._chunk_tensor(chunk, leader),
+                            t.skips[c])
                     for target in targets for t, chunks in zip(transfers, held)
                     for c, chunk in enumerate(chunks)]
             errors = iter(await self._copy(targets, jobs))

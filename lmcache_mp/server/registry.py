@@ -113,12 +113,13 @@ class KVCacheInstance:
             for layer, dest in zip(self.layers, out):
                 torch.index_select(layer, dim, block_ids, out=dest)
 
-    def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy a chunk-shaped tensor into the given blocks of every layer; a block id of
-        SKIP_BLOCK leaves that block alone (the engine already holds it)."""
+    def scatter(self, block_ids: torch.Tensor, src: torch.Tensor, has_skips: bool = False
+                ) -> None:
+        """Copy a chunk-shaped tensor into the given blocks of every layer; with `has_skips`,
+        a block id of SKIP_BLOCK leaves that block alone (the engine already holds it)."""
         dim = self.geometry.block_dim
-        positions = (block_ids != SKIP_BLOCK).nonzero().flatten()
-        if len(positions) < len(block_ids):
+        if has_skips:
+            positions = (block_ids != SKIP_BLOCK).nonzero().flatten()
             block_ids = block_ids[positions]
             src = src.index_select(dim + 1, positions)
         targets = [(self.stacked, src, dim + 1)] if self.stacked is not None else [
