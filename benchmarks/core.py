@@ -385,7 +385,7 @@ def inprocess_copy_kernels(worker: WorkerCache, copy_threads: int, reps: int) ->
                         str(wl.dtype).removeprefix("torch."), wl.blocks_per_chunk)
     instance = KVCacheInstance(
         instance_id=0, owner=b"", model=MODEL, kv_world_size=1, kv_worker_id=0, tp_rank=0,
-        num_blocks=worker.num_blocks, geometry=geometry, layers=list(cache.layers),
+        tp_group="", num_blocks=worker.num_blocks, geometry=geometry, layers=list(cache.layers),
         stacked=stacked, mappings=[], last_seen=0.0)
     per_chunk = wl.blocks_per_chunk
     pool = torch.empty(worker.batch_bytes, dtype=torch.uint8).fill_(0)
@@ -612,7 +612,8 @@ def inprocess_lookup_costs(single_hashes: list[bytes], batch_requests: list[list
         store.commit(reservation.chunk)
     engine = CopyEngine(1)
     dispatcher = Dispatcher(Config(cpu_size=64 * MiB), store, pool,
-                            Registry(256, time.monotonic), engine)
+                            Registry(256, time.monotonic), engine,
+                            push=lambda client, message: None)  # no follower is registered
     results = {}
     try:
         cases = {
@@ -708,7 +709,7 @@ def breakdown_text(results: dict) -> str:
         out.append("Copy path (GB/s): the server's own gather/scatter code run in this process "
                    "on the same memory, no RPC")
         header = ["workload", "STORE via server", "gather 1 thread",
-                  f"gather CopyEngine", "RETRIEVE via server", "scatter 1 thread",
+                  "gather CopyEngine", "RETRIEVE via server", "scatter 1 thread",
                   "scatter CopyEngine", "1-thread copy bound"]
         rows = []
         for name, k in kernels.items():
