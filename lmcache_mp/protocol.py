@@ -30,6 +30,7 @@ STATUS_ERR = b"err"
 CHUNK_HASH_BYTES = 16
 BLOCK_ID_BYTES = 4  # int32, little-endian
 SKIP_BLOCK = -1  # in RETRIEVE block_ids: leave this block of the chunk unwritten
+SHM_DIR = "/dev/shm/"  # where the segments that "shm" handles name live
 
 _REQUEST_ID = struct.Struct("<Q")
 _CACHE_SALT = re.compile(r"[\x21-\x7e]{0,256}")  # printable ASCII, no spaces

@@ -8,10 +8,9 @@ from multiprocessing import shared_memory
 
 import torch
 
-from ..protocol import ShmHandle
+from ..protocol import SHM_DIR, ShmHandle
 
 SEGMENT_PREFIX = "lmcache_mp_"
-SHM_DIR = "/dev/shm/"
 
 
 def layer_shape(layout: str, num_blocks: int, block_size: int, heads: int, head_dim: int

@@ -43,11 +43,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..client.api import CacheClient, Registration
 from ..client.parallel import ParallelStrategy
 from ..client.scheduler import SchedulerAdapter
-from ..client.shm import SEGMENT_PREFIX, SHM_DIR, shm_handles
+from ..client.shm import SEGMENT_PREFIX, shm_handles
 from ..client.tracker import ChunkLayout, RequestTracker, StepPlan
 from ..client.worker import WorkerAdapter
 from ..errors import BadRequest, LMCacheMPError
-from ..protocol import RegisterKVCacheRequest, ShmHandle, TransferItem, validate_salt
+from ..protocol import SHM_DIR, RegisterKVCacheRequest, ShmHandle, TransferItem, validate_salt
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -84,7 +84,7 @@ def load_quota_file(path: str | Path) -> dict[str, Quota]:
                 quotas[salt] = Quota(parse_cap(str(value.get("cap", UNLIMITED))),
                                      parse_size(str(value.get("reserve", 0))))
             else:
-                raise QuotaError(f"expected \"CAP[:RESERVE]\" or {{cap = ..., reserve = ...}}")
+                raise QuotaError("expected \"CAP[:RESERVE]\" or {cap = ..., reserve = ...}")
         except (ValueError, BadRequest) as exc:
             raise QuotaError(f"quota file {path}: salt {salt!r}: {exc}") from None
     return quotas

@@ -9,17 +9,16 @@ import re
 import secrets
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..errors import BadRequest, UnknownInstance
-from ..protocol import SKIP_BLOCK, RegisterKVCacheRequest, ShmHandle
+from ..protocol import SHM_DIR, SKIP_BLOCK, RegisterKVCacheRequest, ShmHandle
 from .pool import populate
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 LAYOUTS = {"mha": 5, "mla": 3}  # tensor rank of one layer
 MAX_LAYERS = 1024
@@ -159,7 +158,7 @@ def _map_segment(name: str, path: str) -> mmap.mmap:
     _check(bool(_SHM_NAME.fullmatch(name)),
            f"`{path}`: shared-memory name {name!r} must be 1-200 of [A-Za-z0-9_.-]")
     try:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        fd = os.open(SHM_DIR + name, os.O_RDWR)
     except OSError as exc:
         raise BadRequest(f"`{path}`: cannot open shared memory {name!r}: {exc.strerror}") from None
     try:

@@ -11,7 +11,7 @@ from lmcache_mp.client import CacheClient, LookupItem, RpcClient, StoreStatus, T
 from lmcache_mp.errors import RequestTimeout, ServerUnavailable
 from lmcache_mp.protocol import PingReply, PingRequest, StatsReply, StatsRequest, StoreRequest
 
-from ..utils import ServerProcess, ipc_url, run_server
+from ..utils import ipc_url, run_server
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
 
 W1 = dict(layout="mha", num_layers=32, block_size=16, heads=8, head_dim=128, dtype=torch.float16)
