@@ -278,6 +278,8 @@ class StatsReply:
     prefault_done: bool = True
     tenants: dict[str, TenantStats] = field(default_factory=dict)  # by cache_salt
     instances: list[InstanceStats] = field(default_factory=list)
+    cpu_seconds: float = 0.0  # the server process's user + system CPU time since start
+    peak_rss_bytes: int = 0  # the server process's peak resident set size
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -13,14 +14,45 @@ import torch
 from .. import __version__
 from ..errors import BadRequest, UnsupportedVersion
 from ..protocol import (
-    PROTOCOL_VERSION, ClearReply, ClearRequest, EndSessionReply, EndSessionRequest, HelloReply,
-    HelloRequest, InstanceStats, LoadDone, LoadDoneItem, LookupReply, LookupRequest, PingReply,
-    PingRequest, QuotaDeleteRequest,
-    QuotaGetRequest, QuotaInfo, QuotaListReply, QuotaListRequest, QuotaSetRequest,
-    RegisterKVCacheReply, RegisterKVCacheRequest, ReleaseReply, ReleaseRequest, RetrieveReply,
-    RetrieveRequest, SKIP_BLOCK, TenantStats,
-    StatsReply, StatsRequest, StoreReply, StoreRequest, StoreStatus, TransferItem, UnregisterKVCacheReply,
-    UnregisterKVCacheRequest, unpack_block_ids, unpack_hashes, validate_salt,
+    PROTOCOL_VERSION,
+    SKIP_BLOCK,
+    ClearReply,
+    ClearRequest,
+    EndSessionReply,
+    EndSessionRequest,
+    HelloReply,
+    HelloRequest,
+    InstanceStats,
+    LoadDone,
+    LoadDoneItem,
+    LookupReply,
+    LookupRequest,
+    PingReply,
+    PingRequest,
+    QuotaDeleteRequest,
+    QuotaGetRequest,
+    QuotaInfo,
+    QuotaListReply,
+    QuotaListRequest,
+    QuotaSetRequest,
+    RegisterKVCacheReply,
+    RegisterKVCacheRequest,
+    ReleaseReply,
+    ReleaseRequest,
+    RetrieveReply,
+    RetrieveRequest,
+    StatsReply,
+    StatsRequest,
+    StoreReply,
+    StoreRequest,
+    StoreStatus,
+    TenantStats,
+    TransferItem,
+    UnregisterKVCacheReply,
+    UnregisterKVCacheRequest,
+    unpack_block_ids,
+    unpack_hashes,
+    validate_salt,
 )
 from .config import Config
 from .copy_engine import CopyEngine
@@ -271,6 +303,7 @@ class Dispatcher:
 
     def stats(self, client: bytes, req: StatsRequest) -> StatsReply:
         store = self.store
+        rusage = resource.getrusage(resource.RUSAGE_SELF)  # ru_maxrss is in KiB on Linux
         tenants = {}
         for salt in {*store.tenants, *store.quotas.configured()}:
             usage, quota = store.tenants.get(salt), store.quotas.get(salt)
@@ -287,7 +320,8 @@ class Dispatcher:
             prefault_done=self.pool.prefault_done.is_set(), tenants=tenants,
             instances=[InstanceStats(i.instance_id, i.model, i.kv_world_size, i.kv_worker_id,
                                      i.tp_rank, i.stores, i.retrieves, i.loads_pushed)
-                       for i in self.registry.instances()])
+                       for i in self.registry.instances()],
+            cpu_seconds=rusage.ru_utime + rusage.ru_stime, peak_rss_bytes=rusage.ru_maxrss * 1024)
 
     # -- quotas ----------------------------------------------------------------------------
 

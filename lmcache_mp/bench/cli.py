@@ -1,0 +1,202 @@
+"""`lmcache-mp-bench`: flags, per-workload defaults and checks, then one run and its report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from .redis_peer import PeerUnavailable, check_redis_available
+from .report import render, to_json
+from .run import UNIFORM, WORKLOADS, BenchOptions, run
+from .shapes import SHAPES
+
+DESCRIPTION = """\
+Measure an lmcache-mp server on this machine, honestly: simulated vLLM engines (real
+processes with shared-memory paged KV caches, driving the client library the way the
+vLLM connector does) prefill a workload; every figure is printed next to a bound
+measured in the same run (a single-thread copy of the same bytes, a raw pyzmq
+DEALER/ROUTER echo between two processes) and, with --peer redis, next to Redis moving
+the same chunks. Progress goes to stderr, the table to stdout.
+
+workloads:
+  W1, W2, W3    new prompts, then the same prompts again: STORE, then RETRIEVE of the
+                same bytes (shapes in DESIGN.md: W1 32 MiB chunks, W2 512 KiB, W3 MLA 9 MiB)
+  chat          multi-turn conversations over shared documents with Zipf popularity:
+                realistic prefix sharing; hit rate against an unbounded cache's
+  multi-tenant  two steady tenants and a flooder, without and with a quota on the
+                flooder: per-tenant hit rates per phase
+"""
+
+EPILOG = """\
+examples:
+  lmcache-mp-bench --workload W1 --peer redis
+  lmcache-mp-bench --workload W3 --tp 2 --json w3.json
+  lmcache-mp-bench --workload chat --duration 60 --plot chat.png
+  lmcache-mp-bench --workload W2 --url tcp://127.0.0.1:5555   # a server already running
+"""
+
+# requests, chunks per prompt, requests per engine step, default KV shape
+DEFAULTS = {
+    "W1": (16, 4, 4, "W1"),
+    "W2": (128, 8, 8, "W2"),
+    "W3": (16, 4, 4, "W3"),
+    "chat": (240, 0, 8, "W2"),
+    "multi-tenant": (None, 4, 4, "W2"),
+}
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmcache-mp-bench", description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=WORKLOADS, default="W1",
+                        help="what the engines prefill (default W1)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--spawn", action="store_true",
+                       help="start a server of our own on an ipc:// socket, sized for the "
+                            "workload, and stop it at the end (the default)")
+    where.add_argument("--url", metavar="URL",
+                       help="use a server already running at URL instead; the run uses a "
+                            "model name and cache salts of its own and clears them at the end")
+    parser.add_argument("--workers", type=positive_int, default=1, metavar="N",
+                        help="simulated engines, each with --tp × --pp rank processes "
+                             "(default 1)")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks per engine (default 1)")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel stages per engine (default 1)")
+    mla = parser.add_mutually_exclusive_group()
+    mla.add_argument("--mla", dest="mla", action="store_true", default=None,
+                     help="MLA: only each TP group's leader sends STORE and RETRIEVE and the "
+                          "server fills the other ranks (default for W3; needs an MLA shape)")
+    mla.add_argument("--no-mla", dest="mla", action="store_false",
+                     help="with an MLA shape, let every rank send its own requests, as a "
+                          "connector unaware of MLA would")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--requests", type=positive_int, metavar="N",
+                        help="distinct prompts over all engines (W1/W2/W3: each is sent "
+                             "twice, to store and to hit; default W1/W3 16, W2 128, chat 240; "
+                             "multi-tenant sizes itself from the pool)")
+    length.add_argument("--duration", type=positive_float, metavar="SECONDS",
+                        help="run for this long instead (split between multi-tenant's phases)")
+    parser.add_argument("--batch", type=positive_int, metavar="N",
+                        help="requests each engine prefills per step (default W1/W3 4, W2 8, "
+                             "chat 8, multi-tenant 4)")
+    parser.add_argument("--chunks", type=positive_int, metavar="N",
+                        help="chunks per prompt, for W1/W2/W3 and multi-tenant (default 4, "
+                             "W2 8)")
+    parser.add_argument("--shape", choices=sorted(SHAPES),
+                        help="KV-cache shape for chat and multi-tenant (default W2)")
+    parser.add_argument("--peer", choices=("redis",),
+                        help="also move the same chunks through a redis-server on loopback "
+                             "(started here; redis-py with hiredis, pipelined) and report our "
+                             "GB/s over Redis's")
+    parser.add_argument("--cpu-size", metavar="SIZE",
+                        help="pool of a spawned server, e.g. 4GiB (default: what the workload "
+                             "stores, plus slack; multi-tenant 64MiB)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for prompts and block ids (default 0)")
+    parser.add_argument("--json", metavar="PATH", type=Path,
+                        help="also write every figure, per phase and per step, to this JSON file")
+    parser.add_argument("--plot", metavar="PATH", type=Path,
+                        help="also draw throughput per step and LOOKUP latency to this PNG "
+                             "(needs matplotlib: pip install 'lmcache-mp[plot]')")
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="skip the byte-for-byte check of every loaded chunk (not timed "
+                             "either way)")
+    parser.add_argument("--lookup-rounds", type=positive_int, default=5,
+                        help="interleaved LOOKUP/echo latency rounds (default 5)")
+    parser.add_argument("--lookup-iters", type=positive_int, default=400,
+                        help="round trips per latency round and side (default 400)")
+    parser.add_argument("--lookup-seconds", type=positive_float, default=4.0,
+                        help="seconds of batched LOOKUP throughput, half of it echo (default 4)")
+    parser.add_argument("--timeout", type=positive_float, default=120.0,
+                        help="seconds any one server reply or rank step may take (default 120)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false",
+                        help="no progress bar (it is off anyway when stderr is not a terminal)")
+    return parser
+
+
+def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BenchOptions:
+    requests, chunks, batch, shape_name = DEFAULTS[args.workload]
+    if args.workload in UNIFORM:
+        if args.shape is not None and args.shape != args.workload:
+            parser.error(f"--shape: {args.workload} is its own shape")
+        shape = SHAPES[args.workload]
+    else:
+        shape = SHAPES[args.shape or shape_name]
+    mla = shape.layout == "mla" if args.mla is None else args.mla
+    if mla and shape.layout != "mla":
+        parser.error(f"--mla needs an MLA shape (W3); {shape.name} is {shape.layout.upper()}")
+    if args.workload == "chat" and args.chunks is not None:
+        parser.error("--chunks does not apply to chat: its prompts grow turn by turn")
+    if args.workload == "multi-tenant" and args.requests is not None:
+        parser.error("--requests does not apply to multi-tenant: it sizes itself from the pool")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install 'lmcache-mp[plot]'")
+    if args.peer == "redis":
+        try:
+            check_redis_available()
+        except PeerUnavailable as exc:
+            parser.error(str(exc))
+    return BenchOptions(
+        workload=args.workload, shape=shape, url=args.url, workers=args.workers, tp=args.tp,
+        pp=args.pp, mla=mla,
+        requests=None if args.duration else (args.requests or requests),
+        duration=args.duration, batch=args.batch or batch, chunks=args.chunks or chunks or 1,
+        seed=args.seed, peer=args.peer, cpu_size=args.cpu_size, verify=args.verify,
+        lookup_rounds=args.lookup_rounds, lookup_iters=args.lookup_iters,
+        lookup_seconds=args.lookup_seconds, timeout=args.timeout,
+        progress=args.progress and sys.stderr.isatty())
+
+
+def log(message: str) -> None:
+    print(f"lmcache-mp-bench: {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    options = options_from(args, parser)
+    torch.set_num_threads(1)
+    try:
+        report = run(options, log)
+    except PeerUnavailable as exc:
+        print(f"lmcache-mp-bench: {exc}", file=sys.stderr)
+        return 2
+    print(f"\n## lmcache-mp-bench --workload {options.workload}\n")
+    print(f"{options.shape.describe()}; {options.workers} engine(s) × TP {options.tp} × "
+          f"PP {options.pp}{' MLA' if options.mla else ''}; server {report.server.url} "
+          f"({'spawned' if report.server.spawned else 'given'}), pool "
+          f"{report.meta['server_pool']}; {report.meta['cpus']} CPUs.\n")
+    print(render(report))
+    if args.json is not None:
+        args.json.write_text(to_json(report))
+        log(f"wrote {args.json}")
+    if args.plot is not None:
+        from .plot import draw
+
+        draw(report, args.plot)
+        log(f"wrote {args.plot}")
+    return 0 if report.checks.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

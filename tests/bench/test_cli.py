@@ -1,0 +1,160 @@
+"""`lmcache-mp-bench` end to end on tiny configurations: real servers, ranks and redis-server.
+
+No timing is asserted: figures must be present, positive where they measure something,
+and consistent with each other (ratios are measured / bound).
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmcache_mp.client import CacheClient
+from tests.utils import run_server
+
+pytestmark = pytest.mark.slow
+
+BENCH = Path(sys.executable).parent / "lmcache-mp-bench"
+TINY = ["--lookup-rounds", "1", "--lookup-iters", "20", "--lookup-seconds", "0.2",
+        "--no-progress"]
+
+
+def bench(*args: str, env: dict[str, str] | None = None, timeout: float = 240
+          ) -> subprocess.CompletedProcess:
+    assert BENCH.exists(), f"the console script is not installed next to {sys.executable}"
+    return subprocess.run([str(BENCH), *args], check=False, capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+def run_json(tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "out.json"
+    result = bench(*args, *TINY, "--json", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| STORE |" in result.stdout and "byte-exact checks" in result.stdout
+    return json.loads(out.read_text())
+
+
+def assert_compared(compared: dict, *, positive: bool = True) -> None:
+    assert set(compared) == {"measured", "bound", "ratio"}
+    if positive:
+        assert compared["measured"] > 0 and compared["bound"] > 0
+    assert math.isclose(compared["ratio"], compared["measured"] / compared["bound"])
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None and not os.environ.get("CI"),
+                    reason="redis-server is not installed (apt-get install redis-server); "
+                           "CI installs it")
+def test_w2_with_redis_json_and_plot(tmp_path):
+    plot = tmp_path / "out.png"
+    data = run_json(tmp_path, "--workload", "W2", "--requests", "6", "--chunks", "2",
+                    "--batch", "3", "--peer", "redis", "--plot", str(plot))
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    figures = data["figures"]
+    assert set(figures) == {"store", "retrieve", "store_vs_redis", "retrieve_vs_redis",
+                            "lookup_p50", "lookup_p99", "lookup_p999", "lookup_keys_per_s",
+                            "hit_rate", "tokens_saved", "requests_per_s",
+                            "transfer_requests_per_step"}
+    for name in ("store", "retrieve", "store_vs_redis", "retrieve_vs_redis", "lookup_p50",
+                 "lookup_p99", "lookup_p999", "lookup_keys_per_s"):
+        assert_compared(figures[name])
+    assert figures["store"]["bound"] == data["copy_bound_gbps"]
+    assert figures["store_vs_redis"]["measured"] == figures["store"]["measured"]
+    assert data["lookup"]["p50_us"] <= data["lookup"]["p99_us"] <= data["lookup"]["p999_us"]
+    assert data["lookup"]["samples"] == data["echo"]["samples"] == 20
+    # Six prompts of two chunks: stored once, hit once; an unbounded cache does no better.
+    assert figures["hit_rate"] == {"measured": 0.5, "bound": 0.5, "ratio": 1.0}
+    assert 0.4 < figures["tokens_saved"] < 0.5  # the last block of each prompt is computed
+    assert figures["requests_per_s"] > 0
+    # One engine, one rank: a STORE per step that stores, a RETRIEVE per step that hits.
+    assert figures["transfer_requests_per_step"] == 1.0
+    (phase,) = data["phases"]
+    assert phase["requests"] == 12
+    assert phase["stored_bytes"] == phase["retrieved_bytes"] == 12 * 512 * 1024
+    assert phase["peer_stored_bytes"] == phase["peer_fetched_bytes"] == 12 * 512 * 1024
+    assert data["checks"] == {"verified_chunks": 12, "corrupt_chunks": 0,
+                              "peer_corrupt_chunks": 0, "failed_load_blocks": 0}
+    server = data["server"]
+    assert server["spawned"] and server["url"].startswith("ipc://")
+    assert server["peak_rss_bytes"] > 0 and server["cpu_seconds"] > 0
+    assert data["meta"]["redis_server"] and data["meta"]["options"]["workload"] == "W2"
+
+
+def test_w3_tp2_mla_fills_both_ranks(tmp_path):
+    data = run_json(tmp_path, "--workload", "W3", "--tp", "2", "--requests", "2",
+                    "--chunks", "1", "--batch", "2")
+    (phase,) = data["phases"]
+    chunk = 9 * 2**20
+    assert phase["stored_bytes"] == 2 * chunk  # only the leader sends STORE
+    assert phase["retrieved_bytes"] == 2 * 2 * chunk  # the server fills the follower too
+    assert data["checks"]["verified_chunks"] == 4 and data["checks"]["corrupt_chunks"] == 0
+    assert data["meta"]["options"]["mla"] is True
+    assert data["figures"]["transfer_requests_per_step"] == 1.0  # the leader's alone
+
+
+def test_w3_every_rank_sends_without_mla(tmp_path):
+    data = run_json(tmp_path, "--workload", "W3", "--tp", "2", "--no-mla", "--requests", "2",
+                    "--chunks", "1", "--batch", "2")
+    assert data["figures"]["transfer_requests_per_step"] == 2.0
+    (phase,) = data["phases"]
+    chunk = 9 * 2**20
+    # Both ranks STORE the same two chunks; the server copies them once, so they count once.
+    assert phase["stored_bytes"] == 2 * chunk
+    assert phase["retrieved_bytes"] == 2 * 2 * chunk  # each rank RETRIEVEs its own copy
+    assert data["checks"]["verified_chunks"] == 4 and data["checks"]["corrupt_chunks"] == 0
+
+
+def test_chat_hit_rate_is_held_against_an_unbounded_cache(tmp_path):
+    data = run_json(tmp_path, "--workload", "chat", "--requests", "24", "--batch", "4")
+    hit = data["figures"]["hit_rate"]
+    assert 0 < hit["measured"] <= hit["bound"] <= 1
+    assert 0 < data["figures"]["tokens_saved"] < 1
+    assert data["checks"]["corrupt_chunks"] == 0 and data["checks"]["verified_chunks"] > 0
+
+
+def test_multi_tenant_quota_keeps_steady_tenants_hitting(tmp_path):
+    data = run_json(tmp_path, "--workload", "multi-tenant")
+    phases = {phase["name"]: phase["tenants"] for phase in data["phases"]}
+    assert list(phases) == ["baseline", "flood", "flood+quota"]
+    for tenant in ("steady-a", "steady-b"):
+        assert phases["baseline"][tenant]["hit_rate"] == 1.0
+        assert phases["flood+quota"][tenant]["hit_rate"] == 1.0
+        assert phases["flood"][tenant]["hit_rate"] < 1.0
+    assert phases["flood"]["flood"]["hit_rate"] == 0.0
+
+
+def test_a_running_server_is_left_as_it_was_found(tmp_path):
+    with run_server("--cpu-size", "128MiB") as server:
+        data = run_json(tmp_path, "--url", server.url, "--workload", "W2", "--requests", "2",
+                        "--chunks", "1")
+        assert not data["server"]["spawned"]
+        assert data["checks"]["verified_chunks"] == 2
+        with CacheClient(server.url) as client:
+            stats = client.stats()
+            assert stats.chunks == 0 and stats.tenants == {} and stats.registrations == 0
+            assert client.quota_list().quotas == []
+
+
+def test_redis_missing_says_how_to_install_it(tmp_path):
+    env = {**os.environ, "PATH": str(BENCH.parent)}  # our venv, without /usr/bin
+    result = bench("--workload", "W2", "--requests", "1", "--peer", "redis", *TINY, env=env)
+    assert result.returncode == 2
+    assert "apt-get install redis-server" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--workload", "W1", "--mla"], "--mla needs an MLA shape"),
+    (["--workload", "chat", "--chunks", "2"], "--chunks does not apply to chat"),
+    (["--workload", "W2", "--requests", "0"], "must be at least 1"),
+    (["--workload", "W2", "--requests", "3", "--duration", "5"], "not allowed with"),
+    (["--workload", "W1", "--shape", "W2"], "W1 is its own shape"),
+])
+def test_bad_flags_are_refused_before_anything_starts(args, message):
+    result = bench(*args, timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr
