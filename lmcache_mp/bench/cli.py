@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import LMCacheMPError
 from .redis_peer import PeerUnavailable, check_redis_available
 from .report import render, to_json
 from .run import UNIFORM, WORKLOADS, BenchOptions, run
@@ -36,6 +37,10 @@ examples:
   lmcache-mp-bench --workload W3 --tp 2 --json w3.json
   lmcache-mp-bench --workload chat --duration 60 --plot chat.png
   lmcache-mp-bench --workload W2 --url tcp://127.0.0.1:5555   # a server already running
+
+exit status: 0 when every byte check passed, 1 when one failed (the table says which),
+2 for bad flags or a peer that cannot run here (the message says what to install),
+3 when the run itself failed (a server, rank or reply that did not come in time).
 """
 
 # requests, chunks per prompt, requests per engine step, default KV shape
@@ -181,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     except PeerUnavailable as exc:
         print(f"lmcache-mp-bench: {exc}", file=sys.stderr)
         return 2
+    except (LMCacheMPError, RuntimeError, TimeoutError) as exc:
+        print(f"lmcache-mp-bench: the run failed: {exc}", file=sys.stderr)
+        return 3
     print(f"\n## lmcache-mp-bench --workload {options.workload}\n")
     print(f"{options.shape.describe()}; {options.workers} engine(s) × TP {options.tp} × "
           f"PP {options.pp}{' MLA' if options.mla else ''}; server {report.server.url} "

@@ -158,3 +158,11 @@ def test_bad_flags_are_refused_before_anything_starts(args, message):
     result = bench(*args, timeout=60)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_a_server_that_does_not_answer_fails_the_run_in_bounded_time():
+    nobody = "ipc:///tmp/lmcache-mp-test-nobody-listens.sock"
+    result = bench("--url", nobody, "--workload", "W2", "--requests", "1", "--timeout", "2",
+                   *TINY, timeout=60)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "the run failed" in result.stderr and "Traceback" not in result.stderr
