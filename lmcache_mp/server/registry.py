@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import BadRequest, UnknownInstance
-from ..protocol import SHM_DIR, SKIP_BLOCK, RegisterKVCacheRequest, ShmHandle
+from ..protocol import SHM_DIR, SKIP_BLOCK, RegisterKVCacheRequest, ShmHandle, span_bytes
 from .pool import populate
 
 logger = logging.getLogger(__name__)
@@ -149,11 +149,6 @@ def _check(condition: bool, message: str) -> None:
         raise BadRequest(message)
 
 
-def _span_bytes(shape: list[int], strides: list[int], itemsize: int) -> int:
-    """Bytes from the first element to one past the last one."""
-    return (sum((dim - 1) * stride for dim, stride in zip(shape, strides)) + 1) * itemsize
-
-
 def _map_segment(name: str, path: str) -> mmap.mmap:
     _check(bool(_SHM_NAME.fullmatch(name)),
            f"`{path}`: shared-memory name {name!r} must be 1-200 of [A-Za-z0-9_.-]")
@@ -186,6 +181,8 @@ def _validate_handles(req: RegisterKVCacheRequest, chunk_size: int) -> tuple[Geo
     rank = LAYOUTS[req.layout]
     for i, handle in enumerate(req.layers):
         where = f"layers[{i}]"
+        _check(handle.kind == first.kind, f"`{where}.kind`: every layer needs the kind of "
+               f"layers[0] ({first.kind!r}), got {handle.kind!r}")
         _check(handle.dtype in DTYPES, f"`{where}.dtype`: unsupported {handle.dtype!r}; "
                f"supported: {', '.join(DTYPES)}")
         _check(len(handle.shape) == rank and len(handle.strides) == rank,
@@ -217,7 +214,7 @@ def _stack_layers(handles: list[ShmHandle], typed: torch.Tensor) -> torch.Tensor
     first = handles[0]
     itemsize = typed.element_size()
     step = handles[1].offset - first.offset if len(handles) > 1 else 0
-    span = _span_bytes(first.shape, first.strides, itemsize)
+    span = span_bytes(first.shape, first.strides, itemsize)
     if len(handles) > 1 and step < span:
         return None
     for i, handle in enumerate(handles):
@@ -241,6 +238,8 @@ class Registry:
 
     def register(self, owner: bytes, req: RegisterKVCacheRequest) -> KVCacheInstance:
         geometry, num_blocks = _validate_handles(req, self.chunk_size)
+        _check(req.layers[0].kind == ShmHandle.KIND,
+               "`layers[0].kind`: this server cannot map cuda_ipc handles")
         dtype = DTYPES[geometry.dtype]
         mappings: dict[str, mmap.mmap] = {}
         try:
@@ -248,7 +247,7 @@ class Registry:
                 if handle.name not in mappings:
                     mappings[handle.name] = _map_segment(handle.name, f"layers[{i}].name")
                 size = len(mappings[handle.name])
-                end = handle.offset + _span_bytes(handle.shape, handle.strides, dtype.itemsize)
+                end = handle.offset + span_bytes(handle.shape, handle.strides, dtype.itemsize)
                 _check(end <= size, f"`layers[{i}]`: tensor ends at byte {end} but shared memory "
                        f"{handle.name!r} holds {size} bytes")
         except BaseException:
