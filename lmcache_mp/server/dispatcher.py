@@ -6,12 +6,12 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from .. import __version__
-from ..errors import BadRequest, UnsupportedVersion
+from ..errors import BadRequest, InternalError, UnsupportedVersion
 from ..protocol import (
     PROTOCOL_VERSION, ClearReply, ClearRequest, EndSessionReply, EndSessionRequest, HelloReply,
     HelloRequest, InstanceStats, LoadDone, LoadDoneItem, LookupReply, LookupRequest, PingReply,
@@ -28,8 +28,10 @@ from .pool import CpuPool
 from .quotas import Quota, QuotaError, load_quota_file
 from .registry import DTYPES, MAX_KV_WORLD_SIZE, KVCacheInstance, Registry
 from .store import Chunk, ChunkKey, ChunkStore, LeaseOwner
+from .streams import DeviceStalled, StreamCopier
 
 MAX_REQUEST_ID_CHARS = 512
+T = TypeVar("T")
 
 
 def _validate_request_id(request_id: str, path: str) -> str:
@@ -85,9 +87,12 @@ class Dispatcher:
     """
 
     def __init__(self, config: Config, store: ChunkStore, pool: CpuPool, registry: Registry,
-                 copy_engine: CopyEngine, push: Callable[[bytes, Any], None]):
-        """`push(client, message)` sends a message the client did not ask for (MLA loads)."""
+                 copy_engine: CopyEngine, push: Callable[[bytes, Any], None],
+                 copier: StreamCopier | None = None):
+        """`push(client, message)` sends a message the client did not ask for (MLA loads);
+        `copier` runs the copies of caches registered on a GPU (None without CUDA)."""
         self.push = push
+        self.copier = copier
         self.config = config
         self.store = store
         self.pool = pool
@@ -175,15 +180,24 @@ class Dispatcher:
         return (self.pool.view(chunk.offset, chunk.nbytes).view(DTYPES[geometry.dtype])
                 .view(geometry.chunk_shape))
 
-    async def _copy(self, instances: list[KVCacheInstance], jobs: list
-                    ) -> list[BaseException | None]:
+    async def _copy(self, instances: list[KVCacheInstance], copies: Awaitable[T]) -> T:
+        """Await `copies`, keeping the instances mapped until the device is done with them."""
         for instance in instances:
             instance.copies_in_flight += 1
-        try:
-            return await self.copy_engine.run(jobs)
-        finally:
+
+        def finished() -> None:
             for instance in instances:
                 self.registry.copy_finished(instance)
+        try:
+            result = await copies
+        except DeviceStalled as stall:
+            stall.after(finished)
+            raise
+        except BaseException:
+            finished()
+            raise
+        finished()
+        return result
 
     def _sender(self, client: bytes, instance_id: int, op: str) -> KVCacheInstance:
         instance = self.registry.get(instance_id, client)
@@ -206,13 +220,24 @@ class Dispatcher:
     async def _finish_store(self, instance, transfers, reservations) -> StoreReply:
         pending = [(i, c, r.chunk) for i, per_item in enumerate(reservations)
                    for c, r in enumerate(per_item) if r.chunk is not None]
-        try:
-            jobs = [partial(instance.gather, transfers[i].block_ids[c],
-                            self._chunk_tensor(chunk, instance)) for i, c, chunk in pending]
-            errors = await self._copy([instance], jobs)
-        except BaseException:
+
+        def abort_all() -> None:
             for _, _, chunk in pending:
                 self.store.abort(chunk)
+        try:
+            jobs = [(transfers[i].block_ids[c], self._chunk_tensor(chunk, instance))
+                    for i, c, chunk in pending]
+            if instance.lane is not None:
+                copies = self.copier.store(instance, jobs)
+            else:
+                copies = self.copy_engine.run([partial(instance.gather, ids, out)
+                                               for ids, out in jobs])
+            errors = await self._copy([instance], copies)
+        except DeviceStalled as stall:
+            stall.after(abort_all)  # the device may still write into those chunks
+            raise InternalError(f"{stall}; nothing of this STORE was stored") from None
+        except BaseException:
+            abort_all()
             raise
         statuses = [bytearray(r.status for r in per_item) for per_item in reservations]
         copied: list[list[Chunk]] = [[] for _ in transfers]
@@ -236,15 +261,28 @@ class Dispatcher:
     async def _finish_retrieve(self, leader, transfers, held) -> RetrieveReply:
         # Under MLA every rank of the TP group holds the same latent cache: fill them all.
         targets = [leader, *self.registry.tp_followers(leader)]
-        try:
-            jobs = [partial(target.scatter, t.block_ids[c], self._chunk_tensor(chunk, leader),
-                            t.skips[c])
-                    for target in targets for t, chunks in zip(transfers, held)
-                    for c, chunk in enumerate(chunks)]
-            errors = iter(await self._copy(targets, jobs))
-        finally:
+
+        def unhold() -> None:
             for chunks in held:
                 self.store.unhold(chunks)
+        try:
+            jobs = [(t.block_ids[c], self._chunk_tensor(chunk, leader), t.skips[c])
+                    for t, chunks in zip(transfers, held) for c, chunk in enumerate(chunks)]
+            if leader.lane is not None:
+                per_target = await self._copy(targets, self.copier.retrieve(targets, jobs))
+                outcomes = [error for errors in per_target for error in errors]
+            else:
+                outcomes = await self._copy(targets, self.copy_engine.run(
+                    [partial(target.scatter, *job) for target in targets for job in jobs]))
+        except DeviceStalled as stall:
+            stall.after(unhold)  # the device may still read those chunks
+            raise InternalError(f"{stall}; treat the blocks of this RETRIEVE as unwritten"
+                                ) from None
+        except BaseException:
+            unhold()
+            raise
+        unhold()
+        errors = iter(outcomes)
         landed = {target.instance_id: [_leading_successes(errors, len(chunks)) for chunks in held]
                   for target in targets}
         for t in transfers:
