@@ -20,6 +20,50 @@ class Allocation(Protocol):
     def close(self) -> None: ...
 
 
+class SharedAllocations:
+    """Opened allocations, counted by the registrations that use them.
+
+    CUDA opens an IPC handle only once per process: a worker that registers the same memory
+    again while its old registration is still mapped (it timed out with copies in flight)
+    shares the opened allocation, which is closed when its last registration lets go.
+    """
+
+    def __init__(self, open_allocation: Callable[[bytes, int], Allocation]):
+        self._open = open_allocation
+        self._opened: dict[tuple[bytes, int], tuple[Allocation, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._opened)
+
+    def open(self, handle: bytes, device: int) -> Allocation:
+        key = (handle, device)
+        allocation, users = self._opened.get(key) or (self._open(handle, device), 0)
+        self._opened[key] = (allocation, users + 1)
+        return _Use(allocation, lambda: self._release(key))
+
+    def _release(self, key: tuple[bytes, int]) -> None:
+        allocation, users = self._opened[key]
+        if users > 1:
+            self._opened[key] = (allocation, users - 1)
+        else:
+            del self._opened[key]
+            allocation.close()
+
+
+class _Use:
+    """One registration's use of a shared allocation; close() lets go of it once."""
+
+    def __init__(self, allocation: Allocation, release: Callable[[], None]):
+        self.data = allocation.data
+        self._release: Callable[[], None] | None = release
+
+    def close(self) -> None:
+        if self._release is not None:
+            self._release, release = None, self._release
+            self.data = self.data[:0]
+            release()
+
+
 @dataclass(frozen=True)
 class CudaIpcSupport:
     """What registering cuda_ipc handles takes; the server builds it from CUDA, tests from fakes."""

@@ -130,10 +130,18 @@ class KVCacheInstance:
                 ) -> None:
         """Copy a chunk-shaped tensor into the given blocks of every layer; with `has_skips`,
         a block id of SKIP_BLOCK leaves that block alone (the engine already holds it)."""
-        dim = self.geometry.block_dim
-        if has_skips:  # on the CPU: block_ids are there, and nonzero() on a GPU waits for it
+        positions = None
+        if has_skips:
             positions = (block_ids != SKIP_BLOCK).nonzero().flatten()
             block_ids = block_ids[positions]
+        self.scatter_blocks(block_ids, src, positions)
+
+    def scatter_blocks(self, block_ids: torch.Tensor, src: torch.Tensor,
+                       positions: torch.Tensor | None) -> None:
+        """Copy blocks `positions` of a chunk-shaped tensor (None: all of them) into blocks
+        `block_ids` of every layer; the index tensors may be on any device."""
+        dim = self.geometry.block_dim
+        if positions is not None:
             src = src.index_select(dim + 1, positions.to(src.device, non_blocking=True))
         block_ids = block_ids.to(src.device, non_blocking=True)
         targets = [(self.stacked, src, dim + 1)] if self.stacked is not None else [

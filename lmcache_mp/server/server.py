@@ -20,7 +20,7 @@ from ..errors import InternalError, ServerError, ShuttingDown
 from ..sizes import format_size
 from .config import Config
 from .copy_engine import CopyEngine
-from .cuda_ipc import CudaIpcSupport
+from .cuda_ipc import CudaIpcSupport, SharedAllocations
 from .device import CudaDevice
 from .dispatcher import Dispatcher
 from .pool import CpuPool
@@ -107,8 +107,8 @@ class Server:
         cuda_ipc = None
         if has_cuda:
             self._copier = StreamCopier(CudaDevice(), config.copy_threads, _GPU_COPY_TIMEOUT_S)
-            cuda_ipc = CudaIpcSupport(cuda.open_allocation, cuda.device_index,
-                                      self._copier.new_lane)
+            cuda_ipc = CudaIpcSupport(SharedAllocations(cuda.open_allocation).open,
+                                      cuda.device_index, self._copier.new_lane)
         registry = Registry(config.chunk_size, time.monotonic, cuda_ipc)
         self._copy_engine = CopyEngine(config.copy_threads)
         self.dispatcher = Dispatcher(config, store, self._pool, registry, self._copy_engine,

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..protocol import SKIP_BLOCK
 from .device import Device
 from .registry import DTYPES, Geometry, KVCacheInstance
 
@@ -56,6 +57,15 @@ class Lane:
     staging: torch.Tensor  # one chunk, chunk-shaped, on the worker's device
     store_event: Any | None
     lock: threading.Lock = field(default_factory=threading.Lock)  # one request queues at a time
+
+
+def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Small CPU index tensors onto `device` in one copy that does not wait for the stream:
+    from pageable memory, CUDA would first wait for all the work queued on it."""
+    if device.type != "cuda" or not tensors:
+        return tensors
+    sizes = [t.numel() for t in tensors]
+    return list(torch.cat(tensors).pin_memory().to(device, non_blocking=True).split(sizes))
 
 
 def _attempt(work: Callable[[], None]) -> BaseException | None:
@@ -97,8 +107,9 @@ class StreamCopier:
         with lane.lock, device.use(lane.stream):
             if lane.store_event is not None:
                 device.wait(lane.stream, lane.store_event)
+            ids = _to_device([ids for ids, _ in jobs], lane.staging.device)
             errors = [_attempt(lambda ids=ids, chunk=chunk: self._gather(instance, ids, chunk))
-                      for ids, chunk in jobs]
+                      for ids, (_, chunk) in zip(ids, jobs)]
             return errors, device.record(lane.stream)
 
     @staticmethod
@@ -122,26 +133,35 @@ class StreamCopier:
         device, leader = self.device, targets[0]
         lane = leader.lane
         errors: list[list[BaseException | None]] = [[] for _ in targets]
+        # Which blocks each chunk writes is decided here, on the CPU: on a GPU it would wait.
+        positions = [(ids != SKIP_BLOCK).nonzero().flatten() if skips else None
+                     for ids, _, skips in jobs]
+        written = [ids if where is None else ids[where]
+                   for (ids, _, _), where in zip(jobs, positions)]
         with lane.lock, device.use(lane.stream):
-            for ids, chunk, skips in jobs:
-                error = _attempt(lambda ids=ids, chunk=chunk, skips=skips:
-                                 self._scatter(leader, ids, chunk, skips))
+            indices = _to_device(written + [p for p in positions if p is not None],
+                                 lane.staging.device)
+            block_ids, found = indices[:len(jobs)], iter(indices[len(jobs):])
+            where_on_device = [None if p is None else next(found) for p in positions]
+            for (_, chunk, _), ids, where in zip(jobs, block_ids, where_on_device):
+                error = _attempt(lambda ids=ids, chunk=chunk, where=where:
+                                 self._scatter(leader, ids, chunk, where))
                 errors[0].append(error)
                 for k, follower in enumerate(targets[1:], 1):
                     errors[k].append(error or _attempt(
-                        lambda ids=ids, skips=skips, follower=follower:
-                        self._fan_out(leader, follower, ids, skips)))
+                        lambda ids=ids, where=where, follower=follower:
+                        self._fan_out(leader, follower, ids, where)))
             return errors, [device.record(target.lane.stream) for target in targets]
 
     @staticmethod
     def _scatter(leader: KVCacheInstance, block_ids: torch.Tensor, chunk: torch.Tensor,
-                 skips: bool) -> None:
+                 positions: torch.Tensor | None) -> None:
         staging = leader.lane.staging
         staging.copy_(chunk, non_blocking=True)
-        leader.scatter(block_ids, staging, skips)
+        leader.scatter_blocks(block_ids, staging, positions)
 
     def _fan_out(self, leader: KVCacheInstance, follower: KVCacheInstance,
-                 block_ids: torch.Tensor, skips: bool) -> None:
+                 block_ids: torch.Tensor, positions: torch.Tensor | None) -> None:
         """Device to device: the leader's staging chunk into a follower's blocks, ordered
         after the leader's copy, and before the leader's staging chunk is reused."""
         device, mine, theirs = self.device, leader.lane, follower.lane
@@ -149,7 +169,7 @@ class StreamCopier:
         with device.use(theirs.stream):
             device.wait(theirs.stream, ready)
             theirs.staging.copy_(mine.staging, non_blocking=True)
-            follower.scatter(block_ids, theirs.staging, skips)
+            follower.scatter_blocks(block_ids, theirs.staging, positions)
             done = device.record(theirs.stream)
         device.wait(mine.stream, done)
 

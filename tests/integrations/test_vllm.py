@@ -537,6 +537,10 @@ def test_worker_refuses_caches_it_cannot_share_and_a_wrong_chunk_size(server):
         private = {"layer.0": torch.zeros(8, 2, BLOCK, 128, dtype=torch.float16)}
         with pytest.raises(ValueError, match="not in shared memory.*get_mem_pool_context"):
             worker.register_kv_caches(private)
+        mixed = {**private, "layer.1": torch.zeros(8, 2, BLOCK, 128, device="meta")}
+        with pytest.raises(ValueError, match=r"on CUDA devices or in CPU shared memory, all on "
+                                             r"one of them; these are on \['cpu', 'meta'\]"):
+            worker.register_kv_caches(mixed)
         with SharedKVCache("mha", 2, 8, 32, 2, 64) as cache:
             with pytest.raises(ValueError, match="blocks of 32 tokens.*block_size is 16"):
                 worker.register_kv_caches({f"l{i}": t for i, t in enumerate(cache.layers)})

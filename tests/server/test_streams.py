@@ -33,7 +33,7 @@ from lmcache_mp.protocol import (
 )
 from lmcache_mp.server.config import Config
 from lmcache_mp.server.copy_engine import CopyEngine
-from lmcache_mp.server.cuda_ipc import CudaIpcSupport
+from lmcache_mp.server.cuda_ipc import CudaIpcSupport, SharedAllocations
 from lmcache_mp.server.dispatcher import Dispatcher
 from lmcache_mp.server.pool import CpuPool
 from lmcache_mp.server.registry import Registry
@@ -108,7 +108,8 @@ class Rig:
         self.pool = CpuPool(16 * 1024**2)
         self.store = ChunkStore(self.pool.allocator, 60.0)
         self.copier = StreamCopier(self.device, 1, timeout)
-        support = CudaIpcSupport(self.open_allocation,
+        self.shared = SharedAllocations(self.open_allocation)
+        support = CudaIpcSupport(self.shared.open,
                                  lambda uuid: 0 if normalize_uuid(uuid) == UUID else None,
                                  self.copier.new_lane)
         self.registry = Registry(256, time.monotonic, support)
@@ -304,3 +305,18 @@ def test_bad_cuda_ipc_registrations_are_refused_and_close_what_they_opened():
     rig.registry.unregister(instance.instance_id)
     assert rig.log[-1] == ("close", rig.memory[handle].data_ptr())
     assert len(rig.registry) == 0
+
+
+def test_registering_the_same_memory_twice_opens_it_once_and_closes_it_after_both():
+    rig = Rig()
+    first, _ = rig.register("mla", 4, seed=1)
+    handles = [h for h in rig.registry.instances()[0].allocations]
+    assert len(handles) == 1 and len(rig.shared) == 1
+    request = RegisterKVCacheRequest("m", 1, 0, "mla", BLOCK, [CudaIpcHandle(
+        bytes([4]) * 64, 4096, UUID, [BLOCKS, BLOCK, 64], [BLOCK * 64, 64, 1], "float16")])
+    second = rig.registry.register(CLIENT, request).instance_id
+    assert [entry[0] for entry in rig.log] == ["open"]
+    rig.registry.unregister(first)
+    assert [entry[0] for entry in rig.log] == ["open"] and len(rig.shared) == 1
+    rig.registry.unregister(second)
+    assert [entry[0] for entry in rig.log] == ["open", "close"] and len(rig.shared) == 0
