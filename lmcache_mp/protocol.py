@@ -302,6 +302,8 @@ class StatsReply:
     prefault_done: bool = True
     tenants: dict[str, TenantStats] = field(default_factory=dict)  # by cache_salt
     instances: list[InstanceStats] = field(default_factory=list)
+    gpu_capacity_bytes: int = 0  # the GPU tier's share of capacity_bytes (--gpu-size)
+    gpu_bytes_used: int = 0  # the GPU tier's share of bytes_used
 
 
 @dataclass

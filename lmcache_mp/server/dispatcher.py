@@ -24,10 +24,10 @@ from ..protocol import (
 )
 from .config import Config
 from .copy_engine import CopyEngine
-from .pool import CpuPool
+from .pool import CpuPool, DevicePool
 from .quotas import Quota, QuotaError, load_quota_file
 from .registry import DTYPES, MAX_KV_WORLD_SIZE, KVCacheInstance, Registry
-from .store import Chunk, ChunkKey, ChunkStore, LeaseOwner
+from .store import GPU_TIER, Chunk, ChunkKey, ChunkStore, LeaseOwner
 from .streams import DeviceStalled, StreamCopier
 
 MAX_REQUEST_ID_CHARS = 512
@@ -88,11 +88,13 @@ class Dispatcher:
 
     def __init__(self, config: Config, store: ChunkStore, pool: CpuPool, registry: Registry,
                  copy_engine: CopyEngine, push: Callable[[bytes, Any], None],
-                 copier: StreamCopier | None = None):
+                 copier: StreamCopier | None = None, gpu_pool: DevicePool | None = None):
         """`push(client, message)` sends a message the client did not ask for (MLA loads);
-        `copier` runs the copies of caches registered on a GPU (None without CUDA)."""
+        `copier` runs the copies of caches registered on a GPU (None without CUDA);
+        `gpu_pool` is the GPU tier (--gpu-size), whose chunks the store places."""
         self.push = push
         self.copier = copier
+        self.gpu_pool = gpu_pool
         self.config = config
         self.store = store
         self.pool = pool
@@ -175,9 +177,13 @@ class Dispatcher:
         self._check_batch_size([len(t.keys) for t in transfers])
         return transfers
 
+    def _chunk_bytes(self, chunk: Chunk) -> torch.Tensor:
+        pool = self.gpu_pool if chunk.tier == GPU_TIER else self.pool
+        return pool.view(chunk.offset, chunk.nbytes)
+
     def _chunk_tensor(self, chunk: Chunk, instance: KVCacheInstance) -> torch.Tensor:
         geometry = instance.geometry
-        return (self.pool.view(chunk.offset, chunk.nbytes).view(DTYPES[geometry.dtype])
+        return (self._chunk_bytes(chunk).view(DTYPES[geometry.dtype])
                 .view(geometry.chunk_shape))
 
     async def _copy(self, instances: list[KVCacheInstance], copies: Awaitable[T]) -> T:
@@ -212,33 +218,55 @@ class Dispatcher:
         transfers = self._transfers(instance, req.items)
         instance.stores += 1
         geometry = instance.geometry
+        # Chunks from a cache on the GPU tier's device go to the tier (when it has room).
+        on_gpu = (self.gpu_pool is not None and instance.lane is not None
+                  and instance.lane.staging.device == self.gpu_pool.device)
         # Reserve synchronously, before any await: validation and reservation see one state.
-        reservations = [[self.store.reserve(key, geometry.chunk_bytes, geometry) for key in t.keys]
-                        for t in transfers]
+        reservations = [[self.store.reserve(key, geometry.chunk_bytes, geometry, on_gpu)
+                         for key in t.keys] for t in transfers]
         return self._finish_store(instance, transfers, reservations)
 
     async def _finish_store(self, instance, transfers, reservations) -> StoreReply:
         pending = [(i, c, r.chunk) for i, per_item in enumerate(reservations)
                    for c, r in enumerate(per_item) if r.chunk is not None]
+        demotions = [r.demotion for per_item in reservations for r in per_item
+                     if r.demotion is not None]
 
         def abort_all() -> None:
             for _, _, chunk in pending:
                 self.store.abort(chunk)
+            for demotion in demotions:
+                self.store.abort_demotion(demotion)
+
+        def settled_late() -> None:  # the device finished after the reply: demotions landed
+            for _, _, chunk in pending:
+                self.store.abort(chunk)
+            for demotion in demotions:
+                self.store.finish_demotion(demotion)
         try:
             jobs = [(transfers[i].block_ids[c], self._chunk_tensor(chunk, instance))
                     for i, c, chunk in pending]
             if instance.lane is not None:
-                copies = self.copier.store(instance, jobs)
+                moves = [(self._chunk_bytes(d.chunk), self.gpu_pool.view(d.gpu_offset,
+                                                                          d.chunk.nbytes))
+                         for d in demotions]
+                copies = self.copier.store(instance, jobs, moves)
             else:
                 copies = self.copy_engine.run([partial(instance.gather, ids, out)
                                                for ids, out in jobs])
             errors = await self._copy([instance], copies)
         except DeviceStalled as stall:
-            stall.after(abort_all)  # the device may still write into those chunks
+            stall.after(settled_late)  # the device may still write into those chunks
             raise InternalError(f"{stall}; nothing of this STORE was stored") from None
         except BaseException:
             abort_all()
             raise
+        for demotion, error in zip(demotions, errors):
+            if error is None:
+                self.store.finish_demotion(demotion)
+            else:
+                self.store.abort_demotion(demotion)
+        errors = errors[len(demotions):]
         statuses = [bytearray(r.status for r in per_item) for per_item in reservations]
         copied: list[list[Chunk]] = [[] for _ in transfers]
         for (i, c, chunk), error in zip(pending, errors):
@@ -318,14 +346,16 @@ class Dispatcher:
                 usage.evictions if usage else 0, usage.refused if usage else 0)
         return StatsReply(
             chunks=store.num_chunks, bytes_used=store.bytes_used,
-            capacity_bytes=self.pool.capacity, hits=store.total("hits"),
+            capacity_bytes=store.capacity, hits=store.total("hits"),
             misses=store.total("misses"), evictions=store.total("evictions"),
             leases_held=store.leases_held, pending_stores=store.pending,
             registrations=len(self.registry), requests=dict(self.requests_served),
             prefault_done=self.pool.prefault_done.is_set(), tenants=tenants,
             instances=[InstanceStats(i.instance_id, i.model, i.kv_world_size, i.kv_worker_id,
                                      i.tp_rank, i.stores, i.retrieves, i.loads_pushed)
-                       for i in self.registry.instances()])
+                       for i in self.registry.instances()],
+            gpu_capacity_bytes=self.gpu_pool.capacity if self.gpu_pool is not None else 0,
+            gpu_bytes_used=self.gpu_pool.allocator.used if self.gpu_pool is not None else 0)
 
     # -- quotas ----------------------------------------------------------------------------
 

@@ -150,3 +150,19 @@ class CpuPool:
 
     def view(self, offset: int, num_bytes: int) -> torch.Tensor:
         return self.buffer[offset:offset + num_bytes]
+
+
+class DevicePool:
+    """The GPU tier: one buffer on the server's GPU, carved into extents like the CPU pool."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        self.allocator = ExtentAllocator(capacity)
+        self.device = device
+        self.buffer = torch.empty(self.allocator.capacity, dtype=torch.uint8, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    def view(self, offset: int, num_bytes: int) -> torch.Tensor:
+        return self.buffer[offset:offset + num_bytes]

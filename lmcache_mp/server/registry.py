@@ -141,6 +141,9 @@ class KVCacheInstance:
         """Copy blocks `positions` of a chunk-shaped tensor (None: all of them) into blocks
         `block_ids` of every layer; the index tensors may be on any device."""
         dim = self.geometry.block_dim
+        home = self.layers[0].device
+        if src.device != home:  # a chunk in the GPU tier, read into a cache in CPU memory
+            src = src.to(home)
         if positions is not None:
             src = src.index_select(dim + 1, positions.to(src.device, non_blocking=True))
         block_ids = block_ids.to(src.device, non_blocking=True)

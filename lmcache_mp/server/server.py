@@ -23,7 +23,7 @@ from .copy_engine import CopyEngine
 from .cuda_ipc import CudaIpcSupport, SharedAllocations
 from .device import CudaDevice
 from .dispatcher import Dispatcher
-from .pool import CpuPool
+from .pool import CpuPool, DevicePool
 from .quotas import QuotaError
 from .registry import Registry
 from .store import ChunkStore
@@ -101,8 +101,11 @@ class Server:
         torch.set_num_threads(1)
         has_cuda = torch.cuda.is_available()
         self._pool = CpuPool(config.cpu_size, pin=has_cuda)
+        gpu_pool = DevicePool(config.gpu_size, torch.device("cuda", 0)) if config.gpu_size else None
+        gpu_allocator = gpu_pool.allocator if gpu_pool is not None else None
+        capacity = self._pool.capacity + (gpu_pool.capacity if gpu_pool is not None else 0)
         store = ChunkStore(self._pool.allocator, config.lease_timeout,
-                           config.quota_book(self._pool.capacity))
+                           config.quota_book(capacity), gpu_allocator=gpu_allocator)
         self._pool.start_prefault()
         cuda_ipc = None
         if has_cuda:
@@ -112,7 +115,7 @@ class Server:
         registry = Registry(config.chunk_size, time.monotonic, cuda_ipc)
         self._copy_engine = CopyEngine(config.copy_threads)
         self.dispatcher = Dispatcher(config, store, self._pool, registry, self._copy_engine,
-                                     push=self._push, copier=self._copier)
+                                     push=self._push, copier=self._copier, gpu_pool=gpu_pool)
         self._exit_requested = asyncio.Event()
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -124,8 +127,10 @@ class Server:
         asyncio.get_running_loop().add_reader(self._socket.FD, self._drain)
         self._housekeeping = asyncio.create_task(self._housekeeping_loop())
         logger.info("lmcache-mp-server %s serving on %s: chunk size %d tokens, CPU pool %s, "
-                    "%d copy threads, %s", __version__, config.bind_url,
-                    config.chunk_size, format_size(self._pool.capacity), config.copy_threads,
+                    "GPU tier %s, %d copy threads, %s", __version__, config.bind_url,
+                    config.chunk_size, format_size(self._pool.capacity),
+                    format_size(gpu_pool.capacity) if gpu_pool is not None else "off",
+                    config.copy_threads,
                     f"CUDA on {torch.cuda.device_count()} GPUs (cuda_ipc handles accepted)"
                     if has_cuda else "no CUDA (shm handles only)")
 

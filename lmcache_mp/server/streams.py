@@ -92,24 +92,30 @@ class StreamCopier:
         staging = torch.empty(geometry.chunk_shape, dtype=DTYPES[geometry.dtype], device=device)
         return Lane(self.device.new_stream(device), staging, event)
 
-    async def store(self, instance: KVCacheInstance, jobs: Sequence[GatherJob]
+    async def store(self, instance: KVCacheInstance, jobs: Sequence[GatherJob],
+                    moves: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
                     ) -> list[BaseException | None]:
-        """Copy each job's blocks into its pool chunk; per job, None or what it raised.
-        Returns once the device has finished; raises DeviceStalled after the timeout."""
+        """Copy each job's blocks into its pool chunk, after the `moves` (destination,
+        source): GPU-tier chunks being demoted out of the bytes these jobs write. Per move,
+        then per job: None or what it raised. Returns once the device has finished; raises
+        DeviceStalled after the timeout."""
         loop = asyncio.get_running_loop()
         errors, event = await loop.run_in_executor(self._executor, self._queue_store, instance,
-                                                   jobs)
+                                                   jobs, moves)
         await self._settle([event])
         return errors
 
-    def _queue_store(self, instance: KVCacheInstance, jobs: Sequence[GatherJob]):
+    def _queue_store(self, instance: KVCacheInstance, jobs: Sequence[GatherJob],
+                     moves: Sequence[tuple[torch.Tensor, torch.Tensor]]):
         device, lane = self.device, instance.lane
         with lane.lock, device.use(lane.stream):
             if lane.store_event is not None:
                 device.wait(lane.stream, lane.store_event)
+            errors = [_attempt(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True))
+                      for dst, src in moves]
             ids = _to_device([ids for ids, _ in jobs], lane.staging.device)
-            errors = [_attempt(lambda ids=ids, chunk=chunk: self._gather(instance, ids, chunk))
-                      for ids, (_, chunk) in zip(ids, jobs)]
+            errors += [_attempt(lambda ids=ids, chunk=chunk: self._gather(instance, ids, chunk))
+                       for ids, (_, chunk) in zip(ids, jobs)]
             return errors, device.record(lane.stream)
 
     @staticmethod

@@ -127,3 +127,32 @@ def test_an_mla_leader_fills_its_follower_on_the_gpu():
         expected = blocks(leader, chunk_ids([0, 1]), 0)
         assert torch.equal(blocks(leader, chunk_ids([4, 6]), 0), expected)
         assert torch.equal(blocks(follower, chunk_ids([4, 6]), 0), expected)
+
+
+def test_a_gpu_tier_keeps_chunks_in_hbm_and_demotes_under_pressure():
+    shape = [2, NUM_BLOCKS, BLOCK, 2, 64]
+    source = random_layers(4, shape, torch.float16, 21, one_allocation=False)
+    target = random_layers(4, shape, torch.float16, None, one_allocation=False)
+    event = StoreEvent(source[0].device)
+    hashes = prompt(800, 4)
+    with run_server("--gpu-size", "1MiB") as server, CacheClient(server.url, timeout=60) as client:
+        mine = client.register_kv_cache(cuda_ipc_handles(source), model=MODEL, layout="mha",
+                                        block_size=BLOCK, store_event=event.handle)
+        theirs = client.register_kv_cache(cuda_ipc_handles(target), model=MODEL, layout="mha",
+                                          block_size=BLOCK)
+        assert mine.chunk_bytes == 512 * 1024  # the tier holds two chunks
+        event.record()
+        client.store(mine, [TransferItem.build("w", hashes[:3], chunk_ids([0, 1, 2]))])
+        stats = client.stats()
+        assert (stats.gpu_capacity_bytes, stats.gpu_bytes_used) == (2 * mine.chunk_bytes,
+                                                                    2 * mine.chunk_bytes)
+        assert stats.bytes_used == 3 * mine.chunk_bytes  # the third went to the CPU pool
+        # The tier is full: the least recently used GPU chunk moves out for the fourth.
+        client.store(mine, [TransferItem.build("w", hashes[:4], chunk_ids([0, 1, 2, 3]))])
+        stats = client.stats()
+        assert (stats.gpu_bytes_used, stats.bytes_used) == (2 * mine.chunk_bytes,
+                                                            4 * mine.chunk_bytes)
+        assert client.retrieve(theirs, [TransferItem.build("r", hashes, chunk_ids([4, 5, 6, 7]))]
+                               ) == [4]
+        assert torch.equal(blocks(target, chunk_ids([4, 5, 6, 7]), 1),
+                           blocks(source, chunk_ids([0, 1, 2, 3]), 1))

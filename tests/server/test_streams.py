@@ -35,7 +35,7 @@ from lmcache_mp.server.config import Config
 from lmcache_mp.server.copy_engine import CopyEngine
 from lmcache_mp.server.cuda_ipc import CudaIpcSupport, SharedAllocations
 from lmcache_mp.server.dispatcher import Dispatcher
-from lmcache_mp.server.pool import CpuPool
+from lmcache_mp.server.pool import CpuPool, DevicePool
 from lmcache_mp.server.registry import Registry
 from lmcache_mp.server.store import ChunkStore
 from lmcache_mp.server.streams import StreamCopier
@@ -101,12 +101,15 @@ class FakeAllocation:
 class Rig:
     """A dispatcher over the real store, pool, registry and StreamCopier, on a FakeDevice."""
 
-    def __init__(self, timeout: float = 30.0):
+    def __init__(self, timeout: float = 30.0, cpu_bytes: int = 16 * 1024**2, gpu_bytes: int = 0):
+        """`gpu_bytes`: a GPU tier of that size (in CPU memory, on the fake device)."""
         self.device = FakeDevice()
         self.log: list = []
         self.memory: dict[bytes, torch.Tensor] = {}  # "IPC handle" -> the worker's allocation
-        self.pool = CpuPool(16 * 1024**2)
-        self.store = ChunkStore(self.pool.allocator, 60.0)
+        self.pool = CpuPool(cpu_bytes)
+        self.gpu_pool = DevicePool(gpu_bytes, torch.device("cpu")) if gpu_bytes else None
+        self.store = ChunkStore(self.pool.allocator, 60.0, gpu_allocator=self.gpu_pool.allocator
+                                if self.gpu_pool is not None else None)
         self.copier = StreamCopier(self.device, 1, timeout)
         self.shared = SharedAllocations(self.open_allocation)
         support = CudaIpcSupport(self.shared.open,
@@ -117,7 +120,7 @@ class Rig:
         self.dispatcher = Dispatcher(Config(cpu_size=16 * 1024**2), self.store, self.pool,
                                      self.registry, CopyEngine(1),
                                      push=lambda client, m: self.pushed.append((client, m)),
-                                     copier=self.copier)
+                                     copier=self.copier, gpu_pool=self.gpu_pool)
 
     def open_allocation(self, handle: bytes, index: int) -> FakeAllocation:
         self.log.append(("open", handle))
