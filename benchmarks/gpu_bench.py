@@ -183,7 +183,7 @@ def leader(workload: Workload, url: str, chunks: int, conn, tp_rank: int | None)
                                          hashes, source, "store")
         assert all(r.results == [bytes([StoreStatus.STORED]) * len(r.results[0])]
                    for r in replies), replies
-        client.lookup(workload.name, 1, [LookupItem.build("load", hashes)])
+        assert client.lookup(workload.name, 1, [LookupItem.build("load", hashes)]) == [chunks]
         retrieve_s, replies = timed_batches(client, RetrieveRequest, registration.instance_id,
                                             hashes, target, "load")
         assert sum(r.retrieved[0] for r in replies) == chunks, replies

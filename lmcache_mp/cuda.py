@@ -14,15 +14,16 @@ from typing import Any
 
 import torch
 
-_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
 
 
 def normalize_uuid(text: str) -> str:
-    """A GPU UUID as 8-4-4-4-12 lowercase hex, from nvidia-smi's `GPU-…` or torch's form."""
-    uuid = text.strip().lower().removeprefix("gpu-")
-    if not _UUID.fullmatch(uuid):
+    """A GPU UUID as 8-4-4-4-12 lowercase hex, from nvidia-smi's `GPU-…` form, torch's, or
+    32 bare hex digits."""
+    digits = text.strip().lower().removeprefix("gpu-").replace("-", "")
+    if not _HEX32.fullmatch(digits):
         raise ValueError(f"not a GPU UUID: {text[:60]!r}")
-    return uuid
+    return "-".join((digits[:8], digits[8:12], digits[12:16], digits[16:20], digits[20:]))
 
 
 def device_uuid(index: int) -> str:

@@ -105,7 +105,7 @@ class CudaIpcHandle:
     KIND: ClassVar[str] = "cuda_ipc"
     ipc_handle: bytes  # the allocation's cudaIpcMemHandle_t, CUDA_IPC_HANDLE_BYTES long
     offset: int  # bytes from the allocation's start to element [0, 0, ...]
-    device_uuid: str  # the GPU, as cuda_device_uuid() writes it; independent of CUDA_VISIBLE_DEVICES
+    device_uuid: str  # the GPU's UUID (lmcache_mp.cuda.normalize_uuid); not CUDA_VISIBLE_DEVICES
     shape: list[int]
     strides: list[int]  # in elements, like torch.Tensor.stride()
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "float16"

@@ -683,15 +683,20 @@ class WorkerSide:
 def _as_layout(handle: TensorHandle, layout: str, block_size: int) -> TensorHandle:
     """A vLLM KV cache tensor as the server's layout, by shape and strides alone.
 
-    vLLM 0.33 hands each layer as [blocks, heads, block_size, C] in any stride order, with
-    C = K and V together (MHA) or the latent vector (MLA, one head). The server takes MHA
-    as [2, blocks, block_size, heads, C/2] and MLA as [blocks, block_size, C]: a view of
-    the same bytes. Which half of C is K does not matter, as whole blocks move byte for
-    byte. Tensors already in the server's shape (a SharedKVCache's layers) pass as they are.
+    vLLM 0.33 hands each layer on the CPU as [blocks, heads, block_size, C] in any stride
+    order, with C = K and V together (MHA) or the latent vector (MLA, one head); on a GPU
+    as [2, blocks, block_size, heads, head_dim] (FlashAttention), [blocks, 2, block_size,
+    heads, head_dim] (FlashInfer, Triton) or [blocks, block_size, C] (MLA), again in any
+    stride order. The server takes MHA as [2, blocks, block_size, heads, head_dim] and MLA
+    as [blocks, block_size, C]: a view of the same bytes. Which half of C is K does not
+    matter, as whole blocks move byte for byte.
     """
     shape, strides = handle.shape, handle.strides
     if layout == "mha" and len(shape) == 5 and shape[0] == 2:
         new_shape, new_strides = shape, strides
+    elif layout == "mha" and len(shape) == 5 and shape[1] == 2:
+        new_shape = [2, shape[0], *shape[2:]]
+        new_strides = [strides[1], strides[0], *strides[2:]]
     elif layout == "mla" and len(shape) == 3:
         new_shape, new_strides = shape, strides
     elif len(shape) == 4 and layout == "mha" and shape[3] % 2 == 0:
@@ -705,7 +710,8 @@ def _as_layout(handle: TensorHandle, layout: str, block_size: int) -> TensorHand
     else:
         known = ("[blocks, 1, block_size, dim] (vLLM) or [blocks, block_size, dim]"
                  if layout == "mla" else
-                 "[blocks, heads, block_size, K and V] (vLLM) or "
+                 "[blocks, heads, block_size, K and V] (vLLM), "
+                 "[blocks, 2, block_size, heads, head_dim] (vLLM) or "
                  "[2, blocks, block_size, heads, head_dim]")
         raise ValueError(f"a KV cache layer of shape {shape} fits none of the "
                          f"{layout.upper()} shapes lmcache-mp knows: {known}")

@@ -1,8 +1,9 @@
 """GPU copies: a stream per registered worker; work is queued off the loop, completion polled on it.
 
-A STORE queues, on its worker's stream: a wait on the worker's interprocess event, then
-per chunk a gather of its blocks into a staging chunk on the GPU and one copy of that
-into the (pinned) pool chunk; then an event. A RETRIEVE queues per chunk the copy of the
+A STORE queues, on its worker's stream: a wait on the worker's interprocess event, the
+copies out of GPU-tier chunks being demoted from the bytes it is about to write, then per
+chunk a gather of its blocks into a staging chunk on the GPU and one copy of that into
+the (pinned) pool chunk or the GPU tier; then an event. A RETRIEVE queues per chunk the copy of the
 pool chunk into the staging chunk and a scatter into the blocks, and for an MLA leader
 a device-to-device copy into each follower's staging chunk and a scatter there, on the
 follower's stream. The loop polls the events, so the dispatcher commits a STORE, and

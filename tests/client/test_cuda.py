@@ -70,5 +70,6 @@ def test_uuids_are_normalized():
     torch_form = "58b8f8a1-0c3d-4e5f-8a9b-0123456789ab"
     assert normalize_uuid("GPU-58B8F8A1-0C3D-4E5F-8A9B-0123456789AB") == torch_form
     assert normalize_uuid(torch_form) == torch_form
+    assert normalize_uuid(torch_form.replace("-", "")) == torch_form
     with pytest.raises(ValueError, match="not a GPU UUID"):
         normalize_uuid("GPU-0")
