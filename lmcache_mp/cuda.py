@@ -85,7 +85,7 @@ class IpcAllocation:
 
     def close(self) -> None:
         cupy = _cupy()
-        self.data = torch.empty(0, dtype=torch.uint8)
+        self.data = torch.empty(0, dtype=torch.uint8)  # no view of memory about to be unmapped
         with cupy.cuda.Device(self.device):
             cupy.cuda.runtime.ipcCloseMemHandle(self.pointer)
 

@@ -60,7 +60,7 @@ class _Use:
     def close(self) -> None:
         if self._release is not None:
             self._release, release = None, self._release
-            self.data = self.data[:0]
+            self.data = self.data.new_empty(0)  # no view of memory about to be unmapped
             release()
 
 
