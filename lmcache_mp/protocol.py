@@ -98,7 +98,28 @@ class ShmHandle:
     kind: str = "shm"
 
 
-TensorHandle = ShmHandle
+@dataclass
+class CudaIpcHandle:
+    """A tensor inside a worker's CUDA allocation, shared by CUDA IPC (no bytes cross the socket)."""
+
+    KIND: ClassVar[str] = "cuda_ipc"
+    ipc_handle: bytes  # the allocation's cudaIpcMemHandle_t, CUDA_IPC_HANDLE_BYTES long
+    offset: int  # bytes from the allocation's start to element [0, 0, ...]
+    device_uuid: str  # the GPU's UUID (lmcache_mp.cuda.normalize_uuid); not CUDA_VISIBLE_DEVICES
+    shape: list[int]
+    strides: list[int]  # in elements, like torch.Tensor.stride()
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float16"
+    kind: str = "cuda_ipc"
+
+
+def span_bytes(shape: list[int], strides: list[int], itemsize: int) -> int:
+    """Bytes a handle's tensor spans, from its first element to one past its last one."""
+    return (sum((dim - 1) * stride for dim, stride in zip(shape, strides)) + 1) * itemsize
+
+
+# A tagged union: the map's `kind` picks the class; a map without `kind` is an ShmHandle.
+TensorHandle = ShmHandle | CudaIpcHandle
+CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t) and sizeof(cudaIpcEventHandle_t)
 
 
 @dataclass
@@ -111,6 +132,9 @@ class RegisterKVCacheRequest:
     layers: list[TensorHandle]
     tp_rank: int = 0
     tp_group: str = ""  # names one engine's TP group, so that MLA replicas stay apart
+    # cuda_ipc only: the cudaIpcEventHandle_t of an interprocess event the worker records on
+    # its stream before each STORE; the server's copies wait on it. Empty: nothing to wait on.
+    store_event: bytes = b""
 
 
 @dataclass
@@ -278,6 +302,8 @@ class StatsReply:
     prefault_done: bool = True
     tenants: dict[str, TenantStats] = field(default_factory=dict)  # by cache_salt
     instances: list[InstanceStats] = field(default_factory=list)
+    gpu_capacity_bytes: int = 0  # the GPU tier's share of capacity_bytes (--gpu-size)
+    gpu_bytes_used: int = 0  # the GPU tier's share of bytes_used
     cpu_seconds: float = 0.0  # the server process's user + system CPU time since start
     peak_rss_bytes: int = 0  # the server process's peak resident set size
 
@@ -434,6 +460,8 @@ def _build_decoder(tp: Any) -> Decoder:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         options = typing.get_args(tp)
+        if type(None) not in options:
+            return _tagged_decoder(options)
         (inner,) = [o for o in options if o is not type(None)]
         inner_decoder = _decoder(inner)
         return lambda value, path: None if value is None else inner_decoder(value, path)
@@ -476,6 +504,23 @@ def _build_decoder(tp: Any) -> Decoder:
             return value
         raise _mismatch(name, value, path)
     return decode_scalar
+
+
+def _tagged_decoder(options: tuple[type, ...]) -> Decoder:
+    """A union of dataclasses told apart by their `kind` field; without one, the first."""
+    by_kind = {cls.KIND: cls for cls in options}
+
+    def decode(value: Any, path: str) -> Any:
+        if not isinstance(value, dict):
+            raise _mismatch("map", value, path)
+        kind = value.get("kind", options[0].KIND)
+        cls = by_kind.get(kind) if isinstance(kind, str) else None
+        if cls is None:
+            raise BadRequest(f"{_where(path + '.kind' if path else 'kind')}: unsupported handle "
+                             f"kind {kind!r}; this server supports "
+                             f"{', '.join(repr(k) for k in by_kind)}")
+        return _decoder(cls)(value, path)
+    return decode
 
 
 def _dataclass_decoder(cls: type) -> Decoder:

@@ -24,16 +24,16 @@ def sample_value(tp):
         return [sample_value(typing.get_args(tp)[0])]
     if origin is dict:
         return {"a": sample_value(typing.get_args(tp)[1])}
-    (inner,) = [t for t in typing.get_args(tp) if t is not type(None)]  # X | None
-    return sample_value(inner)
+    options = [t for t in typing.get_args(tp) if t is not type(None)]  # X | None, or a tagged union
+    return sample_value(options[0])
 
 
 def sample(cls):
     """An instance of a message class with every field set to a non-default value."""
     hints = typing.get_type_hints(cls, vars(protocol))
     kwargs = {f.name: sample_value(hints[f.name]) for f in dataclasses.fields(cls)}
-    if cls is protocol.ShmHandle:
-        kwargs["kind"] = "shm"
+    if hasattr(cls, "KIND"):
+        kwargs["kind"] = cls.KIND
     return cls(**kwargs)
 
 
@@ -65,8 +65,34 @@ def test_unknown_fields_are_ignored_and_defaults_fill_in():
 
 def test_unsupported_handle_kind_is_named():
     raw = dataclasses.asdict(sample(protocol.RegisterKVCacheRequest))
-    raw["layers"][0]["kind"] = "cuda_ipc"
-    with pytest.raises(BadRequest, match=r"`layers\[0\].kind`: unsupported handle kind 'cuda_ipc'"):
+    raw["layers"][0]["kind"] = "nvlink"
+    with pytest.raises(BadRequest, match=r"`layers\[0\].kind`: unsupported handle kind 'nvlink'; "
+                                         r"this server supports 'shm', 'cuda_ipc'"):
+        protocol.unpack(protocol.RegisterKVCacheRequest, msgpack.packb(raw))
+    raw["layers"][0]["kind"] = 7
+    with pytest.raises(BadRequest, match=r"`layers\[0\].kind`: unsupported handle kind 7"):
+        protocol.unpack(protocol.RegisterKVCacheRequest, msgpack.packb(raw))
+
+
+def test_handles_are_a_tagged_union_and_cuda_ipc_fields_are_named():
+    cuda = sample(protocol.CudaIpcHandle)
+    shm = sample(protocol.ShmHandle)
+    request = dataclasses.replace(sample(protocol.RegisterKVCacheRequest), layers=[cuda, shm])
+    decoded = protocol.unpack(protocol.RegisterKVCacheRequest, protocol.pack(request))
+    assert decoded == request
+    assert [type(h) for h in decoded.layers] == [protocol.CudaIpcHandle, protocol.ShmHandle]
+    raw = msgpack.unpackb(protocol.pack(request))
+    del raw["layers"][1]["kind"]  # no kind: shm, as before cuda_ipc existed
+    assert protocol.unpack(protocol.RegisterKVCacheRequest, msgpack.packb(raw)).layers[1] == shm
+    raw["layers"][0]["ipc_handle"] = "not bytes"
+    with pytest.raises(BadRequest, match=r"`layers\[0\].ipc_handle`: expected bytes, got str"):
+        protocol.unpack(protocol.RegisterKVCacheRequest, msgpack.packb(raw))
+    raw["layers"][0]["ipc_handle"] = cuda.ipc_handle
+    del raw["layers"][0]["device_uuid"]
+    with pytest.raises(BadRequest, match=r"`layers\[0\].device_uuid`: missing"):
+        protocol.unpack(protocol.RegisterKVCacheRequest, msgpack.packb(raw))
+    raw["layers"][0] = [1]
+    with pytest.raises(BadRequest, match=r"`layers\[0\]`: expected map, got list"):
         protocol.unpack(protocol.RegisterKVCacheRequest, msgpack.packb(raw))
 
 

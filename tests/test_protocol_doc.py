@@ -131,8 +131,11 @@ def doc_operations() -> dict[str, list[str]]:
 def type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
-        (inner,) = [arg for arg in typing.get_args(tp) if arg is not type(None)]
-        return f"{type_name(inner)} or nil"
+        options = [arg for arg in typing.get_args(tp) if arg is not type(None)]
+        if len(options) > 1:  # a tagged union of maps, documented kind by kind
+            assert all(dataclasses.is_dataclass(o) for o in options)
+            return "map"
+        return f"{type_name(options[0])} or nil"
     if origin is list:
         (item,) = typing.get_args(tp)
         return f"array of {type_name(item)}"
@@ -148,6 +151,8 @@ def default_text(f: dataclasses.Field) -> str:
     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
         return "required"
     value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if isinstance(value, bytes):
+        return f'hex"{value.hex()}"'
     return "nil" if value is None else json.dumps(value)
 
 
@@ -356,6 +361,16 @@ def test_every_op_is_documented_with_its_exact_fields() -> None:
         assert [tuple(row[:3]) for row in request_rows] == code_fields(spec.request), op
         assert [tuple(row[:2]) for row in reply_rows] == \
             [(path, tp) for path, tp, _ in code_fields(spec.reply)], op
+
+
+def test_every_handle_kind_is_documented_with_its_exact_fields() -> None:
+    lines = section("## KV cache handles and layouts")
+    for cls in typing.get_args(protocol.TensorHandle):
+        rows = table_after(lines, f"**`{cls.KIND}` handle**", skip_prose=True)
+        assert [tuple(row[:3]) for row in rows] == code_fields(cls), cls.KIND
+    (layers_row,) = [row for row in table_after(doc_operations()["REGISTER_KV_CACHE"],
+                                                "**Request**") if row[0] == "layers"]
+    assert all(f"{cls.KIND} handle" in layers_row[3] for cls in typing.get_args(protocol.TensorHandle))
 
 
 def test_error_codes_status_bytes_and_dtypes_match_the_code() -> None:

@@ -77,11 +77,13 @@ class CacheClient:
 
     def register_kv_cache(self, handles: list[TensorHandle], *, model: str, layout: str,
                           block_size: int, kv_world_size: int = 1, kv_worker_id: int = 0,
-                          tp_rank: int = 0, tp_group: str = "") -> Registration:
+                          tp_rank: int = 0, tp_group: str = "", store_event: bytes = b""
+                          ) -> Registration:
         """`tp_group` names the engine's TP group under MLA (the same on all its ranks, and
-        different for every engine replica serving the same model on this node)."""
+        different for every engine replica serving the same model on this node).
+        `store_event`: for cuda_ipc handles, the handle of a client.cuda.StoreEvent."""
         request = RegisterKVCacheRequest(model, kv_world_size, kv_worker_id, layout, block_size,
-                                         handles, tp_rank, tp_group)
+                                         handles, tp_rank, tp_group, store_event)
         self.hello()
         reply = self.rpc.call(request)
         return Registration(request, reply.instance_id, reply.num_blocks,

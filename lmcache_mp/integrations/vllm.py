@@ -41,13 +41,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..client.api import CacheClient, Registration
+from ..client.cuda import StoreEvent, cuda_ipc_handles
 from ..client.parallel import ParallelStrategy
 from ..client.scheduler import SchedulerAdapter
 from ..client.shm import SEGMENT_PREFIX, shm_handles
 from ..client.tracker import ChunkLayout, RequestTracker, StepPlan
 from ..client.worker import WorkerAdapter
 from ..errors import BadRequest, LMCacheMPError
-from ..protocol import SHM_DIR, RegisterKVCacheRequest, ShmHandle, TransferItem, validate_salt
+from ..protocol import SHM_DIR, RegisterKVCacheRequest, TensorHandle, TransferItem, validate_salt
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -533,6 +534,7 @@ class WorkerSide:
                                   mla_follower=not self.parallel.sends_transfers)
         self.adapter = WorkerAdapter(self.client, self.model, self.parallel, config.load_timeout)
         self._segments: list[str] = []  # shared memory we allocated the KV cache in
+        self._store_event: StoreEvent | None = None  # a KV cache on a GPU: STOREs wait on it
         self._pending_stores: set[str] = set()  # sent; the adapter has not reported them
         self._awaiting_stores: set[str] = set()  # finished: report once their stores are read
         self._loads_done: set[str] = set()
@@ -549,8 +551,9 @@ class WorkerSide:
         return _SharedMemoryAllocation(self._segments)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Worker, once at start-up: finds each layer's shared-memory handle, checks the
-        server's chunk size and registers the cache; raises if any of that fails."""
+        """Worker, once at start-up: finds each layer's handle (cuda_ipc for a cache on a
+        GPU, shm on the CPU), checks the server's chunk size and registers the cache;
+        raises if any of that fails."""
         layout = "mla" if self.parallel.use_mla else "mha"
         tensors: list[torch.Tensor] = []
         seen: set[tuple[int, tuple[int, ...]]] = set()
@@ -562,22 +565,29 @@ class WorkerSide:
         if not tensors:
             raise ValueError("register_kv_caches: vLLM gave no KV cache tensors")
         devices = {t.device.type for t in tensors}
-        if devices != {"cpu"}:
-            raise NotImplementedError(
-                f"lmcache-mp registers KV caches in CPU shared memory only; these are on "
-                f"{sorted(devices)} (CUDA IPC registration comes with GPU support)")
-        try:
+        if devices == {"cuda"}:
+            # The server maps the cache by CUDA IPC; its STORE copies wait on this event,
+            # recorded after each forward pass (start_stores).
             handles = [_as_layout(handle, layout, self.block_size)
-                       for handle in shm_handles(tensors)]
-        except ValueError as exc:
-            raise ValueError(
-                f"lmcache-mp cannot register vLLM's KV cache: {exc}. On CPU the server maps "
-                f"the cache by shared-memory name: let vLLM allocate it through this "
-                f"connector (get_mem_pool_context), or pass tensors that lie in a "
-                f"SharedKVCache or another /dev/shm segment") from None
+                       for handle in cuda_ipc_handles(tensors)]
+            self._store_event = StoreEvent(tensors[0].device)
+        elif devices == {"cpu"}:
+            try:
+                handles = [_as_layout(handle, layout, self.block_size)
+                           for handle in shm_handles(tensors)]
+            except ValueError as exc:
+                raise ValueError(
+                    f"lmcache-mp cannot register vLLM's KV cache: {exc}. On CPU the server "
+                    f"maps the cache by shared-memory name: let vLLM allocate it through this "
+                    f"connector (get_mem_pool_context), or pass tensors that lie in a "
+                    f"SharedKVCache or another /dev/shm segment") from None
+        else:
+            raise ValueError(f"lmcache-mp registers KV caches on CUDA devices or in CPU shared "
+                             f"memory, all on one of them; these are on {sorted(devices)}")
         request = RegisterKVCacheRequest(
             self.model, self.parallel.kv_world_size, self.parallel.kv_worker_id, layout,
-            self.block_size, handles, self.parallel.tp_rank, self.tp_group)
+            self.block_size, handles, self.parallel.tp_rank, self.tp_group,
+            self._store_event.handle if self._store_event is not None else b"")
         try:
             hello = self.client.hello()
             if hello.chunk_size != self.config.chunk_size:
@@ -610,7 +620,10 @@ class WorkerSide:
                            sorted(waiting), self.config.load_timeout)
 
     def start_loads(self, meta: StepMetadata) -> None:
-        """Worker, every step (start_load_kv): one RETRIEVE for the step's loads."""
+        """Worker, every step (start_load_kv): one RETRIEVE for the step's loads. On a GPU
+        the server answers (and tells MLA followers) only once its device copies into the
+        blocks have finished, so a load reported in finished_recving can be read on any
+        stream: nothing more to wait on."""
         items = [load.item for load in meta.loads if load.item is not None]
         if items:
             self._require_registration()
@@ -624,6 +637,8 @@ class WorkerSide:
         """Worker, every step after the forward pass (wait_for_save): one STORE."""
         if meta.stores:
             self._require_registration()
+            if self._store_event is not None:  # the server reads once this pass has written
+                self._store_event.record()
             self.adapter.start_store(meta.stores)
             self._pending_stores.update(item.request_id for item in meta.stores)
 
@@ -665,18 +680,23 @@ class WorkerSide:
         self._segments = []
 
 
-def _as_layout(handle: ShmHandle, layout: str, block_size: int) -> ShmHandle:
+def _as_layout(handle: TensorHandle, layout: str, block_size: int) -> TensorHandle:
     """A vLLM KV cache tensor as the server's layout, by shape and strides alone.
 
-    vLLM 0.33 hands each layer as [blocks, heads, block_size, C] in any stride order, with
-    C = K and V together (MHA) or the latent vector (MLA, one head). The server takes MHA
-    as [2, blocks, block_size, heads, C/2] and MLA as [blocks, block_size, C]: a view of
-    the same bytes. Which half of C is K does not matter, as whole blocks move byte for
-    byte. Tensors already in the server's shape (a SharedKVCache's layers) pass as they are.
+    vLLM 0.33 hands each layer on the CPU as [blocks, heads, block_size, C] in any stride
+    order, with C = K and V together (MHA) or the latent vector (MLA, one head); on a GPU
+    as [2, blocks, block_size, heads, head_dim] (FlashAttention), [blocks, 2, block_size,
+    heads, head_dim] (FlashInfer, Triton) or [blocks, block_size, C] (MLA), again in any
+    stride order. The server takes MHA as [2, blocks, block_size, heads, head_dim] and MLA
+    as [blocks, block_size, C]: a view of the same bytes. Which half of C is K does not
+    matter, as whole blocks move byte for byte.
     """
     shape, strides = handle.shape, handle.strides
     if layout == "mha" and len(shape) == 5 and shape[0] == 2:
         new_shape, new_strides = shape, strides
+    elif layout == "mha" and len(shape) == 5 and shape[1] == 2:
+        new_shape = [2, shape[0], *shape[2:]]
+        new_strides = [strides[1], strides[0], *strides[2:]]
     elif layout == "mla" and len(shape) == 3:
         new_shape, new_strides = shape, strides
     elif len(shape) == 4 and layout == "mha" and shape[3] % 2 == 0:
@@ -690,7 +710,8 @@ def _as_layout(handle: ShmHandle, layout: str, block_size: int) -> ShmHandle:
     else:
         known = ("[blocks, 1, block_size, dim] (vLLM) or [blocks, block_size, dim]"
                  if layout == "mla" else
-                 "[blocks, heads, block_size, K and V] (vLLM) or "
+                 "[blocks, heads, block_size, K and V] (vLLM), "
+                 "[blocks, 2, block_size, heads, head_dim] (vLLM) or "
                  "[2, blocks, block_size, heads, head_dim]")
         raise ValueError(f"a KV cache layer of shape {shape} fits none of the "
                          f"{layout.upper()} shapes lmcache-mp knows: {known}")

@@ -8,9 +8,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..sizes import format_size, parse_size
+import torch
+
 from ..errors import BadRequest
 from ..protocol import validate_salt
+from ..sizes import format_size, parse_size
 from .quotas import Quota, QuotaBook, load_quota_file, parse_cap, parse_quota_flag
 
 ENV_PREFIX = "LMCACHE_MP_"
@@ -63,6 +65,10 @@ class Config:
                              _positive(int), "TOKENS")
     cpu_size: int = option(None, "CPU pool size, e.g. 4GiB; default: a fifth of RAM, "
                            "at most 32GiB", parse_size, "SIZE", default_factory=default_cpu_size)
+    gpu_size: int = option(0, "GPU tier in the memory of the server's first GPU, e.g. 8GiB: "
+                           "chunks stored from KV caches on that GPU stay there and move to the "
+                           "CPU pool when it is full; quotas count both tiers; 0 turns it off; "
+                           "needs CUDA", parse_size, "SIZE")
     lease_timeout: float = option(60.0, "seconds a LOOKUP hold keeps chunks from eviction "
                                   "unless RETRIEVE or RELEASE comes first", _positive(float), "SEC")
     worker_timeout: float = option(30.0, "seconds without any message from a registered "
@@ -97,6 +103,8 @@ class Config:
     def validate(self) -> None:
         if self.cpu_size < 1024**2:
             raise ValueError(f"--cpu-size must be at least 1MiB, got {self.cpu_size} bytes")
+        if self.gpu_size and not torch.cuda.is_available():
+            raise ValueError("--gpu-size needs CUDA, and this server has none: leave it at 0")
         if not self.bind_url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"--url must start with tcp:// or ipc://, got {self.bind_url!r}")
         for salt, _ in self.quota:

@@ -7,12 +7,12 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from .. import __version__
-from ..errors import BadRequest, UnsupportedVersion
+from ..errors import BadRequest, InternalError, UnsupportedVersion
 from ..protocol import (
     PROTOCOL_VERSION,
     SKIP_BLOCK,
@@ -56,12 +56,14 @@ from ..protocol import (
 )
 from .config import Config
 from .copy_engine import CopyEngine
-from .pool import CpuPool
+from .pool import CpuPool, DevicePool
 from .quotas import Quota, QuotaError, load_quota_file
 from .registry import DTYPES, MAX_KV_WORLD_SIZE, KVCacheInstance, Registry
-from .store import Chunk, ChunkKey, ChunkStore, LeaseOwner
+from .store import GPU_TIER, Chunk, ChunkKey, ChunkStore, LeaseOwner
+from .streams import DeviceStalled, StreamCopier
 
 MAX_REQUEST_ID_CHARS = 512
+T = TypeVar("T")
 
 
 def _validate_request_id(request_id: str, path: str) -> str:
@@ -117,9 +119,14 @@ class Dispatcher:
     """
 
     def __init__(self, config: Config, store: ChunkStore, pool: CpuPool, registry: Registry,
-                 copy_engine: CopyEngine, push: Callable[[bytes, Any], None]):
-        """`push(client, message)` sends a message the client did not ask for (MLA loads)."""
+                 copy_engine: CopyEngine, push: Callable[[bytes, Any], None],
+                 copier: StreamCopier | None = None, gpu_pool: DevicePool | None = None):
+        """`push(client, message)` sends a message the client did not ask for (MLA loads);
+        `copier` runs the copies of caches registered on a GPU (None without CUDA);
+        `gpu_pool` is the GPU tier (--gpu-size), whose chunks the store places."""
         self.push = push
+        self.copier = copier
+        self.gpu_pool = gpu_pool
         self.config = config
         self.store = store
         self.pool = pool
@@ -202,20 +209,33 @@ class Dispatcher:
         self._check_batch_size([len(t.keys) for t in transfers])
         return transfers
 
+    def _chunk_bytes(self, chunk: Chunk) -> torch.Tensor:
+        pool = self.gpu_pool if chunk.tier == GPU_TIER else self.pool
+        return pool.view(chunk.offset, chunk.nbytes)
+
     def _chunk_tensor(self, chunk: Chunk, instance: KVCacheInstance) -> torch.Tensor:
         geometry = instance.geometry
-        return (self.pool.view(chunk.offset, chunk.nbytes).view(DTYPES[geometry.dtype])
+        return (self._chunk_bytes(chunk).view(DTYPES[geometry.dtype])
                 .view(geometry.chunk_shape))
 
-    async def _copy(self, instances: list[KVCacheInstance], jobs: list
-                    ) -> list[BaseException | None]:
+    async def _copy(self, instances: list[KVCacheInstance], copies: Awaitable[T]) -> T:
+        """Await `copies`, keeping the instances mapped until the device is done with them."""
         for instance in instances:
             instance.copies_in_flight += 1
-        try:
-            return await self.copy_engine.run(jobs)
-        finally:
+
+        def finished() -> None:
             for instance in instances:
                 self.registry.copy_finished(instance)
+        try:
+            result = await copies
+        except DeviceStalled as stall:
+            stall.after(finished)
+            raise
+        except BaseException:
+            finished()
+            raise
+        finished()
+        return result
 
     def _sender(self, client: bytes, instance_id: int, op: str) -> KVCacheInstance:
         instance = self.registry.get(instance_id, client)
@@ -230,22 +250,55 @@ class Dispatcher:
         transfers = self._transfers(instance, req.items)
         instance.stores += 1
         geometry = instance.geometry
+        # Chunks from a cache on the GPU tier's device go to the tier (when it has room).
+        on_gpu = (self.gpu_pool is not None and instance.lane is not None
+                  and instance.lane.staging.device == self.gpu_pool.device)
         # Reserve synchronously, before any await: validation and reservation see one state.
-        reservations = [[self.store.reserve(key, geometry.chunk_bytes, geometry) for key in t.keys]
-                        for t in transfers]
+        reservations = [[self.store.reserve(key, geometry.chunk_bytes, geometry, on_gpu)
+                         for key in t.keys] for t in transfers]
         return self._finish_store(instance, transfers, reservations)
 
     async def _finish_store(self, instance, transfers, reservations) -> StoreReply:
         pending = [(i, c, r.chunk) for i, per_item in enumerate(reservations)
                    for c, r in enumerate(per_item) if r.chunk is not None]
-        try:
-            jobs = [partial(instance.gather, transfers[i].block_ids[c],
-                            self._chunk_tensor(chunk, instance)) for i, c, chunk in pending]
-            errors = await self._copy([instance], jobs)
-        except BaseException:
+        demotions = [r.demotion for per_item in reservations for r in per_item
+                     if r.demotion is not None]
+
+        def abort_all() -> None:
             for _, _, chunk in pending:
                 self.store.abort(chunk)
+            for demotion in demotions:
+                self.store.abort_demotion(demotion)
+
+        def settled_late() -> None:  # the device finished after the reply: demotions landed
+            for _, _, chunk in pending:
+                self.store.abort(chunk)
+            for demotion in demotions:
+                self.store.finish_demotion(demotion)
+        try:
+            jobs = [(transfers[i].block_ids[c], self._chunk_tensor(chunk, instance))
+                    for i, c, chunk in pending]
+            if instance.lane is not None:
+                moves = [(self._chunk_bytes(d.chunk), self.gpu_pool.view(d.gpu_offset,
+                                                                          d.chunk.nbytes))
+                         for d in demotions]
+                copies = self.copier.store(instance, jobs, moves)
+            else:
+                copies = self.copy_engine.run([partial(instance.gather, ids, out)
+                                               for ids, out in jobs])
+            errors = await self._copy([instance], copies)
+        except DeviceStalled as stall:
+            stall.after(settled_late)  # the device may still write into those chunks
+            raise InternalError(f"{stall}; nothing of this STORE was stored") from None
+        except BaseException:
+            abort_all()
             raise
+        for demotion, error in zip(demotions, errors):
+            if error is None:
+                self.store.finish_demotion(demotion)
+            else:
+                self.store.abort_demotion(demotion)
+        errors = errors[len(demotions):]
         statuses = [bytearray(r.status for r in per_item) for per_item in reservations]
         copied: list[list[Chunk]] = [[] for _ in transfers]
         for (i, c, chunk), error in zip(pending, errors):
@@ -268,15 +321,28 @@ class Dispatcher:
     async def _finish_retrieve(self, leader, transfers, held) -> RetrieveReply:
         # Under MLA every rank of the TP group holds the same latent cache: fill them all.
         targets = [leader, *self.registry.tp_followers(leader)]
-        try:
-            jobs = [partial(target.scatter, t.block_ids[c], self._chunk_tensor(chunk, leader),
-                            t.skips[c])
-                    for target in targets for t, chunks in zip(transfers, held)
-                    for c, chunk in enumerate(chunks)]
-            errors = iter(await self._copy(targets, jobs))
-        finally:
+
+        def unhold() -> None:
             for chunks in held:
                 self.store.unhold(chunks)
+        try:
+            jobs = [(t.block_ids[c], self._chunk_tensor(chunk, leader), t.skips[c])
+                    for t, chunks in zip(transfers, held) for c, chunk in enumerate(chunks)]
+            if leader.lane is not None:
+                per_target = await self._copy(targets, self.copier.retrieve(targets, jobs))
+                outcomes = [error for errors in per_target for error in errors]
+            else:
+                outcomes = await self._copy(targets, self.copy_engine.run(
+                    [partial(target.scatter, *job) for target in targets for job in jobs]))
+        except DeviceStalled as stall:
+            stall.after(unhold)  # the device may still read those chunks
+            raise InternalError(f"{stall}; treat the blocks of this RETRIEVE as unwritten"
+                                ) from None
+        except BaseException:
+            unhold()
+            raise
+        unhold()
+        errors = iter(outcomes)
         landed = {target.instance_id: [_leading_successes(errors, len(chunks)) for chunks in held]
                   for target in targets}
         for t in transfers:
@@ -313,7 +379,7 @@ class Dispatcher:
                 usage.evictions if usage else 0, usage.refused if usage else 0)
         return StatsReply(
             chunks=store.num_chunks, bytes_used=store.bytes_used,
-            capacity_bytes=self.pool.capacity, hits=store.total("hits"),
+            capacity_bytes=store.capacity, hits=store.total("hits"),
             misses=store.total("misses"), evictions=store.total("evictions"),
             leases_held=store.leases_held, pending_stores=store.pending,
             registrations=len(self.registry), requests=dict(self.requests_served),
@@ -321,6 +387,8 @@ class Dispatcher:
             instances=[InstanceStats(i.instance_id, i.model, i.kv_world_size, i.kv_worker_id,
                                      i.tp_rank, i.stores, i.retrieves, i.loads_pushed)
                        for i in self.registry.instances()],
+            gpu_capacity_bytes=self.gpu_pool.capacity if self.gpu_pool is not None else 0,
+            gpu_bytes_used=self.gpu_pool.allocator.used if self.gpu_pool is not None else 0,
             cpu_seconds=rusage.ru_utime + rusage.ru_stime, peak_rss_bytes=rusage.ru_maxrss * 1024)
 
     # -- quotas ----------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 
 
 class TenantLRUPolicy:
@@ -14,9 +14,10 @@ class TenantLRUPolicy:
     memory are the store's business: it says which tenants may give up a chunk.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Iterator[int] | None = None) -> None:
+        """`clock`: a shared stamp counter, so that policies of two tiers compare by recency."""
         self._orders: dict[str, OrderedDict[Hashable, int]] = {}
-        self._clock = itertools.count()
+        self._clock = clock if clock is not None else itertools.count()
 
     def __len__(self) -> int:
         return sum(len(order) for order in self._orders.values())
@@ -40,9 +41,13 @@ class TenantLRUPolicy:
         if not order:
             del self._orders[tenant]
 
-    def victim(self, tenant: str) -> Hashable | None:
-        """The tenant's least recently used key."""
-        return next(iter(self._orders.get(tenant, ())), None)
+    def oldest(self, tenant: str) -> tuple[int, Hashable] | None:
+        """The tenant's least recently used key with its recency stamp."""
+        order = self._orders.get(tenant)
+        if not order:
+            return None
+        key, stamp = next(iter(order.items()))
+        return stamp, key
 
     def global_victim(self, may_evict: Callable[[str, Hashable], bool]
                       ) -> tuple[str, Hashable] | None:

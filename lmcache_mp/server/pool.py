@@ -94,13 +94,17 @@ class CpuPool:
     """The byte buffer behind every stored chunk, and its allocator.
 
     Pages are faulted in by a background thread at start-up; since that leaves contents
-    alone, stores may land in the pool while it runs.
+    alone, stores may land in the pool while it runs. With `pin` (a server with CUDA) the
+    same thread then pins the buffer (cudaHostRegister), so that GPU copies to and from
+    it run as DMA without blocking; copies before that are correct, only slower.
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, pin: bool = False):
         self.allocator = ExtentAllocator(capacity)
         self._mapping = mmap.mmap(-1, self.allocator.capacity)
         self.buffer = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        self._pin = pin
+        self.pinned = False
         self.prefault_done = threading.Event()
         self._stop_prefault = threading.Event()
         self._prefault_thread: threading.Thread | None = None
@@ -117,12 +121,48 @@ class CpuPool:
     def _prefault(self) -> None:
         if populate(self._mapping, self._stop_prefault.is_set):
             logger.info("CPU pool of %d bytes pre-faulted", self.capacity)
+        if self._pin and not self._stop_prefault.is_set():
+            self._register_pinned()
         self.prefault_done.set()
+
+    def _register_pinned(self) -> None:
+        cudart = torch.cuda.cudart()
+        try:
+            torch.cuda.check_error(cudart.cudaHostRegister(self.buffer.data_ptr(), self.capacity, 0))
+        except RuntimeError as exc:  # torch.cuda.CudaError among them
+            logger.warning("could not pin the CPU pool (%s): GPU copies will be synchronous "
+                           "and slower", exc)
+            return
+        self.pinned = True
+        logger.info("CPU pool of %d bytes pinned for GPU copies", self.capacity)
 
     def stop_prefault(self) -> None:
         self._stop_prefault.set()
         if self._prefault_thread is not None:
             self._prefault_thread.join()
+
+    def close(self) -> None:
+        """At shutdown, once no copy runs: stop pre-faulting, unpin."""
+        self.stop_prefault()
+        if self.pinned:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr()))
+            self.pinned = False
+
+    def view(self, offset: int, num_bytes: int) -> torch.Tensor:
+        return self.buffer[offset:offset + num_bytes]
+
+
+class DevicePool:
+    """The GPU tier: one buffer on the server's GPU, carved into extents like the CPU pool."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        self.allocator = ExtentAllocator(capacity)
+        self.device = device
+        self.buffer = torch.empty(self.allocator.capacity, dtype=torch.uint8, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
 
     def view(self, offset: int, num_bytes: int) -> torch.Tensor:
         return self.buffer[offset:offset + num_bytes]

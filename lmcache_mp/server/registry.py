@@ -9,12 +9,22 @@ import re
 import secrets
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..errors import BadRequest, UnknownInstance
-from ..protocol import SHM_DIR, SKIP_BLOCK, RegisterKVCacheRequest, ShmHandle
+from ..protocol import (
+    CUDA_IPC_HANDLE_BYTES,
+    SHM_DIR,
+    SKIP_BLOCK,
+    RegisterKVCacheRequest,
+    ShmHandle,
+    TensorHandle,
+    span_bytes,
+)
+from .cuda_ipc import Allocation, CudaIpcSupport, open_allocations
 from .pool import populate
 
 logger = logging.getLogger(__name__)
@@ -85,8 +95,10 @@ class KVCacheInstance:
     geometry: Geometry
     layers: list[torch.Tensor]
     stacked: torch.Tensor | None  # all layers as one [L, ...] view when their memory allows it
-    mappings: list[mmap.mmap]
+    mappings: list[mmap.mmap]  # shm segments
     last_seen: float
+    allocations: list[Allocation] = field(default_factory=list)  # cuda_ipc allocations
+    lane: Any = None  # its streams.Lane when it lives on a GPU: copies go through the stream copier
     copies_in_flight: int = 0
     closed: bool = False
     stores: int = 0  # STORE requests it sent
@@ -104,8 +116,10 @@ class KVCacheInstance:
         self._populating.start()
 
     def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the given blocks of every layer into `out` (a chunk-shaped tensor)."""
+        """Copy the given blocks of every layer into `out` (a chunk-shaped tensor on the
+        cache's device); `block_ids` may be on the CPU."""
         dim = self.geometry.block_dim
+        block_ids = block_ids.to(out.device, non_blocking=True)
         if self.stacked is not None:
             torch.index_select(self.stacked, dim + 1, block_ids, out=out)
         else:
@@ -116,14 +130,27 @@ class KVCacheInstance:
                 ) -> None:
         """Copy a chunk-shaped tensor into the given blocks of every layer; with `has_skips`,
         a block id of SKIP_BLOCK leaves that block alone (the engine already holds it)."""
-        dim = self.geometry.block_dim
+        positions = None
         if has_skips:
             positions = (block_ids != SKIP_BLOCK).nonzero().flatten()
             block_ids = block_ids[positions]
-            src = src.index_select(dim + 1, positions)
+        self.scatter_blocks(block_ids, src, positions)
+
+    def scatter_blocks(self, block_ids: torch.Tensor, src: torch.Tensor,
+                       positions: torch.Tensor | None) -> None:
+        """Copy blocks `positions` of a chunk-shaped tensor (None: all of them) into blocks
+        `block_ids` of every layer; the index tensors may be on any device."""
+        dim = self.geometry.block_dim
+        home = self.layers[0].device
+        if src.device != home:  # a chunk in the GPU tier, read into a cache in CPU memory
+            src = src.to(home)
+        if positions is not None:
+            src = src.index_select(dim + 1, positions.to(src.device, non_blocking=True))
+        block_ids = block_ids.to(src.device, non_blocking=True)
         targets = [(self.stacked, src, dim + 1)] if self.stacked is not None else [
             (layer, chunk_layer, dim) for layer, chunk_layer in zip(self.layers, src)]
-        per_block = self.geometry.block_bytes >= _PER_BLOCK_SCATTER_BYTES
+        per_block = (not src.is_cuda  # one kernel per layer is far cheaper on a GPU
+                     and self.geometry.block_bytes >= _PER_BLOCK_SCATTER_BYTES)
         for target, source, block_dim in targets:
             if per_block:  # index_copy_ runs at half the speed of copy_ on large blocks
                 for position, block in enumerate(block_ids.tolist()):
@@ -142,16 +169,15 @@ class KVCacheInstance:
             except BufferError:  # a view is still referenced somewhere; the GC unmaps it
                 logger.warning("instance %d: mapping still referenced at unmap", self.instance_id)
         self.mappings = []
+        self.lane = None
+        for allocation in self.allocations:
+            allocation.close()
+        self.allocations = []
 
 
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise BadRequest(message)
-
-
-def _span_bytes(shape: list[int], strides: list[int], itemsize: int) -> int:
-    """Bytes from the first element to one past the last one."""
-    return (sum((dim - 1) * stride for dim, stride in zip(shape, strides)) + 1) * itemsize
 
 
 def _map_segment(name: str, path: str) -> mmap.mmap:
@@ -184,8 +210,16 @@ def _validate_handles(req: RegisterKVCacheRequest, chunk_size: int) -> tuple[Geo
     _check(0 < len(req.model) <= 512, "`model`: expected 1..512 characters")
     first = req.layers[0]
     rank = LAYOUTS[req.layout]
+    if first.kind == ShmHandle.KIND:
+        _check(not req.store_event, "`store_event`: only cuda_ipc registrations wait on an event")
+    else:
+        _check(len(req.store_event) in (0, CUDA_IPC_HANDLE_BYTES),
+               f"`store_event`: expected {CUDA_IPC_HANDLE_BYTES} bytes (a cudaIpcEventHandle_t) "
+               f"or none, got {len(req.store_event)}")
     for i, handle in enumerate(req.layers):
         where = f"layers[{i}]"
+        _check(handle.kind == first.kind, f"`{where}.kind`: every layer needs the kind of "
+               f"layers[0] ({first.kind!r}), got {handle.kind!r}")
         _check(handle.dtype in DTYPES, f"`{where}.dtype`: unsupported {handle.dtype!r}; "
                f"supported: {', '.join(DTYPES)}")
         _check(len(handle.shape) == rank and len(handle.strides) == rank,
@@ -212,16 +246,21 @@ def _validate_handles(req: RegisterKVCacheRequest, chunk_size: int) -> tuple[Geo
     return geometry, num_blocks
 
 
-def _stack_layers(handles: list[ShmHandle], typed: torch.Tensor) -> torch.Tensor | None:
-    """One strided view over all layers when they sit at equal distances in one segment."""
+def _memory(handle: TensorHandle) -> str | bytes:
+    """What names the memory a handle lies in: its segment, or its allocation's IPC handle."""
+    return handle.name if isinstance(handle, ShmHandle) else handle.ipc_handle
+
+
+def _stack_layers(handles: list[TensorHandle], typed: torch.Tensor) -> torch.Tensor | None:
+    """One strided view over all layers when they sit at equal distances in one buffer."""
     first = handles[0]
     itemsize = typed.element_size()
     step = handles[1].offset - first.offset if len(handles) > 1 else 0
-    span = _span_bytes(first.shape, first.strides, itemsize)
+    span = span_bytes(first.shape, first.strides, itemsize)
     if len(handles) > 1 and step < span:
         return None
     for i, handle in enumerate(handles):
-        if (handle.name != first.name or handle.strides != first.strides
+        if (_memory(handle) != _memory(first) or handle.strides != first.strides
                 or handle.offset != first.offset + i * step):
             return None
     return typed.as_strided([len(handles), *first.shape], [step // itemsize, *first.strides],
@@ -231,9 +270,12 @@ def _stack_layers(handles: list[ShmHandle], typed: torch.Tensor) -> torch.Tensor
 class Registry:
     """Every registered KV cache by instance id, and the clients that own them."""
 
-    def __init__(self, chunk_size: int, clock: Callable[[], float]):
+    def __init__(self, chunk_size: int, clock: Callable[[], float],
+                 cuda_ipc: CudaIpcSupport | None = None):
+        """`cuda_ipc`: how to map cuda_ipc handles; None on a server without CUDA."""
         self.chunk_size = chunk_size
         self.clock = clock
+        self.cuda_ipc = cuda_ipc
         self._instances: dict[int, KVCacheInstance] = {}
 
     def __len__(self) -> int:
@@ -243,36 +285,59 @@ class Registry:
         geometry, num_blocks = _validate_handles(req, self.chunk_size)
         dtype = DTYPES[geometry.dtype]
         mappings: dict[str, mmap.mmap] = {}
+        allocations: dict[bytes, Allocation] = {}
         try:
+            if req.layers[0].kind == ShmHandle.KIND:
+                for i, handle in enumerate(req.layers):
+                    if handle.name not in mappings:
+                        mappings[handle.name] = _map_segment(handle.name, f"layers[{i}].name")
+                sizes = {name: len(mapping) for name, mapping in mappings.items()}
+            else:
+                _check(self.cuda_ipc is not None, "`layers[0].kind`: this server has no CUDA, "
+                       "so it cannot map cuda_ipc handles; register shm handles")
+                allocations = open_allocations(req.layers, self.cuda_ipc)
+                sizes = {key: a.data.numel() for key, a in allocations.items()}
             for i, handle in enumerate(req.layers):
-                if handle.name not in mappings:
-                    mappings[handle.name] = _map_segment(handle.name, f"layers[{i}].name")
-                size = len(mappings[handle.name])
-                end = handle.offset + _span_bytes(handle.shape, handle.strides, dtype.itemsize)
-                _check(end <= size, f"`layers[{i}]`: tensor ends at byte {end} but shared memory "
-                       f"{handle.name!r} holds {size} bytes")
-        except BaseException:
+                size = sizes[_memory(handle)]
+                end = handle.offset + span_bytes(handle.shape, handle.strides, dtype.itemsize)
+                where = (f"shared memory {handle.name!r}" if isinstance(handle, ShmHandle)
+                         else "its CUDA allocation")
+                _check(end <= size, f"`layers[{i}]`: tensor ends at byte {end} but {where} "
+                       f"holds {size} bytes")
+            # Views only once nothing can fail: a segment with views cannot be closed.
+            buffers = ({name: torch.frombuffer(m, dtype=torch.uint8) for name, m in mappings.items()}
+                       if mappings else {key: a.data for key, a in allocations.items()})
+            typed = {key: raw[:raw.numel() - raw.numel() % dtype.itemsize].view(dtype)
+                     for key, raw in buffers.items()}
+            layers = [typed[_memory(h)].as_strided(h.shape, h.strides, h.offset // dtype.itemsize)
+                      for h in req.layers]
+            stacked = _stack_layers(req.layers, typed[_memory(req.layers[0])])
+            lane = None
+            if allocations:
+                try:
+                    lane = self.cuda_ipc.new_lane(layers[0].device, geometry, req.store_event)
+                except RuntimeError as exc:  # the event handle does not open, or no memory
+                    raise BadRequest(f"`store_event`: cannot set up GPU copies for this cache "
+                                     f"({exc})") from None
+        except BaseException:  # only cuda_ipc can fail after the views exist: they hold no mmap
             for mapping in mappings.values():
                 mapping.close()
+            for allocation in allocations.values():
+                allocation.close()
             raise
-        typed = {}
-        for name, mapping in mappings.items():
-            raw = torch.frombuffer(mapping, dtype=torch.uint8)
-            typed[name] = raw[:raw.numel() - raw.numel() % dtype.itemsize].view(dtype)
-        layers = [typed[h.name].as_strided(h.shape, h.strides, h.offset // dtype.itemsize)
-                  for h in req.layers]
-        stacked = _stack_layers(req.layers, typed[req.layers[0].name])
         instance = KVCacheInstance(
             instance_id=self._new_id(), owner=owner, model=req.model,
             kv_world_size=req.kv_world_size, kv_worker_id=req.kv_worker_id, tp_rank=req.tp_rank,
             tp_group=req.tp_group,
             num_blocks=num_blocks, geometry=geometry, layers=layers, stacked=stacked,
-            mappings=list(mappings.values()), last_seen=self.clock())
+            mappings=list(mappings.values()), last_seen=self.clock(),
+            allocations=list(allocations.values()), lane=lane)
         self._instances[instance.instance_id] = instance
         instance.start_populating()
-        logger.info("registered instance %d: model %s, kv worker %d/%d, %d layers, %d blocks, "
-                    "%d bytes per chunk%s", instance.instance_id, req.model, req.kv_worker_id,
-                    req.kv_world_size, geometry.num_layers, num_blocks, geometry.chunk_bytes,
+        logger.info("registered instance %d: model %s, kv worker %d/%d, %d layers on %s, "
+                    "%d blocks, %d bytes per chunk%s", instance.instance_id, req.model,
+                    req.kv_worker_id, req.kv_world_size, geometry.num_layers, layers[0].device,
+                    num_blocks, geometry.chunk_bytes,
                     "" if stacked is not None else " (per-layer copies)")
         return instance
 
@@ -321,7 +386,8 @@ class Registry:
 
     def tp_followers(self, leader: KVCacheInstance) -> list[KVCacheInstance]:
         """Under MLA, the other ranks of the leader's TP group: the same engine (tp_group),
-        model, kv rank and cache shape, so they take the same chunks into the same blocks."""
+        model, kv rank, cache shape and handle kind, so they take the same chunks into the
+        same blocks."""
         if leader.geometry.layout != "mla":
             return []
         return [i for i in self._instances.values()
@@ -329,4 +395,5 @@ class Registry:
                 and i.tp_group == leader.tp_group and i.model == leader.model
                 and i.kv_world_size == leader.kv_world_size
                 and i.kv_worker_id == leader.kv_worker_id and i.geometry == leader.geometry
-                and i.num_blocks == leader.num_blocks]
+                and i.num_blocks == leader.num_blocks
+                and (i.lane is None) == (leader.lane is None)]  # both on GPUs, or both not

@@ -15,21 +15,25 @@ import torch
 import uvloop
 import zmq
 
-from .. import __version__, protocol
+from .. import __version__, cuda, protocol
 from ..errors import InternalError, ServerError, ShuttingDown
 from ..sizes import format_size
 from .config import Config
 from .copy_engine import CopyEngine
+from .cuda_ipc import CudaIpcSupport, SharedAllocations
+from .device import CudaDevice
 from .dispatcher import Dispatcher
-from .pool import CpuPool
+from .pool import CpuPool, DevicePool
 from .quotas import QuotaError
 from .registry import Registry
 from .store import ChunkStore
+from .streams import StreamCopier
 
 logger = logging.getLogger("lmcache_mp.server")
 
 _MAX_MESSAGES_PER_WAKE = 64
 _HOUSEKEEPING_S = 0.5
+_GPU_COPY_TIMEOUT_S = 60.0  # one request's device work; a GPU that takes longer has failed
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class Server:
         self._on_message = self._dispatch
         self._pool: CpuPool | None = None
         self._copy_engine: CopyEngine | None = None
+        self._copier: StreamCopier | None = None
         self._in_flight: dict[asyncio.Task, _InFlight] = {}
         self._answered: set[asyncio.Task] = set()
         self._housekeeping: asyncio.Task | None = None
@@ -94,14 +99,23 @@ class Server:
         config = self.config
         # Parallelism comes from the copy threads; torch's own pool would oversubscribe the cores.
         torch.set_num_threads(1)
-        self._pool = CpuPool(config.cpu_size)
+        has_cuda = torch.cuda.is_available()
+        self._pool = CpuPool(config.cpu_size, pin=has_cuda)
+        gpu_pool = DevicePool(config.gpu_size, torch.device("cuda", 0)) if config.gpu_size else None
+        gpu_allocator = gpu_pool.allocator if gpu_pool is not None else None
+        capacity = self._pool.capacity + (gpu_pool.capacity if gpu_pool is not None else 0)
         store = ChunkStore(self._pool.allocator, config.lease_timeout,
-                           config.quota_book(self._pool.capacity))
+                           config.quota_book(capacity), gpu_allocator=gpu_allocator)
         self._pool.start_prefault()
-        registry = Registry(config.chunk_size, time.monotonic)
+        cuda_ipc = None
+        if has_cuda:
+            self._copier = StreamCopier(CudaDevice(), config.copy_threads, _GPU_COPY_TIMEOUT_S)
+            cuda_ipc = CudaIpcSupport(SharedAllocations(cuda.open_allocation).open,
+                                      cuda.device_index, self._copier.new_lane)
+        registry = Registry(config.chunk_size, time.monotonic, cuda_ipc)
         self._copy_engine = CopyEngine(config.copy_threads)
         self.dispatcher = Dispatcher(config, store, self._pool, registry, self._copy_engine,
-                                     push=self._push)
+                                     push=self._push, copier=self._copier, gpu_pool=gpu_pool)
         self._exit_requested = asyncio.Event()
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -113,8 +127,12 @@ class Server:
         asyncio.get_running_loop().add_reader(self._socket.FD, self._drain)
         self._housekeeping = asyncio.create_task(self._housekeeping_loop())
         logger.info("lmcache-mp-server %s serving on %s: chunk size %d tokens, CPU pool %s, "
-                    "%d copy threads", __version__, config.bind_url,
-                    config.chunk_size, format_size(self._pool.capacity), config.copy_threads)
+                    "GPU tier %s, %d copy threads, %s", __version__, config.bind_url,
+                    config.chunk_size, format_size(self._pool.capacity),
+                    format_size(gpu_pool.capacity) if gpu_pool is not None else "off",
+                    config.copy_threads,
+                    f"CUDA on {torch.cuda.device_count()} GPUs (cuda_ipc handles accepted)"
+                    if has_cuda else "no CUDA (shm handles only)")
 
     async def main_loop(self) -> None:
         await self._exit_requested.wait()
@@ -210,6 +228,8 @@ class Server:
                                    ShuttingDown("the server shut down before this request finished"))
         logger.info("shutdown: waiting for running copies")
         self._copy_engine.shutdown()
+        if self._copier is not None:
+            self._copier.shutdown()
         if self._in_flight:
             await asyncio.wait(list(self._in_flight))
         self._housekeeping.cancel()
@@ -219,5 +239,5 @@ class Server:
             self.dispatcher.registry.unregister(instance_id)
         self._socket.close(linger=0)
         self._context.term()
-        self._pool.stop_prefault()
+        self._pool.close()
         logger.info("shutdown: done")

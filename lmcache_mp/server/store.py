@@ -1,10 +1,15 @@
 """The chunk store: the key index, reserve/commit, holds and leases, quotas, eviction, accounting.
 
 Runs on the event loop thread only; copies happen elsewhere, between reserve and commit.
+Chunks live in the CPU tier, or, with a GPU tier, in HBM: a store from a cache on the
+tier's GPU goes there, and when it is full the least recently used GPU chunk of the same
+size is demoted to the CPU tier (its bytes copied out before the new chunk takes its
+place). Quotas and usage count both tiers.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -29,6 +34,9 @@ class LeaseOwner(NamedTuple):
     request_id: str
 
 
+CPU_TIER, GPU_TIER = 0, 1
+
+
 @dataclass(eq=False)
 class Chunk:
     key: ChunkKey
@@ -37,6 +45,8 @@ class Chunk:
     geometry: Hashable  # chunks are only read back into caches of the same geometry
     committed: bool = False
     holds: int = 0  # leases plus reads in flight; a held chunk is never evicted
+    tier: int = CPU_TIER  # which pool `offset` is in
+    moving: bool = False  # being demoted: committed, but invisible until its bytes are copied
 
     @property
     def footprint(self) -> int:
@@ -62,28 +72,45 @@ class TenantUsage:
     refused: int = 0  # chunks a STORE could not place, over the cap or out of space
 
 
+@dataclass(frozen=True)
+class Demotion:
+    """A GPU chunk moving to the CPU tier to make room: copy its bytes from `gpu_offset` to
+    its new CPU extent (chunk.offset) first, then finish_demotion(); or abort_demotion()."""
+
+    chunk: Chunk
+    gpu_offset: int
+
+
 @dataclass
 class Reservation:
-    """The outcome of reserving one chunk: a pending chunk to copy into, or why not."""
+    """The outcome of reserving one chunk: a pending chunk to copy into, or why not; and the
+    demotion that must be copied before the chunk is written (it takes the same GPU bytes)."""
 
     status: int
     chunk: Chunk | None = None
+    demotion: Demotion | None = None
 
 
 class ChunkStore:
     def __init__(self, allocator: ExtentAllocator, lease_timeout: float,
                  quotas: QuotaBook | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 gpu_allocator: ExtentAllocator | None = None):
+        """`allocator` places chunks in the CPU pool; `gpu_allocator` in the GPU tier, if any."""
         self.allocator = allocator
+        self.allocators = {CPU_TIER: allocator}
+        if gpu_allocator is not None:
+            self.allocators[GPU_TIER] = gpu_allocator
         self.lease_timeout = lease_timeout
-        self.quotas = quotas or QuotaBook(allocator.capacity, Quota(), {})
+        self.quotas = quotas or QuotaBook(self.capacity, Quota(), {})
         self.clock = clock
         # Salts that hold chunks or have a quota of their own; the counters of salts that
         # no longer do are folded into _departed, so that any number of salts costs nothing.
         self.tenants: dict[str, TenantUsage] = {}
         self._departed = TenantUsage()
         self._chunks: dict[ChunkKey, Chunk] = {}
-        self._policy = TenantLRUPolicy()
+        stamps = itertools.count()  # one recency order across both tiers
+        self._policies = {tier: TenantLRUPolicy(stamps) for tier in self.allocators}
         self._leases: dict[LeaseOwner, Lease] = {}
         self._pending = 0
 
@@ -103,8 +130,12 @@ class ChunkStore:
 
     @property
     def bytes_used(self) -> int:
-        """Pool bytes taken by committed and pending chunks."""
-        return self.allocator.used
+        """Bytes taken by committed and pending chunks, in both tiers."""
+        return sum(allocator.used for allocator in self.allocators.values())
+
+    @property
+    def capacity(self) -> int:
+        return sum(allocator.capacity for allocator in self.allocators.values())
 
     def total(self, counter: str) -> int:
         """A TenantUsage counter summed over every salt, listed or departed."""
@@ -119,7 +150,7 @@ class ChunkStore:
 
     def _visible(self, key: ChunkKey) -> Chunk | None:
         chunk = self._chunks.get(key)
-        return chunk if chunk is not None and chunk.committed else None
+        return chunk if chunk is not None and chunk.committed and not chunk.moving else None
 
     def lookup(self, model: str, kv_world_size: int, cache_salt: str,
                hashes: Sequence[bytes], hold_for: str | None = None) -> int:
@@ -138,8 +169,9 @@ class ChunkStore:
         usage.misses += len(hashes) - hit
         # Later chunks become older than earlier ones, so eviction trims prefixes from the end.
         for chunk in reversed(found):
-            if (cache_salt, chunk.key) in self._policy:
-                self._policy.touch(cache_salt, chunk.key)
+            policy = self._policies[chunk.tier]
+            if (cache_salt, chunk.key) in policy:
+                policy.touch(cache_salt, chunk.key)
         if hold_for is not None:
             owner = LeaseOwner(cache_salt, hold_for)
             self.release(owner)
@@ -152,24 +184,67 @@ class ChunkStore:
 
     # -- store: reserve, then commit or abort -------------------------------------------
 
-    def reserve(self, key: ChunkKey, nbytes: int, geometry: Hashable) -> Reservation:
-        """Place a pending chunk, evicting within the salt's cap and above others' reservations."""
+    def reserve(self, key: ChunkKey, nbytes: int, geometry: Hashable, on_gpu: bool = False
+                ) -> Reservation:
+        """Place a pending chunk, evicting within the salt's cap and above others' reservations;
+        `on_gpu`: in the GPU tier if there is one and room can be made, else in the CPU tier."""
         if key in self._chunks:
             return Reservation(StoreStatus.ALREADY_STORED)
         size = aligned(nbytes)
         if not self._fit_under_cap(key.cache_salt, size):
             self._refuse(key.cache_salt)
             return Reservation(StoreStatus.OVER_QUOTA)
-        offset = self._allocate(size)
+        tier, offset, demotion = CPU_TIER, None, None
+        if on_gpu and GPU_TIER in self.allocators:
+            offset, demotion = self._allocate_gpu(size)
+            tier = GPU_TIER
+        if offset is None:
+            tier, offset = CPU_TIER, self._allocate(size)
         if offset is None:
             self._refuse(key.cache_salt)
             return Reservation(StoreStatus.NO_SPACE)
         usage = self._tenant(key.cache_salt)
-        chunk = Chunk(key, offset, nbytes, geometry)
+        chunk = Chunk(key, offset, nbytes, geometry, tier=tier)
         self._chunks[key] = chunk
         self._pending += 1
         usage.bytes_used += size
-        return Reservation(StoreStatus.STORED, chunk)
+        return Reservation(StoreStatus.STORED, chunk, demotion)
+
+    def _allocate_gpu(self, size: int) -> tuple[int | None, Demotion | None]:
+        """GPU bytes for a new chunk: free ones, or those of the least recently used GPU chunk
+        of the same size, which moves to the CPU tier (or, with no room there, is evicted)."""
+        offset = self.allocators[GPU_TIER].allocate(size)
+        if offset is not None:
+            return offset, None
+        found = self._policies[GPU_TIER].global_victim(
+            lambda salt, key: self._chunks[key].footprint == size)
+        if found is None:
+            return None, None
+        victim = self._chunks[found[1]]
+        salt, gpu_offset = victim.key.cache_salt, victim.offset
+        cpu_offset = self._allocate(size)  # evicts CPU chunks only: the victim stays
+        if cpu_offset is None and not self._may_evict(salt, victim.key):
+            return None, None
+        self._policies[GPU_TIER].remove(salt, victim.key)
+        if cpu_offset is None:
+            self._tenant(salt).evictions += 1
+            self._forget(victim)  # its GPU bytes pass to the new chunk as they are
+            self.forget_if_idle(salt)
+            return gpu_offset, None
+        # The GPU extent passes to the new chunk without being freed, so no other store can
+        # write into it before the demotion's copy (queued ahead of the new chunk's) reads it.
+        victim.tier, victim.offset, victim.moving = CPU_TIER, cpu_offset, True
+        return gpu_offset, Demotion(victim, gpu_offset)
+
+    def finish_demotion(self, demotion: Demotion) -> None:
+        """The demoted chunk's bytes are in the CPU tier: it is visible again."""
+        chunk = demotion.chunk
+        chunk.moving = False
+        self._policies[CPU_TIER].add(chunk.key.cache_salt, chunk.key)
+
+    def abort_demotion(self, demotion: Demotion) -> None:
+        """Its copy failed, or never ran: the demoted chunk is gone."""
+        self._remove(demotion.chunk)
 
     def _refuse(self, cache_salt: str) -> None:
         self._tenant(cache_salt).refused += 1
@@ -179,13 +254,13 @@ class ChunkStore:
         chunk.committed = True
         self._pending -= 1
         self._tenant(chunk.key.cache_salt).chunks += 1
-        self._policy.add(chunk.key.cache_salt, chunk.key)
+        self._policies[chunk.tier].add(chunk.key.cache_salt, chunk.key)
 
     def abort(self, chunk: Chunk) -> None:
         self._pending -= 1
         del self._chunks[chunk.key]
         self._tenant(chunk.key.cache_salt).bytes_used -= chunk.footprint
-        self.allocator.free(chunk.offset, chunk.nbytes)
+        self.allocators[chunk.tier].free(chunk.offset, chunk.nbytes)
         self.forget_if_idle(chunk.key.cache_salt)
 
     def commit_request(self, chunks: Sequence[Chunk]) -> None:
@@ -201,10 +276,11 @@ class ChunkStore:
         if size > cap:
             return False
         while self._used_by(cache_salt) + size > cap:
-            victim = self._policy.victim(cache_salt)
-            if victim is None:
+            oldest = [found for policy in self._policies.values()
+                      if (found := policy.oldest(cache_salt)) is not None]
+            if not oldest:
                 return False
-            self._evict(self._chunks[victim])
+            self._evict(self._chunks[min(oldest, key=lambda found: found[0])[1]])
         return True
 
     def _used_by(self, cache_salt: str) -> int:
@@ -212,10 +288,11 @@ class ChunkStore:
         return usage.bytes_used if usage else 0
 
     def _allocate(self, size: int) -> int | None:
-        """Pool space, evicting the least recent chunks of tenants above their reservation."""
+        """CPU pool space, evicting the least recent CPU chunks of tenants above their
+        reservation."""
         offset = self.allocator.allocate(size)
         while offset is None:
-            victim = self._policy.global_victim(self._may_evict)
+            victim = self._policies[CPU_TIER].global_victim(self._may_evict)
             if victim is None:
                 return None
             self._evict(self._chunks[victim[1]])
@@ -232,14 +309,18 @@ class ChunkStore:
         self._remove(chunk)
 
     def _remove(self, chunk: Chunk) -> None:
-        salt = chunk.key.cache_salt
-        self._policy.remove(salt, chunk.key)
+        if not chunk.moving:
+            self._policies[chunk.tier].remove(chunk.key.cache_salt, chunk.key)
+        self._forget(chunk)
+        self.allocators[chunk.tier].free(chunk.offset, chunk.nbytes)
+        self.forget_if_idle(chunk.key.cache_salt)
+
+    def _forget(self, chunk: Chunk) -> None:
+        """Drop a committed chunk (already out of the policy) from the index and its salt."""
         del self._chunks[chunk.key]
-        usage = self._tenant(salt)
+        usage = self._tenant(chunk.key.cache_salt)
         usage.bytes_used -= chunk.footprint
         usage.chunks -= 1
-        self.allocator.free(chunk.offset, chunk.nbytes)
-        self.forget_if_idle(salt)
 
     def forget_if_idle(self, cache_salt: str) -> None:
         """Stop listing a salt that holds nothing and has no quota of its own."""
@@ -280,11 +361,11 @@ class ChunkStore:
         for chunk in reversed(chunks):
             chunk.holds -= 1
             if chunk.holds == 0:
-                self._policy.add(chunk.key.cache_salt, chunk.key)
+                self._policies[chunk.tier].add(chunk.key.cache_salt, chunk.key)
 
     def _hold(self, chunk: Chunk) -> None:
         if chunk.holds == 0:
-            self._policy.remove(chunk.key.cache_salt, chunk.key)
+            self._policies[chunk.tier].remove(chunk.key.cache_salt, chunk.key)
         chunk.holds += 1
 
     # -- leases --------------------------------------------------------------------------
@@ -319,8 +400,8 @@ class ChunkStore:
         """Drop the salt's (or every) leases and every committed chunk no read is using."""
         for owner in [o for o in self._leases if cache_salt in (None, o.cache_salt)]:
             self.release(owner)
-        doomed = [c for c in self._chunks.values()
-                  if c.committed and c.holds == 0 and cache_salt in (None, c.key.cache_salt)]
+        doomed = [c for c in self._chunks.values() if c.committed and c.holds == 0
+                  and not c.moving and cache_salt in (None, c.key.cache_salt)]
         for chunk in doomed:
             self._remove(chunk)
         return len(doomed)
@@ -328,10 +409,14 @@ class ChunkStore:
     def check_invariants(self) -> None:
         """Raise AssertionError if the accounting disagrees with the index (O(chunks))."""
         chunks = self._chunks.values()
-        assert self.allocator.used == sum(c.footprint for c in chunks)
-        assert self.allocator.used <= self.allocator.capacity
+        for tier, allocator in self.allocators.items():
+            assert allocator.used == sum(c.footprint for c in chunks if c.tier == tier)
+            assert allocator.used <= allocator.capacity
+            assert len(self._policies[tier]) == sum(
+                1 for c in chunks if c.tier == tier and c.committed and c.holds == 0
+                and not c.moving)
         assert self._pending == sum(1 for c in chunks if not c.committed)
-        assert len(self._policy) == sum(1 for c in chunks if c.committed and c.holds == 0)
+        assert not any(c.moving and (c.holds or c.tier != CPU_TIER) for c in chunks)
         assert all(c.holds >= 0 for c in chunks)
         for salt, usage in self.tenants.items():
             mine = [c for c in chunks if c.key.cache_salt == salt]

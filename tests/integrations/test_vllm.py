@@ -56,8 +56,9 @@ with warnings.catch_warnings():
 
 from lmcache_mp.client import CacheClient, SharedKVCache
 from lmcache_mp.integrations.vllm import (
-    ConnectorConfig, LMCacheMPServerConnector, StepMetadata,
+    ConnectorConfig, LMCacheMPServerConnector, StepMetadata, _as_layout,
 )
+from lmcache_mp.protocol import CudaIpcHandle, ShmHandle
 
 from ..utils import ipc_url, run_server, shm_segments
 
@@ -537,6 +538,10 @@ def test_worker_refuses_caches_it_cannot_share_and_a_wrong_chunk_size(server):
         private = {"layer.0": torch.zeros(8, 2, BLOCK, 128, dtype=torch.float16)}
         with pytest.raises(ValueError, match="not in shared memory.*get_mem_pool_context"):
             worker.register_kv_caches(private)
+        mixed = {**private, "layer.1": torch.zeros(8, 2, BLOCK, 128, device="meta")}
+        with pytest.raises(ValueError, match=r"on CUDA devices or in CPU shared memory, all on "
+                                             r"one of them; these are on \['cpu', 'meta'\]"):
+            worker.register_kv_caches(mixed)
         with SharedKVCache("mha", 2, 8, 32, 2, 64) as cache:
             with pytest.raises(ValueError, match="blocks of 32 tokens.*block_size is 16"):
                 worker.register_kv_caches({f"l{i}": t for i, t in enumerate(cache.layers)})
@@ -552,6 +557,22 @@ def test_worker_refuses_caches_it_cannot_share_and_a_wrong_chunk_size(server):
         worker.shutdown()
     with pytest.raises(RuntimeError, match="is a scheduler hook"):
         worker.build_connector_meta(scheduler_output())
+
+
+@pytest.mark.parametrize("vllm_shape,to_server", [
+    ((8, 2, BLOCK, 4, 32), lambda t: t.transpose(0, 1)),  # FlashInfer, Triton
+    ((2, 8, BLOCK, 4, 32), lambda t: t),  # FlashAttention
+    ((8, 4, BLOCK, 64), lambda t: t.view(8, 4, BLOCK, 2, 32).permute(3, 0, 2, 1, 4)),  # CPU
+])
+def test_vllm_layers_become_views_of_the_same_bytes_in_the_servers_layout(vllm_shape, to_server):
+    layer = torch.arange(torch.Size(vllm_shape).numel(), dtype=torch.float32).view(vllm_shape)
+    for handle in (ShmHandle("x", 64, list(layer.shape), list(layer.stride()), "float32"),
+                   CudaIpcHandle(b"\x00" * 64, 64, "0" * 32, list(layer.shape),
+                                 list(layer.stride()), "float32")):
+        mapped = _as_layout(handle, "mha", BLOCK)
+        assert type(mapped) is type(handle) and mapped.offset == 64
+        view = layer.as_strided(mapped.shape, mapped.strides)
+        assert torch.equal(view, to_server(layer))
 
 
 def test_extra_config_is_typed_and_unknown_keys_are_refused():

@@ -1,15 +1,17 @@
 """Bad frames and bad requests get clear error replies, apply nothing, and the server keeps serving."""
 
+import re
 import struct
 
 import msgpack
 import pytest
+import torch
 import zmq
 
 from lmcache_mp import protocol
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import BadRequest, UnknownInstance
-from lmcache_mp.protocol import ShmHandle
+from lmcache_mp.protocol import CudaIpcHandle, ShmHandle
 
 from ..utils import run_server
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
@@ -125,6 +127,16 @@ def test_bad_registrations_are_refused_with_the_reason(client):
                 register(client, cache, **overrides)
             assert words in str(error.value)
         assert client.ping() > 0
+
+
+def test_cuda_ipc_handles_are_refused_by_a_server_that_cannot_map_them(client):
+    handle = CudaIpcHandle(b"\x00" * 64, 0, "GPU-58b8f8a1-0c3d-4e5f-8a9b-0123456789ab",
+                           [64, 16, 576], [16 * 576, 576, 1], "bfloat16")
+    expected = ("no GPU with UUID" if torch.cuda.is_available()
+                else "`layers[0].kind`: this server has no CUDA, so it cannot map cuda_ipc handles")
+    with pytest.raises(BadRequest, match=re.escape(expected)):
+        client.register_kv_cache([handle], model=MODEL, layout="mla", block_size=16)
+    assert client.ping() > 0
 
 
 def test_a_bad_item_refuses_the_whole_batch(client):

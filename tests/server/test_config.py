@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from lmcache_mp.server.config import Config
 from lmcache_mp.sizes import parse_size
@@ -62,3 +63,14 @@ def test_help_explains_every_option():
         flag = "--" + field.name.replace("_", "-")
         assert flag in out
         assert "LMCACHE_MP_" + field.name.upper() in out.replace("\n", "").replace(" ", "")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_a_gpu_tier_needs_cuda(capsys):
+    assert Config.from_args([], env={}).gpu_size == 0
+    assert Config.from_args([], env={"LMCACHE_MP_GPU_SIZE": "0"}).gpu_size == 0
+    for argv, env in ((["--gpu-size", "1GiB"], {}), ([], {"LMCACHE_MP_GPU_SIZE": "8GiB"})):
+        with pytest.raises(SystemExit) as exit_info:
+            Config.from_args(argv, env=env)
+        assert exit_info.value.code == 2
+        assert "--gpu-size needs CUDA, and this server has none" in capsys.readouterr().err

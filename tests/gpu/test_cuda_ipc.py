@@ -1,0 +1,158 @@
+"""On a GPU: KV caches registered by CUDA IPC with a real server, copied byte for byte.
+
+This process is the worker (its caches live on cuda:0); the server is a subprocess that
+maps them through cuda_ipc handles and copies with its own streams.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
+from lmcache_mp.client.cuda import StoreEvent, cuda_ipc_handles
+from lmcache_mp.cuda import address_range, device_uuid
+
+from ..utils import run_server
+from ..workers import CHUNK_SIZE, MODEL, prompt
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None,
+                       reason="needs a CUDA GPU and cupy"),
+]
+
+BLOCK = 16
+PER_CHUNK = CHUNK_SIZE // BLOCK
+NUM_BLOCKS = 8 * PER_CHUNK
+
+
+def random_layers(num_layers: int, shape: list[int], dtype: torch.dtype, seed: int | None,
+                  one_allocation: bool) -> list[torch.Tensor]:
+    """Layers on cuda:0, each its own allocation or all inside one (at an offset)."""
+    numel = torch.Size(shape).numel()
+    if one_allocation:
+        whole = torch.empty(4096 + num_layers * numel * dtype.itemsize, dtype=torch.uint8,
+                            device="cuda:0")
+        typed = whole[4096:].view(dtype)
+        layers = [typed[i * numel:(i + 1) * numel].view(shape) for i in range(num_layers)]
+    else:
+        layers = [torch.empty(shape, dtype=dtype, device="cuda:0") for _ in range(num_layers)]
+    generator = torch.Generator(device="cuda:0")
+    for layer in layers:
+        raw = layer.view(torch.uint8)
+        if seed is None:
+            raw.zero_()
+        else:
+            generator.manual_seed(seed)
+            seed += 1
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, device="cuda:0",
+                                    generator=generator))
+    return layers
+
+
+def chunk_ids(slots: list[int]) -> list[int]:
+    return [slot * PER_CHUNK + b for slot in slots for b in range(PER_CHUNK)]
+
+
+def blocks(layers: list[torch.Tensor], ids: list[int], dim: int) -> torch.Tensor:
+    index = torch.tensor(ids, device="cuda:0")
+    return torch.stack([layer.index_select(dim, index) for layer in layers]).view(torch.uint8)
+
+
+def test_handles_name_the_allocation_and_the_offset():
+    layers = random_layers(3, [2, 64, BLOCK, 2, 64], torch.float16, None, one_allocation=True)
+    handles = cuda_ipc_handles(layers)
+    with torch.cuda.device(0):
+        base, size = address_range(layers[0].data_ptr())
+    assert len({h.ipc_handle for h in handles}) == 1 and len(handles[0].ipc_handle) == 64
+    assert [h.offset for h in handles] == [t.data_ptr() - base for t in layers]
+    assert handles[0].offset >= 4096 and handles[-1].offset + layers[-1].numel() * 2 <= size
+    assert handles[0].device_uuid == device_uuid(0)
+
+
+@pytest.mark.parametrize("one_allocation", [False, True], ids=["per-layer", "one-allocation"])
+def test_store_and_retrieve_through_cuda_ipc_byte_for_byte(one_allocation):
+    shape = [2, NUM_BLOCKS, BLOCK, 2, 64]
+    source = random_layers(4, shape, torch.float16, 7, one_allocation)
+    target = random_layers(4, shape, torch.float16, None, one_allocation)
+    event = StoreEvent(source[0].device)
+    hashes = prompt(600 + one_allocation, 3)
+    with run_server() as server, CacheClient(server.url, timeout=60) as client:
+        mine = client.register_kv_cache(cuda_ipc_handles(source), model=MODEL, layout="mha",
+                                        block_size=BLOCK, store_event=event.handle)
+        theirs = client.register_kv_cache(cuda_ipc_handles(target), model=MODEL, layout="mha",
+                                          block_size=BLOCK)
+        source_ids = chunk_ids([5, 0, 3])
+        event.record()
+        assert client.store(mine, [TransferItem.build("w", hashes, source_ids)]) == [
+            bytes([StoreStatus.STORED] * 3)]
+        assert client.lookup(MODEL, 1, [LookupItem.build("r", hashes, hold=True)]) == [3]
+        target_ids = chunk_ids([1, 2, 7])
+        target_ids[4] = -1  # SKIP_BLOCK: the engine holds it already
+        assert client.retrieve(theirs, [TransferItem.build("r", hashes, target_ids)]) == [3]
+        written = [i for i, b in enumerate(target_ids) if b >= 0]
+        assert torch.equal(blocks(target, [target_ids[i] for i in written], 1),
+                           blocks(source, [source_ids[i] for i in written], 1))
+        assert bool((blocks(target, [chunk_ids([1])[4]], 1) == 0).all())
+        untouched = sorted(set(range(NUM_BLOCKS)) - set(target_ids))
+        assert bool((blocks(target, untouched, 1) == 0).all())
+        client.unregister(mine)
+        client.unregister(theirs)
+        # A worker that restarts (or re-registers) maps the same memory again.
+        again = client.register_kv_cache(cuda_ipc_handles(source), model=MODEL, layout="mha",
+                                         block_size=BLOCK, store_event=event.handle)
+        assert client.stats().registrations == 1
+        client.unregister(again)
+
+
+def test_an_mla_leader_fills_its_follower_on_the_gpu():
+    shape = [NUM_BLOCKS, BLOCK, 576]
+    leader = random_layers(2, shape, torch.bfloat16, 11, one_allocation=False)
+    follower = random_layers(2, shape, torch.bfloat16, None, one_allocation=False)
+    hashes = prompt(700, 2)
+    with run_server() as server, CacheClient(server.url, timeout=60) as lead, \
+            CacheClient(server.url, timeout=60, mla_follower=True) as follow:
+        event = StoreEvent(leader[0].device)
+        mine = lead.register_kv_cache(cuda_ipc_handles(leader), model=MODEL, layout="mla",
+                                      block_size=BLOCK, tp_rank=0, store_event=event.handle)
+        follow.register_kv_cache(cuda_ipc_handles(follower), model=MODEL, layout="mla",
+                                 block_size=BLOCK, tp_rank=1)
+        event.record()
+        lead.store(mine, [TransferItem.build("w", hashes, chunk_ids([0, 1]))])
+        assert lead.retrieve(mine, [TransferItem.build("g", hashes, chunk_ids([4, 6]))]) == [2]
+        assert follow.wait_for_load("g", timeout=30) == 2
+        expected = blocks(leader, chunk_ids([0, 1]), 0)
+        assert torch.equal(blocks(leader, chunk_ids([4, 6]), 0), expected)
+        assert torch.equal(blocks(follower, chunk_ids([4, 6]), 0), expected)
+
+
+def test_a_gpu_tier_keeps_chunks_in_hbm_and_demotes_under_pressure():
+    shape = [2, NUM_BLOCKS, BLOCK, 2, 64]
+    source = random_layers(4, shape, torch.float16, 21, one_allocation=False)
+    target = random_layers(4, shape, torch.float16, None, one_allocation=False)
+    event = StoreEvent(source[0].device)
+    hashes = prompt(800, 4)
+    with run_server("--gpu-size", "1MiB") as server, CacheClient(server.url, timeout=60) as client:
+        mine = client.register_kv_cache(cuda_ipc_handles(source), model=MODEL, layout="mha",
+                                        block_size=BLOCK, store_event=event.handle)
+        theirs = client.register_kv_cache(cuda_ipc_handles(target), model=MODEL, layout="mha",
+                                          block_size=BLOCK)
+        assert mine.chunk_bytes == 512 * 1024  # the tier holds two chunks
+        event.record()
+        client.store(mine, [TransferItem.build("w", hashes[:3], chunk_ids([0, 1, 2]))])
+        stats = client.stats()
+        assert (stats.gpu_capacity_bytes, stats.gpu_bytes_used) == (2 * mine.chunk_bytes,
+                                                                    2 * mine.chunk_bytes)
+        assert stats.bytes_used == 3 * mine.chunk_bytes  # the third went to the CPU pool
+        # The tier is full: the least recently used GPU chunk moves out for the fourth.
+        client.store(mine, [TransferItem.build("w", hashes[:4], chunk_ids([0, 1, 2, 3]))])
+        stats = client.stats()
+        assert (stats.gpu_bytes_used, stats.bytes_used) == (2 * mine.chunk_bytes,
+                                                            4 * mine.chunk_bytes)
+        assert client.retrieve(theirs, [TransferItem.build("r", hashes, chunk_ids([4, 5, 6, 7]))]
+                               ) == [4]
+        assert torch.equal(blocks(target, chunk_ids([4, 5, 6, 7]), 1),
+                           blocks(source, chunk_ids([0, 1, 2, 3]), 1))

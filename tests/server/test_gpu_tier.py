@@ -1,0 +1,140 @@
+"""The GPU tier (--gpu-size) on the CPU: placement, demotion under pressure, quotas over both tiers.
+
+The same stand-ins as test_streams.py (a FakeDevice, "IPC allocations" in CPU memory), and
+a GPU tier that is a CPU buffer on that fake device; the store, dispatcher and copier are
+the server's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from lmcache_mp.protocol import (
+    LookupItem,
+    LookupRequest,
+    RetrieveRequest,
+    StatsRequest,
+    StoreRequest,
+    StoreStatus,
+    TransferItem,
+)
+from lmcache_mp.server.quotas import Quota
+from lmcache_mp.server.store import CPU_TIER, GPU_TIER
+
+from ..workers import prompt
+from .test_streams import CLIENT, PER_CHUNK, Rig, blocks, until
+
+CHUNK_BYTES = 3 * 2 * PER_CHUNK * 16 * 2 * 8 * 2  # the Rig's MHA cache: 48 KiB per chunk
+
+
+def transfer(rig: Rig, request: StoreRequest | RetrieveRequest):
+    """Send STORE or RETRIEVE through the dispatcher; the device finishes whatever is queued."""
+    async def run():
+        op = "STORE" if isinstance(request, StoreRequest) else "RETRIEVE"
+        task = asyncio.ensure_future(rig.dispatcher.handle(CLIENT, op, request))
+        while not task.done():
+            rig.device.release()
+            await asyncio.sleep(0.001)
+        return await task
+    return asyncio.run(run())
+
+
+def store(rig: Rig, instance_id: int, hashes: list[bytes], first_block: int, salt: str = ""):
+    ids = list(range(first_block, first_block + len(hashes) * PER_CHUNK))
+    return transfer(rig, StoreRequest(instance_id, [TransferItem.build("w", hashes, ids, salt)]))
+
+
+def tiers(rig: Rig, hashes: list[bytes], salt: str = "") -> list[int | None]:
+    chunks = {chunk.key.chunk_hash: chunk for chunk in rig.store._chunks.values()
+              if chunk.key.cache_salt == salt}
+    return [chunks[h].tier if h in chunks else None for h in hashes]
+
+
+def test_chunks_fill_the_gpu_tier_then_the_oldest_moves_to_the_cpu_pool():
+    rig = Rig(gpu_bytes=2 * CHUNK_BYTES)
+    instance_id, source = rig.register("mha", 1, seed=8)
+    first, second = prompt(10, 2), prompt(11, 1)
+    assert store(rig, instance_id, first, 0).results == [bytes([StoreStatus.STORED] * 2)]
+    assert tiers(rig, first) == [GPU_TIER, GPU_TIER]
+    assert rig.gpu_pool.allocator.used == 2 * CHUNK_BYTES and rig.pool.allocator.used == 0
+
+    async def demote():
+        # The tier is full: the least recently used GPU chunk (the request's later one,
+        # committed first) moves out to make room, and is invisible until its bytes have.
+        task = asyncio.ensure_future(rig.dispatcher.handle(CLIENT, "STORE", StoreRequest(
+            instance_id, [TransferItem.build("w2", second, list(range(32, 48)))])))
+        await until(lambda: len(rig.device.events) == 2)
+        assert tiers(rig, first) == [GPU_TIER, CPU_TIER]
+        assert rig.hits(first) == 1 and rig.store.num_chunks == 2
+        rig.store.check_invariants()
+        rig.device.release()
+        return await asyncio.wait_for(task, 5)
+    assert asyncio.run(demote()).results == [bytes([StoreStatus.STORED])]
+    assert rig.hits(first) == 2 and rig.hits(second) == 1
+    assert tiers(rig, second) == [GPU_TIER]
+    assert rig.gpu_pool.allocator.used == 2 * CHUNK_BYTES
+    assert rig.pool.allocator.used == CHUNK_BYTES
+    rig.store.check_invariants()
+
+    # Both tiers read back byte for byte (the GPU tier's chunk and the demoted one).
+    target_id, target = rig.register("mha", 2, seed=None)
+    reply = transfer(rig, RetrieveRequest(target_id, [TransferItem.build(
+        "r", first + second, list(range(48)))]))
+    assert reply.retrieved == [3]
+    assert torch.equal(blocks(target, list(range(48)), 1), blocks(source, list(range(48)), 1))
+    stats = rig.dispatcher.handle(CLIENT, "STATS", StatsRequest())
+    assert (stats.capacity_bytes, stats.gpu_capacity_bytes) == (
+        rig.pool.capacity + 2 * CHUNK_BYTES, 2 * CHUNK_BYTES)
+    assert (stats.bytes_used, stats.gpu_bytes_used) == (3 * CHUNK_BYTES, 2 * CHUNK_BYTES)
+
+
+def test_with_no_room_in_the_cpu_pool_the_gpu_chunk_is_evicted_instead():
+    rig = Rig(cpu_bytes=CHUNK_BYTES, gpu_bytes=CHUNK_BYTES)
+    instance_id, _ = rig.register("mha", 1, seed=8)
+    a, b, c = prompt(20, 1), prompt(21, 1), prompt(22, 1)
+    store(rig, instance_id, a, 0)
+    store(rig, instance_id, b, 16)  # a moves to the CPU pool, b takes the GPU tier
+    assert tiers(rig, a + b) == [CPU_TIER, GPU_TIER]
+    # A lease holds a in the CPU pool: b cannot move there, so it is evicted for c.
+    rig.dispatcher.handle(CLIENT, "LOOKUP", LookupRequest("m", 1, [
+        LookupItem.build("keep", a, hold=True)]))
+    assert store(rig, instance_id, c, 32).results == [bytes([StoreStatus.STORED])]
+    assert tiers(rig, a + b + c) == [CPU_TIER, None, GPU_TIER]
+    assert rig.store.total("evictions") == 1
+    rig.store.check_invariants()
+
+
+def test_quotas_count_both_tiers():
+    rig = Rig(gpu_bytes=2 * CHUNK_BYTES)
+    rig.store.quotas.set("t", Quota(cap=3 * CHUNK_BYTES))
+    instance_id, _ = rig.register("mha", 1, seed=8)
+    hashes = prompt(30, 4)
+    for i, chunk_hash in enumerate(hashes[:3]):
+        store(rig, instance_id, [chunk_hash], 16 * i, salt="t")
+    assert sorted(tiers(rig, hashes[:3], "t")) == [CPU_TIER, GPU_TIER, GPU_TIER]
+    assert rig.store.tenants["t"].bytes_used == 3 * CHUNK_BYTES
+    # The cap covers both tiers: a fourth chunk evicts the salt's least recent one.
+    assert store(rig, instance_id, hashes[3:], 48, salt="t").results == [
+        bytes([StoreStatus.STORED])]
+    assert rig.store.tenants["t"].bytes_used == 3 * CHUNK_BYTES
+    assert tiers(rig, hashes, "t").count(None) == 1
+    rig.store.check_invariants()
+
+
+def test_the_thread_pool_path_reads_chunks_from_the_gpu_tier():
+    rig = Rig(gpu_bytes=2 * CHUNK_BYTES)
+    instance_id, source = rig.register("mha", 1, seed=9)
+    hashes = prompt(40, 1)
+    store(rig, instance_id, hashes, 16)
+    assert tiers(rig, hashes) == [GPU_TIER]
+    # A registration without a lane copies on the thread pool, as shm caches do; its chunk
+    # source is a view of the GPU tier.
+    target_id, target = rig.register("mha", 2, seed=None)
+    (instance,) = [i for i in rig.registry.instances() if i.instance_id == target_id]
+    instance.lane = None
+    reply = transfer(rig, RetrieveRequest(target_id, [TransferItem.build(
+        "r", hashes, list(range(16)))]))
+    assert reply.retrieved == [1]
+    assert torch.equal(blocks(target, list(range(16)), 1), blocks(source, list(range(16, 32)), 1))

@@ -1,0 +1,325 @@
+"""The GPU copy path on the CPU: cuda_ipc registration and the stream/event state machine.
+
+The server's own registry, chunk store, pool, dispatcher and StreamCopier run here with
+two stand-ins at the device layer only: a FakeDevice whose events complete when the test
+says so, and "IPC allocations" that are CPU buffers. Everything above them is the code a
+GPU server runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+import torch
+
+from lmcache_mp.cuda import normalize_uuid
+from lmcache_mp.errors import BadRequest, InternalError
+from lmcache_mp.protocol import (
+    SKIP_BLOCK,
+    CudaIpcHandle,
+    LoadDone,
+    LookupItem,
+    LookupRequest,
+    RegisterKVCacheRequest,
+    RetrieveRequest,
+    ShmHandle,
+    StoreRequest,
+    StoreStatus,
+    TransferItem,
+    UnregisterKVCacheRequest,
+)
+from lmcache_mp.server.config import Config
+from lmcache_mp.server.copy_engine import CopyEngine
+from lmcache_mp.server.cuda_ipc import CudaIpcSupport, SharedAllocations
+from lmcache_mp.server.dispatcher import Dispatcher
+from lmcache_mp.server.pool import CpuPool, DevicePool
+from lmcache_mp.server.registry import Registry
+from lmcache_mp.server.store import ChunkStore
+from lmcache_mp.server.streams import StreamCopier
+
+from ..workers import prompt
+
+UUID = "58b8f8a1-0c3d-4e5f-8a9b-0123456789ab"
+CLIENT = b"worker"
+BLOCK, HEADS, HEAD_DIM, LAYERS = 16, 2, 8, 3
+BLOCKS = 64  # 4 chunks of 16 blocks
+PER_CHUNK = 256 // BLOCK
+
+
+class FakeEvent:
+    def __init__(self, done: bool = False):
+        self.done = done
+
+
+class FakeDevice:
+    """The Device interface on the CPU: torch work runs at once, events complete on release()."""
+
+    def __init__(self):
+        self.events: list[FakeEvent] = []
+        self.waits: list[tuple[str, FakeEvent]] = []
+        self.opened: list[bytes] = []
+        self.streams = 0
+
+    def new_stream(self, device):
+        self.streams += 1
+        return f"stream-{self.streams}"
+
+    def use(self, stream):
+        return contextlib.nullcontext()
+
+    def record(self, stream):
+        event = FakeEvent()
+        self.events.append(event)
+        return event
+
+    def wait(self, stream, event):
+        self.waits.append((stream, event))
+
+    def query(self, event):
+        return event.done
+
+    def open_event(self, device, handle):
+        self.opened.append(handle)
+        return FakeEvent(done=True)
+
+    def release(self):
+        for event in self.events:
+            event.done = True
+
+
+class FakeAllocation:
+    def __init__(self, data: torch.Tensor, log: list):
+        self.data, self.log = data, log
+
+    def close(self):
+        self.log.append(("close", self.data.data_ptr()))
+
+
+class Rig:
+    """A dispatcher over the real store, pool, registry and StreamCopier, on a FakeDevice."""
+
+    def __init__(self, timeout: float = 30.0, cpu_bytes: int = 16 * 1024**2, gpu_bytes: int = 0):
+        """`gpu_bytes`: a GPU tier of that size (in CPU memory, on the fake device)."""
+        self.device = FakeDevice()
+        self.log: list = []
+        self.memory: dict[bytes, torch.Tensor] = {}  # "IPC handle" -> the worker's allocation
+        self.pool = CpuPool(cpu_bytes)
+        self.gpu_pool = DevicePool(gpu_bytes, torch.device("cpu")) if gpu_bytes else None
+        self.store = ChunkStore(self.pool.allocator, 60.0, gpu_allocator=self.gpu_pool.allocator
+                                if self.gpu_pool is not None else None)
+        self.copier = StreamCopier(self.device, 1, timeout)
+        self.shared = SharedAllocations(self.open_allocation)
+        support = CudaIpcSupport(self.shared.open,
+                                 lambda uuid: 0 if normalize_uuid(uuid) == UUID else None,
+                                 self.copier.new_lane)
+        self.registry = Registry(256, time.monotonic, support)
+        self.pushed: list = []
+        self.dispatcher = Dispatcher(Config(cpu_size=16 * 1024**2), self.store, self.pool,
+                                     self.registry, CopyEngine(1),
+                                     push=lambda client, m: self.pushed.append((client, m)),
+                                     copier=self.copier, gpu_pool=self.gpu_pool)
+
+    def open_allocation(self, handle: bytes, index: int) -> FakeAllocation:
+        self.log.append(("open", handle))
+        return FakeAllocation(self.memory[handle], self.log)
+
+    def allocation(self, tag: int, nbytes: int, seed: int | None) -> bytes:
+        """A worker allocation of random (or zero) bytes; its 64-byte 'IPC handle'."""
+        handle = bytes([tag]) * 64
+        data = torch.zeros(nbytes, dtype=torch.uint8)
+        if seed is not None:
+            data.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                                     generator=torch.Generator().manual_seed(seed)))
+        self.memory[handle] = data
+        return handle
+
+    def register(self, layout: str, tag: int, seed: int | None, tp_rank: int = 0,
+                 store_event: bytes = b"") -> tuple[int, list[torch.Tensor]]:
+        """Layers back to back after a 4 KiB gap, so offsets are not 0; returns the views."""
+        if layout == "mha":
+            shape = [2, BLOCKS, BLOCK, HEADS, HEAD_DIM]
+        else:
+            shape = [BLOCKS, BLOCK, 64]
+        layer = torch.empty(shape, dtype=torch.float16)
+        handle = self.allocation(tag, 4096 + LAYERS * layer.numel() * 2, seed)
+        handles = [CudaIpcHandle(handle, 4096 + i * layer.numel() * 2, "GPU-" + UUID.upper(),
+                                 list(shape), list(layer.stride()), "float16")
+                   for i in range(LAYERS)]
+        reply = self.dispatcher.handle(CLIENT, "REGISTER_KV_CACHE", RegisterKVCacheRequest(
+            "m", 1, 0, layout, BLOCK, handles, tp_rank, "g", store_event))
+        typed = self.memory[handle][4096:].view(torch.float16)
+        views = [typed[i * layer.numel():(i + 1) * layer.numel()].view(shape)
+                 for i in range(LAYERS)]
+        return reply.instance_id, views
+
+    def hits(self, hashes: list[bytes]) -> int:
+        return self.dispatcher.handle(CLIENT, "LOOKUP", LookupRequest(
+            "m", 1, [LookupItem.build("x", hashes)])).hits[0]
+
+
+def blocks(views: list[torch.Tensor], ids: list[int], dim: int) -> torch.Tensor:
+    """The blocks' bytes (random bytes hold NaNs, which never compare equal as floats)."""
+    index = torch.tensor(ids)
+    return torch.stack([v.index_select(dim, index) for v in views]).view(torch.uint8)
+
+
+async def until(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.001)
+
+
+def test_a_store_waits_for_the_worker_event_and_commits_only_when_the_device_is_done():
+    rig = Rig()
+    event_handle = b"\x07" * 64
+    instance_id, views = rig.register("mha", 1, seed=3, store_event=event_handle)
+    (instance,) = rig.registry.instances()
+    assert rig.device.opened == [event_handle]
+    assert [entry[0] for entry in rig.log] == ["open"]  # three layers, one allocation
+    assert instance.stacked is not None  # equal distances in one allocation: one view
+    hashes = prompt(1, 2)
+    source = list(range(16, 48))
+
+    async def scenario():
+        task = asyncio.ensure_future(rig.dispatcher.handle(CLIENT, "STORE", StoreRequest(
+            instance_id, [TransferItem.build("r", hashes, source)])))
+        await until(lambda: rig.device.events)  # queued; the device has not finished
+        await asyncio.sleep(0.01)
+        assert not task.done()
+        assert rig.hits(hashes) == 0 and rig.store.pending == 2
+        assert rig.device.waits == [(instance.lane.stream, instance.lane.store_event)]
+        rig.device.release()
+        reply = await asyncio.wait_for(task, 5)
+        assert reply.results == [bytes([StoreStatus.STORED] * 2)]
+        assert rig.hits(hashes) == 2 and rig.store.pending == 0
+    asyncio.run(scenario())
+
+    # The bytes went through the staging chunk into the pool: retrieve them elsewhere.
+    target_id, target = rig.register("mha", 2, seed=None)
+    targets = list(range(63, 31, -1))
+    targets[3] = SKIP_BLOCK
+
+    async def retrieve():
+        pending = rig.dispatcher.handle(CLIENT, "RETRIEVE", RetrieveRequest(
+            target_id, [TransferItem.build("r", hashes, targets)]))
+        task = asyncio.ensure_future(pending)
+        await until(lambda: len(rig.device.events) == 2)
+        rig.device.release()
+        return await asyncio.wait_for(task, 5)
+    assert asyncio.run(retrieve()).retrieved == [2]
+    written = [i for i, b in enumerate(targets) if b != SKIP_BLOCK]
+    assert torch.equal(blocks(target, [targets[i] for i in written], 1),
+                       blocks(views, [source[i] for i in written], 1))
+    assert bool((blocks(target, [60], 1) == 0).all())  # block 60 was SKIP_BLOCK: untouched
+    rig.store.check_invariants()
+
+
+def test_an_mla_leader_fills_its_followers_device_to_device():
+    rig = Rig()
+    leader_id, leader = rig.register("mla", 1, seed=5)
+    follower_id, follower = rig.register("mla", 2, seed=None, tp_rank=1)
+    hashes = prompt(2, 1)
+
+    async def scenario():
+        store = asyncio.ensure_future(rig.dispatcher.handle(CLIENT, "STORE", StoreRequest(
+            leader_id, [TransferItem.build("w", hashes, list(range(16)))])))
+        await until(lambda: rig.device.events)
+        rig.device.release()
+        await asyncio.wait_for(store, 5)
+        retrieve = asyncio.ensure_future(rig.dispatcher.handle(CLIENT, "RETRIEVE", RetrieveRequest(
+            leader_id, [TransferItem.build("g", hashes, list(range(32, 48)))])))
+        await until(lambda: len(rig.device.events) == 5)  # 2 streams, and 2 cross-stream events
+        await asyncio.sleep(0.01)
+        assert not retrieve.done() and not rig.pushed  # nobody is told before the device is done
+        rig.device.release()
+        return await asyncio.wait_for(retrieve, 5)
+    assert asyncio.run(scenario()).retrieved == [1]
+    expected = blocks(leader, list(range(16)), 0)
+    assert torch.equal(blocks(leader, list(range(32, 48)), 0), expected)
+    assert torch.equal(blocks(follower, list(range(32, 48)), 0), expected)
+    ((_, notice),) = rig.pushed
+    assert isinstance(notice, LoadDone) and notice.instance_id == follower_id
+    assert notice.items[0].retrieved == 1
+    # The follower's stream waited for the leader's copy, and the leader's for the follower's.
+    streams = {i.instance_id: i.lane.stream for i in rig.registry.instances()}
+    assert [stream for stream, _ in rig.device.waits] == [streams[follower_id], streams[leader_id]]
+
+
+def test_a_stalled_device_fails_the_request_and_frees_nothing_until_it_finishes():
+    rig = Rig(timeout=0.05)
+    instance_id, _ = rig.register("mha", 1, seed=3)
+    hashes = prompt(3, 2)
+
+    async def scenario():
+        with pytest.raises(InternalError, match="did not finish within 0.05 s"):
+            await rig.dispatcher.handle(CLIENT, "STORE", StoreRequest(
+                instance_id, [TransferItem.build("r", hashes, list(range(32)))]))
+        # The device may still write into the chunks, and read the worker's memory.
+        assert rig.store.pending == 2 and rig.store.bytes_used > 0
+        rig.dispatcher.handle(CLIENT, "UNREGISTER_KV_CACHE", UnregisterKVCacheRequest(instance_id))
+        assert ("close", rig.memory[bytes([1]) * 64].data_ptr()) not in rig.log
+        rig.device.release()
+        await until(lambda: rig.store.pending == 0)
+        assert rig.store.bytes_used == 0 and rig.hits(hashes) == 0
+        assert rig.log[-1][0] == "close"
+        rig.copier.shutdown()
+    asyncio.run(scenario())
+
+
+def test_bad_cuda_ipc_registrations_are_refused_and_close_what_they_opened():
+    rig = Rig()
+    handle = rig.allocation(9, 4096, seed=None)
+    good = CudaIpcHandle(handle, 0, UUID, [4, BLOCK, 8], [BLOCK * 8, 8, 1], "float16")
+
+    def register(*layers, store_event=b""):
+        return rig.registry.register(CLIENT, RegisterKVCacheRequest(
+            "m", 1, 0, "mla", BLOCK, list(layers), store_event=store_event))
+
+    cases = [
+        ((CudaIpcHandle(b"\x01" * 8, 0, UUID, good.shape, good.strides, "float16"),),
+         "`layers[0].ipc_handle`: expected 64 bytes"),
+        ((CudaIpcHandle(handle, 0, "GPU-1", good.shape, good.strides, "float16"),),
+         "`layers[0].device_uuid`: not a GPU UUID"),
+        ((CudaIpcHandle(handle, 0, UUID.replace("5", "6"), good.shape, good.strides,
+                        "float16"),), "no GPU with UUID"),
+        ((good, CudaIpcHandle(handle, 3584, UUID, good.shape, good.strides, "float16")),
+         "`layers[1]`: tensor ends at byte 4608 but its CUDA allocation holds 4096 bytes"),
+        ((good, ShmHandle("x", 0, good.shape, good.strides, "float16")),
+         "`layers[1].kind`: every layer needs the kind of layers[0] ('cuda_ipc')"),
+    ]
+    for layers, words in cases:
+        with pytest.raises(BadRequest) as error:
+            register(*layers)
+        assert words in str(error.value), str(error.value)
+    with pytest.raises(BadRequest, match="`store_event`: expected 64 bytes"):
+        register(good, store_event=b"\x00" * 3)
+    with pytest.raises(BadRequest, match="`store_event`: only cuda_ipc registrations"):
+        rig.registry.register(CLIENT, RegisterKVCacheRequest(
+            "m", 1, 0, "mla", BLOCK, [ShmHandle("x", 0, good.shape, good.strides, "float16")],
+            store_event=b"\x00" * 64))
+    opens = sum(1 for entry in rig.log if entry[0] == "open")
+    closes = sum(1 for entry in rig.log if entry[0] == "close")
+    assert opens == closes == 1  # the overrun opened the allocation once, and closed it
+    instance = register(good)
+    rig.registry.unregister(instance.instance_id)
+    assert rig.log[-1] == ("close", rig.memory[handle].data_ptr())
+    assert len(rig.registry) == 0
+
+
+def test_registering_the_same_memory_twice_opens_it_once_and_closes_it_after_both():
+    rig = Rig()
+    first, _ = rig.register("mla", 4, seed=1)
+    handles = [h for h in rig.registry.instances()[0].allocations]
+    assert len(handles) == 1 and len(rig.shared) == 1
+    request = RegisterKVCacheRequest("m", 1, 0, "mla", BLOCK, [CudaIpcHandle(
+        bytes([4]) * 64, 4096, UUID, [BLOCKS, BLOCK, 64], [BLOCK * 64, 64, 1], "float16")])
+    second = rig.registry.register(CLIENT, request).instance_id
+    assert [entry[0] for entry in rig.log] == ["open"]
+    rig.registry.unregister(first)
+    assert [entry[0] for entry in rig.log] == ["open"] and len(rig.shared) == 1
+    rig.registry.unregister(second)
+    assert [entry[0] for entry in rig.log] == ["open", "close"] and len(rig.shared) == 0
