@@ -185,11 +185,7 @@ def _forget(client: CacheClient, workload: Workload) -> None:
 def _run_phases(options: BenchOptions, workload: Workload, engines: list[Engine],
                 client: CacheClient, capacity: int, log: Callable[[str], None]
                 ) -> list[PhaseResult]:
-    planned = None
-    if options.requests is not None and options.workload in UNIFORM:
-        planned = 2 * options.requests
-    elif options.requests is not None and options.workload == "chat":
-        planned = options.requests
+    planned = workload.planned_requests()
     results = []
     phase_seconds = options.duration / len(workload.phases) if options.duration else None
     for phase in workload.phases:

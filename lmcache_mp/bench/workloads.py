@@ -52,6 +52,10 @@ class Workload(ABC):
             return None
         return self.requests // self.engines + (engine < self.requests % self.engines)
 
+    def planned_requests(self) -> int | None:
+        """Requests a single-phase run sends, for the progress bar; None: not known ahead."""
+        return self.requests if len(self.phases) == 1 else None
+
     def prepare(self, phase: str, client: CacheClient, capacity: int) -> None:
         """Before a phase, from the benchmark's own client (quotas, a clean slate)."""
 
@@ -77,6 +81,9 @@ class UniformWorkload(Workload):
         super().__init__(shape, engines, salt, seed, requests)
         self.chunks = chunks
         self.batch = batch
+
+    def planned_requests(self) -> int | None:
+        return None if self.requests is None else 2 * self.requests  # each prompt twice
 
     def prompt_tokens(self) -> int:
         return self.chunks * self.shape.chunk_size + self.shape.block_size
