@@ -14,6 +14,7 @@ import zmq
 
 from .. import protocol
 from ..client import CacheClient, LookupItem
+from ..server.spawn import unlink_ipc_endpoint
 from .stats import GB, Latency, rate
 
 ECHO_SOURCE = r"""
@@ -69,6 +70,7 @@ class EchoProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        unlink_ipc_endpoint(self.bind)
 
 
 @dataclass(frozen=True)

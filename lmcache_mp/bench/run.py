@@ -116,7 +116,6 @@ def run(options: BenchOptions, log: Callable[[str], None]) -> Report:
             pool = _spawned_pool_size(options, kv_world_size)
             server = ServerProcess(url, ["--cpu-size", pool, "--log-level", "warning",
                                          "--chunk-size", str(options.shape.chunk_size)])
-            stack.callback(lambda: os.path.exists(url[6:]) and os.unlink(url[6:]))
             stack.callback(server.close)
             log(f"starting a server on {url} with a {pool} pool")
             server.start()

@@ -7,9 +7,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from ..client import CacheClient
 from ..errors import TransportError
+
+
+def unlink_ipc_endpoint(url: str) -> None:
+    """Remove the socket file of an ipc:// endpoint whose process is gone: a process that
+    was killed (or exited at once on a second signal) never unbinds, and leaves it behind."""
+    if url.startswith("ipc://") and not url.startswith("ipc://@"):  # @: abstract, no file
+        Path(url.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
 class ServerProcess:
@@ -73,8 +81,9 @@ class ServerProcess:
         return self._output
 
     def close(self) -> int:
-        """Stop the server and release its log; returns the exit code."""
+        """Stop the server and release its log and endpoint; returns the exit code."""
         code = self.stop()
+        unlink_ipc_endpoint(self.url)
         self.output()
         self._log.close()
         return code
