@@ -264,17 +264,12 @@ class Dispatcher:
         demotions = [r.demotion for per_item in reservations for r in per_item
                      if r.demotion is not None]
 
-        def abort_all() -> None:
+        def abort_all(demotions_landed: bool) -> None:
             for _, _, chunk in pending:
                 self.store.abort(chunk)
+            settle = self.store.finish_demotion if demotions_landed else self.store.abort_demotion
             for demotion in demotions:
-                self.store.abort_demotion(demotion)
-
-        def settled_late() -> None:  # the device finished after the reply: demotions landed
-            for _, _, chunk in pending:
-                self.store.abort(chunk)
-            for demotion in demotions:
-                self.store.finish_demotion(demotion)
+                settle(demotion)
         try:
             jobs = [(transfers[i].block_ids[c], self._chunk_tensor(chunk, instance))
                     for i, c, chunk in pending]
@@ -288,10 +283,11 @@ class Dispatcher:
                                                for ids, out in jobs])
             errors = await self._copy([instance], copies)
         except DeviceStalled as stall:
-            stall.after(settled_late)  # the device may still write into those chunks
+            # The device may still write into those chunks; when it is done, demotions landed.
+            stall.after(partial(abort_all, True))
             raise InternalError(f"{stall}; nothing of this STORE was stored") from None
         except BaseException:
-            abort_all()
+            abort_all(False)
             raise
         for demotion, error in zip(demotions, errors):
             if error is None:
