@@ -442,14 +442,20 @@ def test_mla_tp2_the_leader_stores_and_loads_and_the_follower_gets_the_bytes(ser
             worker.shutdown()
 
 
-def test_vllm_taking_none_of_our_hit_releases_the_hold_and_stores_the_rest(server):
-    """vLLM may take fewer tokens than offered (a request that skips prefix caching,
-    another connector of a MultiConnector): nothing is loaded and the hold goes."""
-    config = hand_config(server.url)
+def one_rank_connectors(url: str):
+    """The scheduler-side and worker-side connectors of a one-rank engine with an MHA cache."""
+    config = hand_config(url)
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float16)
     kvcc = kv_cache_config(spec)
     scheduler = LMCacheMPServerConnector(config, KVConnectorRole.SCHEDULER, kvcc)
     worker, _ = worker_connector(config, kvcc, 0)
+    return scheduler, worker
+
+
+def test_vllm_taking_none_of_our_hit_releases_the_hold_and_stores_the_rest(server):
+    """vLLM may take fewer tokens than offered (a request that skips prefix caching,
+    another connector of a MultiConnector): nothing is loaded and the hold goes."""
+    scheduler, worker = one_rank_connectors(server.url)
     try:
         tokens = prompt(11, 3 * 256 + 5)
         writer = Request("writer", tokens[:512], SamplingParams(max_tokens=1), None)
@@ -484,11 +490,7 @@ def test_vllm_taking_none_of_our_hit_releases_the_hold_and_stores_the_rest(serve
 
 
 def test_a_preempted_requests_store_is_read_before_its_blocks_are_reused(server):
-    config = hand_config(server.url)
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float16)
-    kvcc = kv_cache_config(spec)
-    scheduler = LMCacheMPServerConnector(config, KVConnectorRole.SCHEDULER, kvcc)
-    worker, _ = worker_connector(config, kvcc, 0)
+    scheduler, worker = one_rank_connectors(server.url)
     try:
         tokens = prompt(12, 4 * 256)
         request = Request("preempted", tokens, SamplingParams(max_tokens=1), None)
