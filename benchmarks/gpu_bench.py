@@ -20,6 +20,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import secrets
 import sys
 import time
 import uuid
@@ -158,12 +159,26 @@ def timed_batches(client: CacheClient, request_type: type, instance_id: int,
     return time.perf_counter() - start, replies
 
 
-def leader(workload: Workload, url: str, chunks: int, conn, tp_rank: int | None) -> Result:
+@dataclass(frozen=True)
+class Access:
+    """Where the server is and what the workers' clients send in HELLO: the engine token,
+    and the secret of the one engine both workers are (W3's leader and follower must
+    share it, or the follower is a group of its own and never gets the loads)."""
+
+    url: str
+    token: str
+    engine: str
+
+    def client(self, **kwargs) -> CacheClient:
+        return CacheClient(self.url, timeout=60, token=self.token, engine=self.engine, **kwargs)
+
+
+def leader(workload: Workload, access: Access, chunks: int, conn, tp_rank: int | None) -> Result:
     """Store `chunks` chunks from the first half of a cache, retrieve them into the second."""
     layers = make_layers(workload, 2 * chunks * PER_CHUNK, seed=1)
     raw_d2h, raw_h2d = raw_bandwidth(workload.chunk_bytes, chunks)
     event = StoreEvent(layers[0].device)
-    with CacheClient(url, timeout=60) as client:
+    with access.client() as client:
         registration = client.register_kv_cache(
             cuda_ipc_handles(layers), model=workload.name, layout=workload.layout,
             block_size=BLOCK, store_event=event.handle, tp_rank=tp_rank or 0,
@@ -195,10 +210,10 @@ def leader(workload: Workload, url: str, chunks: int, conn, tp_rank: int | None)
                   total / retrieve_s / GB, raw_d2h, raw_h2d, match)
 
 
-def follower(workload: Workload, url: str, chunks: int, conn) -> bool:
+def follower(workload: Workload, access: Access, chunks: int, conn) -> bool:
     """TP rank 1 of W3: register, wait for the leader's loads, compare with its source."""
     layers = make_layers(workload, 2 * chunks * PER_CHUNK, seed=2)
-    with CacheClient(url, timeout=60, mla_follower=True) as client:
+    with access.client(mla_follower=True) as client:
         registration = client.register_kv_cache(
             cuda_ipc_handles(layers), model=workload.name, layout="mla", block_size=BLOCK,
             tp_rank=1, tp_group="bench")
@@ -214,16 +229,16 @@ def follower(workload: Workload, url: str, chunks: int, conn) -> bool:
     return match
 
 
-def worker_main(role: str, url: str, chunks: int, conn) -> None:
+def worker_main(role: str, access: Access, chunks: int, conn) -> None:
     torch.cuda.set_device(0)
     try:
         if role == "worker-1":
-            w1 = leader(W1, url, chunks, conn, tp_rank=None)
+            w1 = leader(W1, access, chunks, conn, tp_rank=None)
             conn.send(asdict(w1))
-            conn.send(asdict(leader(W3, url, chunks, conn, tp_rank=0)))
+            conn.send(asdict(leader(W3, access, chunks, conn, tp_rank=0)))
         else:
             assert conn.recv() == "registered"
-            conn.send(follower(W3, url, chunks, conn))
+            conn.send(follower(W3, access, chunks, conn))
     except BaseException as exc:
         conn.send(f"{role} failed: {type(exc).__name__}: {exc}")
         raise
@@ -237,14 +252,15 @@ def main() -> int:
         print("no CUDA device: nothing to measure", file=sys.stderr)
         return 1
     pool = 2 * args.chunks * (W1.chunk_bytes + W3.chunk_bytes) + 512 * 1024**2
-    url = f"ipc:///tmp/lmcache-mp-gpu-bench-{os.getpid()}.sock"
     context = multiprocessing.get_context("spawn")
-    with ServerProcess(url, ["--cpu-size", str(pool), "--log-level", "warning"]) as server:
-        with CacheClient(url) as client:
+    # The server's default endpoint: the ipc:// socket of a private runtime directory.
+    with ServerProcess(None, ["--cpu-size", str(pool), "--log-level", "warning"]) as server:
+        with server.client() as client:
             prefault_s = server.wait_prefault(client)  # the pool is pinned by then
+        access = Access(server.url, server.token(), secrets.token_hex(16))
         pipes = [context.Pipe() for _ in range(2)]
         # Worker 1 talks to the parent, and to worker 2 (for W3) through the parent.
-        workers = [context.Process(target=worker_main, args=(role, url, args.chunks, child))
+        workers = [context.Process(target=worker_main, args=(role, access, args.chunks, child))
                    for role, (_, child) in zip(("worker-1", "worker-2"), pipes)]
         for process in workers:
             process.start()

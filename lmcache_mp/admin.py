@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from .client import CacheClient
@@ -11,8 +10,6 @@ from .errors import LMCacheMPError
 from .protocol import QuotaInfo
 from .server.quotas import QuotaError, parse_quota
 from .sizes import format_size
-
-DEFAULT_URL = "tcp://127.0.0.1:5555"
 
 
 def _size(value: int | None) -> str:
@@ -30,9 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lmcache-mp-server quota",
         description="Read or change per-tenant (cache_salt) quotas of a running server. "
                     "Changes last until the server restarts; put lasting ones in --quota-file.")
-    parser.add_argument("--url", default=os.environ.get("LMCACHE_MP_URL", DEFAULT_URL),
-                        help="the server's endpoint (default: $LMCACHE_MP_URL or "
-                             f"{DEFAULT_URL})")
+    parser.add_argument("--url", default=None,
+                        help="the server's endpoint (default: $LMCACHE_MP_URL, else this "
+                             "user's ipc:// socket in the runtime directory); the admin token "
+                             "comes from $LMCACHE_MP_ADMIN_TOKEN or the runtime directory's "
+                             "admin.token")
     parser.add_argument("--timeout", type=float, default=5.0,
                         help="seconds to wait for the server (default: 5)")
     actions = parser.add_subparsers(dest="action", required=True)
@@ -52,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
-        with CacheClient(args.url, timeout=args.timeout, client_name="lmcache-mp-admin") as client:
+        with CacheClient(args.url, timeout=args.timeout, client_name="lmcache-mp-admin",
+                         admin=True) as client:
             if args.action == "set":
                 quota = parse_quota(args.quota)
                 print(_line(client.quota_set(args.salt, quota.cap, quota.reserve)))

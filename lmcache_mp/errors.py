@@ -58,10 +58,23 @@ class InternalError(ServerError):
     code = "internal"
 
 
+class Unauthenticated(ServerError):
+    """No session: HELLO first (with the token a tcp:// endpoint needs), or again after a
+    server restart; also a HELLO whose token is wrong."""
+
+    code = "unauthenticated"
+
+
+class Forbidden(ServerError):
+    """The session's role may not do this: admin ops need HELLO with the admin token."""
+
+    code = "forbidden"
+
+
 ERROR_CLASSES: dict[str, type[ServerError]] = {
     cls.code: cls
     for cls in (BadFrame, UnknownOp, BadRequest, UnsupportedVersion, UnknownInstance,
-                ShuttingDown, InternalError)
+                ShuttingDown, InternalError, Unauthenticated, Forbidden)
 }
 
 

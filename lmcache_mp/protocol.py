@@ -20,7 +20,7 @@ import msgpack
 
 from .errors import BadFrame, BadRequest, UnknownOp
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 REQUEST_ID_BYTES = 8
 PUSH_REQUEST_ID = 0
@@ -30,16 +30,92 @@ STATUS_ERR = b"err"
 CHUNK_HASH_BYTES = 16
 BLOCK_ID_BYTES = 4  # int32, little-endian
 SKIP_BLOCK = -1  # in RETRIEVE block_ids: leave this block of the chunk unwritten
-SHM_DIR = "/dev/shm/"  # where the segments that "shm" handles name live
+TICKET_BYTES = 16  # a memfd handle's ticket, issued by the fd channel
 
 _REQUEST_ID = struct.Struct("<Q")
-_CACHE_SALT = re.compile(r"[\x21-\x7e]{0,256}")  # printable ASCII, no spaces
+
+
+# ---------------------------------------------------------------------------
+# Limits: each one defined here, checked by the server before any work, used by the
+# client, and listed in docs/protocol.md from this table (tests/test_protocol_doc.py).
+
+@dataclass(frozen=True)
+class Limit:
+    value: int
+    what: str  # what it bounds, as the docs say it
+
+
+LIMITS: dict[str, Limit] = {
+    "MAX_MESSAGE_BYTES": Limit(
+        64 * 1024**2, "bytes in one request's frames; the server's --max-message-bytes "
+        "(ZeroMQ drops a connection that sends more)"),
+    "MAX_ITEMS_PER_MESSAGE": Limit(
+        1024, "items in one LOOKUP, STORE, RETRIEVE or RELEASE, and elements of any one "
+        "msgpack array in a request"),
+    "MAX_CHUNKS_PER_MESSAGE": Limit(
+        4096, "chunk hashes in one LOOKUP, STORE or RETRIEVE, summed over its items; the "
+        "server's --max-chunks-per-message"),
+    "MAX_LOOKUP_PROBES": Limit(
+        262144, "index probes one LOOKUP may cost: its chunk hashes times kv_world_size"),
+    "LOOKUP_SLICE_PROBES": Limit(
+        2048, "index probes the server does for one LOOKUP before letting others run"),
+    "TRANSFER_SLICE_CHUNKS": Limit(
+        256, "chunks of one STORE or RETRIEVE the server prepares or settles before letting "
+             "others run"),
+    "MAX_MAP_FIELDS": Limit(64, "keys in any msgpack map of a request"),
+    "MAX_STRING_BYTES": Limit(4096, "bytes of any msgpack string in a request"),
+    "MAX_REQUEST_ID_CHARS": Limit(512, "characters of a request_id"),
+    "MAX_SALT_CHARS": Limit(256, "characters of a cache_salt (printable ASCII, no spaces)"),
+    "MAX_MODEL_CHARS": Limit(512, "characters of a model name"),
+    "MAX_NAME_CHARS": Limit(256, "characters of client_name, engine, tp_group, token and a "
+                            "memfd handle's name"),
+    "MAX_LAYERS": Limit(1024, "layer handles in one REGISTER_KV_CACHE"),
+    "MAX_KV_WORLD_SIZE": Limit(1024, "kv_world_size"),
+    "MAX_INSTANCE_ID": Limit(2**53 - 1, "instance ids (exact in every msgpack implementation, "
+                             "float64 included)"),
+    "MAX_FDS_PER_MESSAGE": Limit(64, "descriptors in one message on the fd channel"),
+    "MAX_PENDING_TICKETS": Limit(4096, "fd channel tickets issued and not yet used by a "
+                                 "REGISTER_KV_CACHE, server-wide"),
+    "TICKET_TTL_S": Limit(60, "seconds a ticket stays valid"),
+    "MAX_SESSIONS": Limit(65536, "connections that said HELLO and are remembered"),
+    "REPLY_BACKLOG_BYTES": Limit(
+        64 * 1024**2, "reply bytes kept for one connection that does not read them; past it "
+                      "the server drops that connection's session and backlog"),
+}
+MAX_MESSAGE_BYTES = LIMITS["MAX_MESSAGE_BYTES"].value
+MAX_ITEMS_PER_MESSAGE = LIMITS["MAX_ITEMS_PER_MESSAGE"].value
+MAX_CHUNKS_PER_MESSAGE = LIMITS["MAX_CHUNKS_PER_MESSAGE"].value
+MAX_LOOKUP_PROBES = LIMITS["MAX_LOOKUP_PROBES"].value
+LOOKUP_SLICE_PROBES = LIMITS["LOOKUP_SLICE_PROBES"].value
+TRANSFER_SLICE_CHUNKS = LIMITS["TRANSFER_SLICE_CHUNKS"].value
+MAX_MAP_FIELDS = LIMITS["MAX_MAP_FIELDS"].value
+MAX_STRING_BYTES = LIMITS["MAX_STRING_BYTES"].value
+MAX_REQUEST_ID_CHARS = LIMITS["MAX_REQUEST_ID_CHARS"].value
+MAX_SALT_CHARS = LIMITS["MAX_SALT_CHARS"].value
+MAX_MODEL_CHARS = LIMITS["MAX_MODEL_CHARS"].value
+MAX_NAME_CHARS = LIMITS["MAX_NAME_CHARS"].value
+MAX_LAYERS = LIMITS["MAX_LAYERS"].value
+MAX_KV_WORLD_SIZE = LIMITS["MAX_KV_WORLD_SIZE"].value
+MAX_INSTANCE_ID = LIMITS["MAX_INSTANCE_ID"].value
+MAX_FDS_PER_MESSAGE = LIMITS["MAX_FDS_PER_MESSAGE"].value
+MAX_PENDING_TICKETS = LIMITS["MAX_PENDING_TICKETS"].value
+TICKET_TTL_S = LIMITS["TICKET_TTL_S"].value
+MAX_SESSIONS = LIMITS["MAX_SESSIONS"].value
+REPLY_BACKLOG_BYTES = LIMITS["REPLY_BACKLOG_BYTES"].value
+
+_CACHE_SALT = re.compile(r"[\x21-\x7e]{0,%d}" % MAX_SALT_CHARS)  # printable ASCII, no spaces
+
+# Ops that need the admin role (HELLO with the admin token); every other op needs only a
+# session. STATS answers both, with per-tenant detail for admins only.
+ADMIN_OPS = frozenset({"CLEAR", "QUOTA_SET", "QUOTA_GET", "QUOTA_DELETE", "QUOTA_LIST"})
+ROLE_ENGINE = "engine"
+ROLE_ADMIN = "admin"
 
 
 def validate_salt(salt: str, path: str = "cache_salt") -> str:
     """A cache_salt names a tenant: at most 256 printable ASCII characters without spaces."""
     if not _CACHE_SALT.fullmatch(salt):
-        raise BadRequest(f"`{path}`: cache_salt must be at most 256 printable ASCII characters "
+        raise BadRequest(f"`{path}`: cache_salt must be at most {MAX_SALT_CHARS} printable ASCII characters "
                          f"without spaces, got {salt[:40]!r}")
     return salt
 
@@ -60,8 +136,16 @@ class StoreStatus:
 
 @dataclass
 class HelloRequest:
+    """Opens the connection's session; every op but HELLO and PING needs one."""
+
     protocol_version: int
     client_name: str = ""
+    # The server's engine token (tcp:// endpoints) or admin token (admin ops); "" on an
+    # ipc:// endpoint, whose file permissions already say who may connect.
+    token: str = ""
+    # A secret the processes of one engine share (its scheduler and every rank): lookup
+    # holds and MLA groups belong to it. "": this connection alone.
+    engine: str = ""
 
 
 @dataclass
@@ -73,6 +157,9 @@ class HelloReply:
     max_chunks_per_message: int
     lease_timeout_s: float
     worker_timeout_s: float
+    role: str = ROLE_ENGINE  # what this session may do: "engine" or "admin"
+    fd_socket: str = ""  # the unix socket that takes memfd descriptors (see MemfdHandle)
+    max_items_per_message: int = MAX_ITEMS_PER_MESSAGE
 
 
 @dataclass
@@ -86,16 +173,22 @@ class PingReply:
 
 
 @dataclass
-class ShmHandle:
-    """A tensor inside a POSIX shared-memory segment (/dev/shm/<name>)."""
+class MemfdHandle:
+    """A tensor inside a sealed memfd that the worker handed over the fd channel.
 
-    KIND: ClassVar[str] = "shm"
-    name: str
+    The server never opens memory by name: the worker sends the descriptor (SCM_RIGHTS)
+    to HELLO's `fd_socket` and gets a ticket for it, which this handle names. The memfd
+    must carry F_SEAL_SHRINK, so that nothing the worker does later can pull pages out
+    from under the server's mapping."""
+
+    KIND: ClassVar[str] = "memfd"
+    ticket: bytes  # TICKET_BYTES from the fd channel; b"" before the client has sent the fd
     offset: int  # bytes from the segment start to element [0, 0, ...]
     shape: list[int]
     strides: list[int]  # in elements, like torch.Tensor.stride()
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "float16"
-    kind: str = "shm"
+    name: str = ""  # the worker's label for its segment, used in messages only
+    kind: str = "memfd"
 
 
 @dataclass
@@ -117,8 +210,8 @@ def span_bytes(shape: list[int], strides: list[int], itemsize: int) -> int:
     return (sum((dim - 1) * stride for dim, stride in zip(shape, strides)) + 1) * itemsize
 
 
-# A tagged union: the map's `kind` picks the class; a map without `kind` is an ShmHandle.
-TensorHandle = ShmHandle | CudaIpcHandle
+# A tagged union: the map's `kind` picks the class; a map without `kind` is a MemfdHandle.
+TensorHandle = MemfdHandle | CudaIpcHandle
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t) and sizeof(cudaIpcEventHandle_t)
 
 
@@ -417,12 +510,55 @@ def pack(message: Any) -> bytes:
     return msgpack.packb(message, default=_fields, use_bin_type=True)
 
 
-def unpack(cls: type, payload: bytes) -> Any:
-    """Decode and validate a payload as `cls`; errors name the field that is wrong."""
+_REQUEST_LIMITS = dict(max_array_len=MAX_ITEMS_PER_MESSAGE, max_map_len=MAX_MAP_FIELDS,
+                      max_str_len=MAX_STRING_BYTES, max_ext_len=0)
+
+
+# Values (array elements plus map entries) one request may hold in all: the per-array limit
+# alone lets arrays nested in arrays build a value per byte of a MAX_MESSAGE_BYTES message
+# (seconds of the loop, gigabytes). The largest valid request, a REGISTER_KV_CACHE of
+# MAX_LAYERS handles, holds about 18 per layer.
+MAX_REQUEST_VALUES = 32 * MAX_ITEMS_PER_MESSAGE
+# msgpack errors that carry no text of their own.
+_UNPACK_REASONS = {"StackError": "arrays and maps nested more than 1024 deep",
+                   "FormatError": "a byte that starts no msgpack value"}
+
+
+class _ValueBudget:
+    """msgpack's list_hook and object_hook: counts each container as it is built, and stops
+    the decoding once the request holds more than MAX_REQUEST_VALUES values."""
+
+    def __init__(self) -> None:
+        self.left = MAX_REQUEST_VALUES
+
+    def __call__(self, container: Any) -> Any:
+        self.left -= len(container)
+        if self.left < 0:
+            raise BadRequest(f"payload holds more than {MAX_REQUEST_VALUES} values in its "
+                             f"arrays and maps (MAX_REQUEST_VALUES)")
+        return container
+
+
+def unpack(cls: type, payload: bytes, bounded: bool = False) -> Any:
+    """Decode and validate a payload as `cls`; errors name the field that is wrong.
+
+    `bounded` (the server, for requests): msgpack refuses arrays, maps and strings over
+    the LIMITS as it reads their headers, before building anything, and the whole payload
+    over MAX_REQUEST_VALUES values as it builds them."""
     try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        if bounded:
+            budget = _ValueBudget()
+            raw = msgpack.unpackb(payload, raw=False, strict_map_key=True, list_hook=budget,
+                                  object_hook=budget, **_REQUEST_LIMITS)
+        else:
+            raw = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except BadRequest:
+        raise
     except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise BadRequest(f"payload is not valid msgpack: {exc}") from None
+        reason = str(exc) or _UNPACK_REASONS.get(type(exc).__name__,
+                                                 "the data ends early or holds extra bytes")
+        raise BadRequest(f"payload is not valid msgpack ({type(exc).__name__}: {reason})"
+                         ) from None
     return from_wire(cls, raw, "")
 
 
@@ -434,6 +570,7 @@ def from_wire(tp: Any, value: Any, path: str) -> Any:
 Decoder = Callable[[Any, str], Any]
 _DECODERS: dict[Any, Decoder] = {}
 _TYPE_NAMES = {int: "int", float: "float", str: "str", bool: "bool", bytes: "bytes"}
+_EXACT_FLOAT_INT = 2**53
 
 
 def _describe(value: Any) -> str:
@@ -496,6 +633,9 @@ def _build_decoder(tp: Any) -> Decoder:
         def decode_int(value: Any, path: str) -> int:
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
+            # JavaScript's msgpack encoders send integers above 2^32 as float64.
+            if isinstance(value, float) and value.is_integer() and abs(value) <= _EXACT_FLOAT_INT:
+                return int(value)
             raise _mismatch(name, value, path)
         return decode_int
 

@@ -59,15 +59,75 @@ def test_errors_name_the_field():
 
 def test_unknown_fields_are_ignored_and_defaults_fill_in():
     message = protocol.unpack(protocol.HelloRequest,
-                              msgpack.packb({"protocol_version": 1, "from_the_future": [1]}))
-    assert message == protocol.HelloRequest(1, "")
+                              msgpack.packb({"protocol_version": 2, "from_the_future": [1]}))
+    assert message == protocol.HelloRequest(2, client_name="", token="", engine="")
+
+
+def test_version_2_hello():
+    assert protocol.PROTOCOL_VERSION == 2
+    assert [f.name for f in dataclasses.fields(protocol.HelloRequest)] == \
+        ["protocol_version", "client_name", "token", "engine"]
+    reply = protocol.unpack(protocol.HelloReply, protocol.pack(protocol.HelloReply(
+        2, "0.1.0", 256, 1 << 26, 4096, 60.0, 30.0)))
+    # A version 2 server always sends these; the defaults are what an engine session gets.
+    assert (reply.role, reply.fd_socket, reply.max_items_per_message) == \
+        (protocol.ROLE_ENGINE, "", protocol.MAX_ITEMS_PER_MESSAGE)
+    assert protocol.ADMIN_OPS == {"CLEAR", "QUOTA_SET", "QUOTA_GET", "QUOTA_DELETE", "QUOTA_LIST"}
+    assert protocol.ADMIN_OPS < set(protocol.OPS)
+    assert {protocol.ROLE_ENGINE, protocol.ROLE_ADMIN} == {"engine", "admin"}
+
+
+def test_limits_are_one_table():
+    """Every module constant named in LIMITS has its value; the docs list the table."""
+    for name, limit in protocol.LIMITS.items():
+        assert getattr(protocol, name) == limit.value, name
+        assert type(limit.value) is int and limit.value > 0 and limit.what, name
+    assert protocol.MAX_INSTANCE_ID == 2**53 - 1
+    assert protocol.LOOKUP_SLICE_PROBES < protocol.MAX_LOOKUP_PROBES
+    assert protocol.MAX_CHUNKS_PER_MESSAGE * protocol.MAX_KV_WORLD_SIZE >= protocol.MAX_LOOKUP_PROBES
+
+
+def test_integral_floats_are_accepted_for_int_fields():
+    def decode(value):
+        return protocol.unpack(protocol.UnregisterKVCacheRequest,
+                               msgpack.packb({"instance_id": value})).instance_id
+    assert decode(2.0) == 2 and type(decode(2.0)) is int
+    assert decode(float(2**53)) == 2**53
+    for bad in (2.5, float("nan"), float("inf"), float(2**53 + 2), True):
+        with pytest.raises(BadRequest, match=r"`instance_id`: expected int"):
+            decode(bad)
+    # Floats stay floats, and ints are accepted for them.
+    assert protocol.unpack(protocol.PingReply, msgpack.packb({"server_time": 3})).server_time == 3.0
+
+
+def test_bounded_decoding_refuses_oversized_containers_before_building_them():
+    lookup = {"model": "m", "kv_world_size": 1, "items": []}
+    items = [{"request_id": "r", "chunk_hashes": b""}]
+    ok = dict(lookup, items=items * protocol.MAX_ITEMS_PER_MESSAGE)
+    assert len(protocol.unpack(protocol.LookupRequest, msgpack.packb(ok), bounded=True).items) \
+        == protocol.MAX_ITEMS_PER_MESSAGE
+    too_many = dict(lookup, items=items * (protocol.MAX_ITEMS_PER_MESSAGE + 1))
+    wide = dict(lookup, **{f"k{i}": 0 for i in range(protocol.MAX_MAP_FIELDS)})
+    long = dict(lookup, model="m" * (protocol.MAX_STRING_BYTES + 1))
+    for payload, bound in ((too_many, "max_array_len"), (wide, "max_map_len"),
+                           (long, "max_str_len")):
+        packed = msgpack.packb(payload)
+        with pytest.raises(BadRequest, match=rf"not valid msgpack .*{bound}"):
+            protocol.unpack(protocol.LookupRequest, packed, bounded=True)
+        protocol.unpack(protocol.LookupRequest, packed)  # unbounded: the client's replies
+    with pytest.raises(BadRequest, match="not valid msgpack"):
+        protocol.unpack(protocol.LookupRequest, msgpack.packb(msgpack.ExtType(1, b"x")),
+                        bounded=True)
 
 
 def test_unsupported_handle_kind_is_named():
     raw = dataclasses.asdict(sample(protocol.RegisterKVCacheRequest))
     raw["layers"][0]["kind"] = "nvlink"
     with pytest.raises(BadRequest, match=r"`layers\[0\].kind`: unsupported handle kind 'nvlink'; "
-                                         r"this server supports 'shm', 'cuda_ipc'"):
+                                         r"this server supports 'memfd', 'cuda_ipc'"):
+        protocol.unpack(protocol.RegisterKVCacheRequest, msgpack.packb(raw))
+    raw["layers"][0]["kind"] = "shm"  # version 1's handles by name are gone
+    with pytest.raises(BadRequest, match=r"unsupported handle kind 'shm'"):
         protocol.unpack(protocol.RegisterKVCacheRequest, msgpack.packb(raw))
     raw["layers"][0]["kind"] = 7
     with pytest.raises(BadRequest, match=r"`layers\[0\].kind`: unsupported handle kind 7"):
@@ -76,14 +136,21 @@ def test_unsupported_handle_kind_is_named():
 
 def test_handles_are_a_tagged_union_and_cuda_ipc_fields_are_named():
     cuda = sample(protocol.CudaIpcHandle)
-    shm = sample(protocol.ShmHandle)
-    request = dataclasses.replace(sample(protocol.RegisterKVCacheRequest), layers=[cuda, shm])
+    memfd = sample(protocol.MemfdHandle)
+    request = dataclasses.replace(sample(protocol.RegisterKVCacheRequest), layers=[cuda, memfd])
     decoded = protocol.unpack(protocol.RegisterKVCacheRequest, protocol.pack(request))
     assert decoded == request
-    assert [type(h) for h in decoded.layers] == [protocol.CudaIpcHandle, protocol.ShmHandle]
+    assert [type(h) for h in decoded.layers] == [protocol.CudaIpcHandle, protocol.MemfdHandle]
     raw = msgpack.unpackb(protocol.pack(request))
-    del raw["layers"][1]["kind"]  # no kind: shm, as before cuda_ipc existed
-    assert protocol.unpack(protocol.RegisterKVCacheRequest, msgpack.packb(raw)).layers[1] == shm
+    del raw["layers"][1]["kind"]  # no kind: memfd
+    assert protocol.unpack(protocol.RegisterKVCacheRequest, msgpack.packb(raw)).layers[1] == memfd
+    del raw["layers"][1]["name"]  # a label only: it may be left out
+    assert protocol.unpack(protocol.RegisterKVCacheRequest,
+                           msgpack.packb(raw)).layers[1] == dataclasses.replace(memfd, name="")
+    raw["layers"][1]["ticket"] = "not bytes"
+    with pytest.raises(BadRequest, match=r"`layers\[1\].ticket`: expected bytes, got str"):
+        protocol.unpack(protocol.RegisterKVCacheRequest, msgpack.packb(raw))
+    raw["layers"][1]["ticket"] = memfd.ticket
     raw["layers"][0]["ipc_handle"] = "not bytes"
     with pytest.raises(BadRequest, match=r"`layers\[0\].ipc_handle`: expected bytes, got str"):
         protocol.unpack(protocol.RegisterKVCacheRequest, msgpack.packb(raw))

@@ -1,4 +1,5 @@
-"""README.md's example must run as written against a real server."""
+"""README.md's example must run as written against a real server, found the way `scripts/serve`'s
+clients find it: by the default runtime directory, with no URL and no token given."""
 
 import os
 import re
@@ -6,17 +7,54 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lmcache_mp import runtime
+from lmcache_mp.server.config import build_parser
+
 from .utils import run_server
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+TEXT = README.read_text()
 
 
 def test_readme_worker_example_runs():
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", TEXT, re.S)
     assert blocks, "README.md lost its Python example"
+    example = blocks[0]
+    # It runs as it is against `scripts/serve`: the client finds the socket by itself, and
+    # a worker needs no admin rights.
+    assert "CacheClient()" in example and "admin=True" not in example
+    assert "LMCACHE_MP_URL" not in example and "tcp://" not in example
+    # Nothing from this test's environment may help it find the server but the runtime
+    # directory, which stands in for the default one (it is what the default resolves to).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_MP_")}
     with run_server() as server:
-        result = subprocess.run([sys.executable, "-c", blocks[0]], capture_output=True,
+        result = subprocess.run([sys.executable, "-c", example], capture_output=True,
                                 text=True, timeout=60,
-                                env={**os.environ, "LMCACHE_MP_URL": server.url})
+                                env={**env, runtime.RUNTIME_DIR_ENV: str(server.runtime_dir)})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "hit 3 chunks, retrieved 3; server holds 3 chunks"
+
+
+def test_readme_names_real_server_flags_and_files():
+    server = TEXT[TEXT.index("## The server"):TEXT.index("\n## ", TEXT.index("## The server") + 1)]
+    (usage,) = re.findall(r"```\n(lmcache-mp-server .*?)```", server, re.S)
+    flags = set(re.findall(r"--[a-z-]+", usage))
+    known = {option for action in build_parser()._actions for option in action.option_strings}
+    assert flags <= known, flags - known
+    for flag in ("--runtime-dir", "--socket-group", "--token-file", "--admin-token-file"):
+        assert flag in flags and f"`{flag}" in server, flag
+    for name in (runtime.SOCKET_NAME, runtime.FD_SOCKET_NAME, runtime.TOKEN_NAME,
+                 runtime.ADMIN_TOKEN_NAME, runtime.TOKEN_ENV, runtime.ADMIN_TOKEN_ENV):
+        assert f"`{name}`" in server, name
+    assert "docs/security.md" in server
+    quick_start = TEXT[TEXT.index("## Quick start"):TEXT.index("## Using it from a worker")]
+    assert "ipc://" in quick_start and "tcp://127.0.0.1:5555" not in quick_start
+    layout = TEXT[TEXT.index("## Layout"):]
+    for path in ("lmcache_mp/runtime.py", "lmcache_mp/fdpass.py", "access.py",
+                 "fd_channel.py", "slices.py", "docs/security.md"):
+        assert path in layout, path
+    root = README.parent
+    for path in ("lmcache_mp/runtime.py", "lmcache_mp/fdpass.py", "lmcache_mp/server/access.py",
+                 "lmcache_mp/server/fd_channel.py", "lmcache_mp/server/slices.py",
+                 "docs/security.md", "docs/protocol.md"):
+        assert (root / path).exists(), path

@@ -17,8 +17,7 @@ def ipc_url() -> str:
 @contextlib.contextmanager
 def run_server(*args: str, url: str | None = None) -> Iterator[ServerProcess]:
     """A real `lmcache-mp-server` in a subprocess; it must exit 0 on SIGTERM at the end."""
-    server = ServerProcess(url or ipc_url(), ["--cpu-size", "64MiB", "--log-level", "warning",
-                                              *args])
+    server = ServerProcess(url, ["--cpu-size", "64MiB", "--log-level", "warning", *args])
     server.start()
     try:
         yield server

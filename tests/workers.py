@@ -1,4 +1,11 @@
-"""Worker processes for the integration tests: each owns a shared-memory KV cache, like vLLM's."""
+"""Worker processes for the integration tests: each owns a shared-memory KV cache, like vLLM's.
+
+Each registers a SharedKVCache (a sealed memfd, passed to the server by its CacheClient).
+Every CacheClient a job makes sends the job's `engine` secret: the jobs of one simulated
+engine (an MLA leader and its followers, the ranks of rank_worker and the test's scheduler
+client) must share one, as lookup holds, their releases and MLA groups work only within an
+engine; "" (the default) makes each job an engine of its own.
+"""
 
 from __future__ import annotations
 
@@ -63,6 +70,13 @@ class Job:
     request_id: str = "req"
     shape: dict | None = None
     parallel: object = None  # a ParallelStrategy, for rank_worker
+    engine: str = ""  # the engine secret of its CacheClient (see the module docstring)
+    token: str | None = None  # the engine token (tcp:// servers); None: runtime.find_token's
+
+
+def _client(job: Job, **kwargs) -> CacheClient:
+    """The job's CacheClient: its server, engine secret and token."""
+    return CacheClient(job.url, timeout=30, engine=job.engine, token=job.token, **kwargs)
 
 
 def _register(client: CacheClient, cache: SharedKVCache, shape: dict):
@@ -74,7 +88,7 @@ def store_worker(job: Job, conn) -> None:
     """Register and STORE; send the statuses; unregister when told to exit."""
     shape = job.shape or W2
     with make_cache(job.num_blocks, job.seed, shape) as cache, \
-            CacheClient(job.url, timeout=30) as client:
+            _client(job) as client:
         registration = _register(client, cache, shape)
         item = TransferItem.build(job.request_id, job.hashes, job.block_ids, job.cache_salt)
         conn.send(client.store(registration, [item]))
@@ -86,7 +100,7 @@ def abandoned_store_worker(job: Job, conn) -> None:
     """Send a STORE without waiting for it, say so, then wait to be killed."""
     shape = job.shape or W2
     cache = make_cache(job.num_blocks, job.seed, shape)
-    client = CacheClient(job.url, timeout=30)
+    client = _client(job)
     registration = _register(client, cache, shape)
     item = TransferItem.build(job.request_id, job.hashes, job.block_ids, job.cache_salt)
     client.rpc.submit(StoreRequest(registration.instance_id, [item]), timeout=60)
@@ -98,7 +112,7 @@ def retrieve_worker(job: Job, conn) -> None:
     """LOOKUP with a hold, RETRIEVE into this cache, and send the hit and the bytes received."""
     shape = job.shape or W2
     with make_cache(job.num_blocks, None, shape) as cache, \
-            CacheClient(job.url, timeout=30) as client:
+            _client(job) as client:
         registration = _register(client, cache, shape)
         (hit,) = client.lookup(MODEL, 1, [LookupItem.build(job.request_id, job.hashes,
                                                            job.cache_salt, hold=True)])
@@ -125,7 +139,7 @@ def mla_leader_worker(job: Job, conn) -> None:
     """TP rank 0 under MLA: STORE from job.block_ids, then LOOKUP and RETRIEVE into the
     blocks the parent sends; send the RETRIEVE reply."""
     with make_cache(job.num_blocks, job.seed, MLA) as cache, \
-            CacheClient(job.url, timeout=30) as client:
+            _client(job) as client:
         registration = client.register_kv_cache(cache.handles(), model=MODEL, layout="mla",
                                                  block_size=16, tp_rank=0)
         client.store(registration, [TransferItem.build("w", job.hashes, job.block_ids)])
@@ -141,7 +155,7 @@ def mla_follower_worker(job: Job, conn) -> None:
     """TP rank 1 under MLA: register, try a STORE (refused), then wait for the leader's load
     to land here; send what landed and the bytes of the blocks."""
     with make_cache(job.num_blocks, None, MLA) as cache, \
-            CacheClient(job.url, timeout=30, mla_follower=True) as client:
+            _client(job, mla_follower=True) as client:
         registration = client.register_kv_cache(cache.handles(), model=MODEL, layout="mla",
                                                  block_size=16, tp_rank=1)
         try:
@@ -169,8 +183,8 @@ def rank_worker(job: Job, conn) -> None:
     parallel = job.parallel
     shape = job.shape or W2
     seed = None if job.seed is None else job.seed + parallel.worker_id
-    with make_cache(job.num_blocks, seed, shape) as cache, CacheClient(
-            job.url, timeout=30, mla_follower=not parallel.sends_transfers) as client:
+    with make_cache(job.num_blocks, seed, shape) as cache, _client(
+            job, mla_follower=not parallel.sends_transfers) as client:
         adapter = WorkerAdapter(client, MODEL, parallel, load_timeout=10)
         adapter.register_kv_cache(cache)
         conn.send("ready")

@@ -14,7 +14,7 @@ import zmq
 
 from .. import protocol
 from ..client import CacheClient, LookupItem
-from ..server.spawn import unlink_ipc_endpoint
+from ..runtime import unlink_ipc_endpoint
 from .stats import GB, Latency, rate
 
 ECHO_SOURCE = r"""

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..errors import LMCacheMPError
+from ..runtime import default_url
 from .redis_peer import PeerUnavailable, check_redis_available
 from .report import render, to_json
 from .run import UNIFORM, WORKLOADS, BenchOptions, run
@@ -16,7 +17,7 @@ from .shapes import SHAPES
 
 DESCRIPTION = """\
 Measure an lmcache-mp server on this machine, honestly: simulated vLLM engines (real
-processes with shared-memory paged KV caches, driving the client library the way the
+processes with paged KV caches in sealed shared memory, driving the client library the way the
 vLLM connector does) prefill a workload; every figure is printed next to a bound
 measured in the same run (a single-thread copy of the same bytes, a raw pyzmq
 DEALER/ROUTER echo between two processes) and, with --peer redis, next to Redis moving
@@ -36,7 +37,9 @@ examples:
   lmcache-mp-bench --workload W1 --peer redis
   lmcache-mp-bench --workload W3 --tp 2 --json w3.json
   lmcache-mp-bench --workload chat --duration 60 --plot chat.png
-  lmcache-mp-bench --workload W2 --url tcp://127.0.0.1:5555   # a server already running
+  lmcache-mp-bench --workload W2 --url   # the server running at this user's default endpoint
+  LMCACHE_MP_TOKEN=... LMCACHE_MP_ADMIN_TOKEN=... \
+    lmcache-mp-bench --workload W2 --url tcp://127.0.0.1:5555
 
 exit status: 0 when every byte check passed, 1 when one failed (the table says which),
 2 for bad flags or a peer that cannot run here (the message says what to install),
@@ -75,11 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="what the engines prefill (default W1)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--spawn", action="store_true",
-                       help="start a server of our own on an ipc:// socket, sized for the "
-                            "workload, and stop it at the end (the default)")
-    where.add_argument("--url", metavar="URL",
-                       help="use a server already running at URL instead; the run uses a "
-                            "model name and cache salts of its own and clears them at the end")
+                       help="start a server of our own on the ipc:// socket of a private "
+                            "runtime directory, sized for the workload, and stop it at the "
+                            "end (the default)")
+    where.add_argument("--url", metavar="URL", nargs="?", const="",
+                       help="use a server already running at URL instead (without URL: the "
+                            "server's default endpoint, $LMCACHE_MP_URL or the ipc:// socket "
+                            "in this user's runtime directory); the run uses a model name and "
+                            "cache salts of its own and clears them at the end, so it needs "
+                            "the admin token ($LMCACHE_MP_ADMIN_TOKEN, else the runtime "
+                            "directory's admin.token) and, on tcp://, the engine token "
+                            "($LMCACHE_MP_TOKEN, else the runtime directory's token)")
     parser.add_argument("--workers", type=positive_int, default=1, metavar="N",
                         help="simulated engines, each with --tp × --pp rank processes "
                              "(default 1)")
@@ -162,7 +171,8 @@ def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> B
         except PeerUnavailable as exc:
             parser.error(str(exc))
     return BenchOptions(
-        workload=args.workload, shape=shape, url=args.url, workers=args.workers, tp=args.tp,
+        workload=args.workload, shape=shape,
+        url=default_url() if args.url == "" else args.url, workers=args.workers, tp=args.tp,
         pp=args.pp, mla=mla,
         requests=None if args.duration else (args.requests or requests),
         duration=args.duration, batch=args.batch or batch, chunks=args.chunks or chunks or 1,

@@ -26,6 +26,10 @@ from .workloads import Request
 class EngineSetup:
     index: int
     url: str
+    # the secret this engine's scheduler and ranks share on the server (lookup holds and
+    # their releases, MLA groups): secrets.token_hex(16), one per simulated engine
+    engine: str
+    token: str | None  # the engine token for HELLO; None: runtime.find_token's
     shape: KVShape
     tp: int
     pp: int
@@ -100,16 +104,17 @@ class Engine:
     def start(self, context: multiprocessing.context.BaseContext) -> None:
         setup = self.setup
         self.client = CacheClient(setup.url, timeout=setup.timeout,
-                                  client_name=f"lmcache-mp-bench scheduler {setup.index}")
+                                  client_name=f"lmcache-mp-bench scheduler {setup.index}",
+                                  engine=setup.engine, token=setup.token)
         self.scheduler = SchedulerAdapter(self.client, setup.model, self.leader,
                                           setup.shape.chunk_size)
         for rank in range(self.world):
             group = f"{setup.model}-engine-{setup.index}"
             if self._every_rank_sends_mla:
                 group += f"-rank-{rank}"
-            rank_setup = RankSetup(setup.url, setup.shape, self._strategy(rank),
-                                   setup.num_blocks, setup.model, group, setup.timeout,
-                                   setup.verify, setup.redis_url,
+            rank_setup = RankSetup(setup.url, setup.engine, setup.token, setup.shape,
+                                   self._strategy(rank), setup.num_blocks, setup.model, group,
+                                   setup.timeout, setup.verify, setup.redis_url,
                                    counts_stores=not self._every_rank_sends_mla
                                    or rank % setup.tp == 0)
             parent, child = context.Pipe()

@@ -24,6 +24,8 @@ POLL_S = 0.0005  # how often a rank polls get_finished, as a connector does betw
 @dataclass(frozen=True)
 class RankSetup:
     url: str
+    engine: str  # the engine secret, the same as its scheduler's (EngineSetup.engine)
+    token: str | None  # the engine token for HELLO; None: runtime.find_token's
     shape: KVShape
     parallel: ParallelStrategy
     num_blocks: int
@@ -233,7 +235,8 @@ def rank_main(setup: RankSetup, conn: Connection) -> None:
     with SharedKVCache(shape.layout, shape.layers, setup.num_blocks, shape.block_size,
                        shape.heads, shape.head_dim, shape.dtype) as cache, \
             CacheClient(setup.url, timeout=setup.timeout, client_name="lmcache-mp-bench rank",
-                        mla_follower=not parallel.sends_transfers) as client:
+                        mla_follower=not parallel.sends_transfers, engine=setup.engine,
+                        token=setup.token) as client:
         for layer in cache.layers:  # a running engine has touched its whole cache
             layer.view(torch.int32).fill_(0)
         adapter = WorkerAdapter(client, setup.model, parallel, load_timeout=setup.timeout,

@@ -6,6 +6,7 @@ import contextlib
 import multiprocessing
 import os
 import platform
+import secrets
 import sys
 import time
 import uuid
@@ -112,16 +113,18 @@ def run(options: BenchOptions, log: Callable[[str], None]) -> Report:
         url, spawned = options.url, options.url is None
         server = None
         if spawned:
-            url = f"ipc:///tmp/lmcache-mp-bench-{run_id}.sock"
             pool = _spawned_pool_size(options, kv_world_size)
-            server = ServerProcess(url, ["--cpu-size", pool, "--log-level", "warning",
-                                         "--chunk-size", str(options.shape.chunk_size)])
+            server = ServerProcess(None, ["--cpu-size", pool, "--log-level", "warning",
+                                          "--chunk-size", str(options.shape.chunk_size)])
+            url = server.url
             stack.callback(server.close)
             log(f"starting a server on {url} with a {pool} pool")
             server.start()
         assert url is not None
-        client = stack.enter_context(CacheClient(url, timeout=options.timeout,
-                                                 client_name="lmcache-mp-bench"))
+        # Admin: the run sets quotas (multi-tenant) and clears its salts at the end.
+        client = stack.enter_context(CacheClient(
+            url, timeout=options.timeout, client_name="lmcache-mp-bench", admin=True,
+            token=server.token(admin=True) if server is not None else None))
         chunk_size = client.hello().chunk_size
         if chunk_size != options.shape.chunk_size:
             raise SystemExit(f"lmcache-mp-bench: the server at {url} uses {chunk_size}-token "
@@ -145,11 +148,16 @@ def run(options: BenchOptions, log: Callable[[str], None]) -> Report:
         stack.callback(_forget, client, workload)
         context = multiprocessing.get_context("spawn")
         engines = []
+        # The engine token: our own server's; else what runtime.find_token finds (needed on
+        # a tcp:// endpoint: $LMCACHE_MP_TOKEN or the default runtime directory's file).
+        token = server.token() if server is not None else None
         for index in range(options.workers):
             blocks = options.batch * _blocks_per_request(options, workload)
+            # Each engine's own secret, shared by its scheduler and its ranks only.
             engine = Engine(EngineSetup(
-                index, url, options.shape, options.tp, options.pp, options.mla, blocks, model,
-                options.timeout, options.verify, redis.url if redis else None), options.seed)
+                index, url, secrets.token_hex(16), token, options.shape, options.tp, options.pp,
+                options.mla, blocks, model, options.timeout, options.verify,
+                redis.url if redis else None), options.seed)
             stack.callback(engine.close)
             engines.append(engine)
         log(f"starting {options.workers} engine(s) × {world} rank process(es)")

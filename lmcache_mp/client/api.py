@@ -5,17 +5,20 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from .. import runtime
+from ..fdpass import send_fds
 from ..errors import LMCacheMPError, RequestTimeout, UnknownInstance
 from ..protocol import (
     PROTOCOL_VERSION, ClearRequest, EndSessionRequest, HelloReply, HelloRequest, LeaseRef,
-    LoadDone, LookupItem, LookupRequest, PingRequest, QuotaDeleteRequest, QuotaGetRequest, QuotaInfo,
+    LoadDone, LookupItem, LookupRequest, MemfdHandle, PingRequest, QuotaDeleteRequest, QuotaGetRequest, QuotaInfo,
     QuotaListReply, QuotaListRequest, QuotaSetRequest, RegisterKVCacheRequest, ReleaseRequest,
     RetrieveRequest, StatsReply, StatsRequest, StoreRequest, TensorHandle, TransferItem,
     UnregisterKVCacheRequest, unpack,
 )
 from .rpc import DEFAULT_TIMEOUT_S, RpcClient
+from .shm import find_segment
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +45,27 @@ class CacheClient:
     out) registers again and retries once.
     """
 
-    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT_S, client_name: str = "",
-                 mla_follower: bool = False):
-        """`mla_follower`: this process is a non-leader rank of an MLA TP group; it sends no
+    def __init__(self, url: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+                 client_name: str = "", mla_follower: bool = False, engine: str = "",
+                 admin: bool = False, token: str | None = None):
+        """`url`: default $LMCACHE_MP_URL, else this user's ipc:// socket in the runtime
+        directory (lmcache_mp.runtime);
+        `engine`: a secret shared by one engine's scheduler and ranks (e.g.
+        `secrets.token_hex(16)` made once and handed to them): lookup holds, the releases
+        that follow them and MLA groups work only between clients of the same engine;
+        "" makes this client an engine of its own;
+        `admin`: authenticate with the admin token (admin ops: clear, quotas, per-tenant
+        stats), read from $LMCACHE_MP_ADMIN_TOKEN or the runtime directory's admin.token;
+        `token`: the token to send instead of the one found that way;
+        `mla_follower`: this process is a non-leader rank of an MLA TP group; it sends no
         STORE or RETRIEVE and learns from LOAD_DONE pushes when the leader's loads have
         landed in its own blocks (see wait_for_load)."""
+        url = url or runtime.default_url()
         self.client_name = client_name
+        hello = HelloRequest(PROTOCOL_VERSION, client_name,
+                             runtime.find_token(url, admin) if token is None else token, engine)
         self.rpc = RpcClient(url, timeout=timeout, heartbeat_interval=DEFAULT_HEARTBEAT_S,
-                             on_push=self._on_push if mla_follower else None)
+                             on_push=self._on_push if mla_follower else None, hello=hello)
         self._register_lock = threading.Lock()
         # (cache_salt, request_id) -> chunks landed, oldest first
         self._loads: OrderedDict[tuple[str, str], int] = OrderedDict()
@@ -67,7 +83,10 @@ class CacheClient:
     # -- session ---------------------------------------------------------------------------
 
     def hello(self) -> HelloReply:
-        reply = self.rpc.call(HelloRequest(PROTOCOL_VERSION, self.client_name))
+        """Open (or renew) the session and return what the server says about itself; the
+        client also does this by itself before its first request."""
+        reply = self.rpc.call(self.rpc.hello_request)
+        self.rpc.server_info = reply
         # Beat well inside the server's patience, whatever it is configured to.
         self.rpc.heartbeat_interval = min(DEFAULT_HEARTBEAT_S, reply.worker_timeout_s / 3)
         return reply
@@ -82,12 +101,35 @@ class CacheClient:
         """`tp_group` names the engine's TP group under MLA (the same on all its ranks, and
         different for every engine replica serving the same model on this node).
         `store_event`: for cuda_ipc handles, the handle of a client.cuda.StoreEvent."""
-        request = RegisterKVCacheRequest(model, kv_world_size, kv_worker_id, layout, block_size,
-                                         handles, tp_rank, tp_group, store_event)
+        return self.register(RegisterKVCacheRequest(model, kv_world_size, kv_worker_id, layout,
+                                                    block_size, handles, tp_rank, tp_group,
+                                                    store_event))
+
+    def register(self, request: RegisterKVCacheRequest) -> Registration:
+        """Register a cache described by a whole request. Memfd handles without a ticket are
+        this process's SharedSegments: their descriptors go to the server's fd channel
+        first (again at every registration: a ticket is good for one)."""
         self.hello()
-        reply = self.rpc.call(request)
+        reply = self.rpc.call(self._with_tickets(request))
         return Registration(request, reply.instance_id, reply.num_blocks,
                             reply.blocks_per_chunk, reply.chunk_bytes)
+
+    def _with_tickets(self, request: RegisterKVCacheRequest) -> RegisterKVCacheRequest:
+        names = list(dict.fromkeys(h.name for h in request.layers
+                                   if isinstance(h, MemfdHandle) and not h.ticket))
+        if not names:
+            return request
+        segments = [find_segment(name) for name in names]
+        missing = [name for name, segment in zip(names, segments) if segment is None]
+        if missing:
+            raise ValueError(f"memfd handles name segments this process does not have open: "
+                             f"{', '.join(missing)}")
+        tickets = dict(zip(names, send_fds(self.rpc.server_info.fd_socket,
+                                           [segment.fd for segment in segments],
+                                           self.rpc.timeout)))
+        layers = [replace(h, ticket=tickets[h.name])
+                  if isinstance(h, MemfdHandle) and not h.ticket else h for h in request.layers]
+        return replace(request, layers=layers)
 
     def unregister(self, registration: Registration) -> None:
         self.rpc.call(UnregisterKVCacheRequest(registration.instance_id))
@@ -97,10 +139,9 @@ class CacheClient:
         with self._register_lock:
             if registration.instance_id != stale_id:
                 return  # another thread got there first
-            self.hello()
-            reply = self.rpc.call(registration.request)
-            logger.info("registered again as instance %d (was %d)", reply.instance_id, stale_id)
-            registration.instance_id = reply.instance_id
+            fresh = self.register(registration.request)
+            logger.info("registered again as instance %d (was %d)", fresh.instance_id, stale_id)
+            registration.instance_id = fresh.instance_id
 
     # -- the cache -------------------------------------------------------------------------
 

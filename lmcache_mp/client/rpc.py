@@ -18,8 +18,9 @@ from typing import Any
 
 import zmq
 
-from .. import protocol
-from ..errors import RequestTimeout, ServerError, ServerUnavailable, error_from_reply
+from .. import protocol, runtime
+from ..errors import (RequestTimeout, ServerError, ServerUnavailable, Unauthenticated,
+                      error_from_reply)
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class _Call:
     deadline: float
     future: Future
     attended: bool  # a thread in call() waits on it
+    retried: bool = False  # sent again after HELLO, once, when the server had no session
 
 
 class RpcClient:
@@ -53,15 +55,26 @@ class RpcClient:
     connection until its deadline, then fails with RequestTimeout; a reply that arrives
     after its call timed out is dropped, never handed to another call. ZeroMQ
     reconnects by itself when the server comes back.
+
+    The session: HELLO is the first message sent, and whenever the server answers a call
+    `unauthenticated` (it restarted, or forgot an idle session) HELLO goes again and the
+    call is sent once more, so callers never see a lost session.
     """
 
-    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, url: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
                  heartbeat_interval: float | None = None,
-                 on_push: Callable[[bytes], None] | None = None):
-        """`on_push(payload)` receives what the server sends unasked (request id 0); it runs
-        on whichever thread reads the socket, with the client's lock held: keep it short."""
+                 on_push: Callable[[bytes], None] | None = None,
+                 hello: protocol.HelloRequest | None = None):
+        """`url`: default runtime.default_url(), the server's ipc:// socket for this user;
+        `on_push(payload)` receives what the server sends unasked (request id 0); it runs
+        on whichever thread reads the socket, with the client's lock held: keep it short;
+        `hello`: the HELLO that opens the session (default: this user's engine token)."""
         self.on_push = on_push
-        self.url = url
+        self.url = url = url or runtime.default_url()
+        self.hello_request = hello or protocol.HelloRequest(
+            protocol.PROTOCOL_VERSION, token=runtime.find_token(url))
+        self.server_info: protocol.HelloReply | None = None  # the last HELLO's reply
+        self._hello_error: ServerError | None = None
         self.timeout = timeout
         self._heartbeat_interval = heartbeat_interval
         self._context = zmq.Context()
@@ -91,6 +104,8 @@ class RpcClient:
         self._closed = False
         self._thread = threading.Thread(target=self._background, name="lmcache-mp-rpc",
                                         daemon=True)
+        with self._state:
+            self._queue_hello()
         self._thread.start()
 
     @property
@@ -165,21 +180,42 @@ class RpcClient:
         with self._state:
             if self._closed:
                 raise ServerUnavailable("the client is closed")
-            request_id = next(self._ids)
-            deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-            call = _Call(request_id, protocol.OPS[op].reply,
-                         [protocol.encode_request_id(request_id), op.encode("ascii"), payload],
-                         deadline, future, attended)
-            heapq.heappush(self._deadlines, (deadline, request_id))
+            call = self._new_call(op, payload, timeout, future, attended)
             self._unsent.append(call)
             if attended:
                 if self._leader is None:  # lead straight away: no hand-off on the way back
                     self._leader = threading.get_ident()
             else:
-                self._unattended_ids.add(request_id)
+                self._unattended_ids.add(call.request_id)
                 self._background_wake.notify()  # it may need to lead
             self._flush_unsent()
         return future
+
+    def _new_call(self, op: str, payload: bytes, timeout: float | None, future: Future,
+                  attended: bool) -> _Call:
+        """A call with its id and deadline (lock held); the caller queues it."""
+        request_id = next(self._ids)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        heapq.heappush(self._deadlines, (deadline, request_id))
+        return _Call(request_id, protocol.OPS[op].reply,
+                     [protocol.encode_request_id(request_id), op.encode("ascii"), payload],
+                     deadline, future, attended)
+
+    def _queue_hello(self) -> None:
+        """Put HELLO at the front of what goes out next (lock held); nobody waits on it."""
+        future: Future = Future()
+        future.add_done_callback(self._hello_done)
+        self._unsent.appendleft(self._new_call("HELLO", protocol.pack(self.hello_request), None,
+                                               future, attended=True))
+
+    def _hello_done(self, future: Future) -> None:
+        error = future.exception()
+        if error is None:
+            self.server_info = future.result()
+            self._hello_error = None
+        elif isinstance(error, ServerError):  # a wrong token, say: the calls behind it say why
+            logger.warning("HELLO to %s refused: %s", self.url, error)
+            self._hello_error = error
 
     def _unattended(self) -> bool:
         """Whether a submitted future that nobody waits on is still open."""
@@ -270,18 +306,27 @@ class RpcClient:
                 continue  # a late reply to a call that timed out, or a heartbeat's reply
             self._resolve(call, frames[1], frames[2])
 
-    @staticmethod
-    def _resolve(call: _Call, status: bytes, payload: bytes) -> None:
+    def _resolve(self, call: _Call, status: bytes, payload: bytes) -> None:
         if call.future.done():  # cancelled by its caller
             return
         try:
             if status == protocol.STATUS_OK:
                 call.future.set_result(protocol.unpack(call.reply_type, payload))
-            else:
-                error = protocol.unpack(protocol.ErrorReply, payload)
-                call.future.set_exception(error_from_reply(error.code, error.message))
+                return
+            reply = protocol.unpack(protocol.ErrorReply, payload)
         except ServerError as exc:  # the server's payload did not decode
             call.future.set_exception(exc)
+            return
+        error = error_from_reply(reply.code, reply.message)
+        if isinstance(error, Unauthenticated) and call.frames[1] != b"HELLO":
+            if not call.retried:
+                # The server lost this connection's session: HELLO, then this call again.
+                call.retried = True
+                self._unsent.append(call)
+                self._queue_hello()
+                return
+            error = self._hello_error or error
+        call.future.set_exception(error)
 
     def _expire(self) -> None:
         now = time.monotonic()

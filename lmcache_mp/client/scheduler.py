@@ -21,6 +21,11 @@ class SchedulerAdapter:
     A request's first lookup() sends a LOOKUP that holds the hit chunks on the server
     (for every kv rank) until the workers' RETRIEVE, release() or end_session(). If the
     server cannot be reached, lookups answer a miss: the engine computes instead.
+
+    Holds belong to the engine: the CacheClient must carry the engine's secret
+    (`CacheClient(engine=...)`), the same as every worker's, or the workers' RETRIEVEs
+    cannot consume them (they would only time out). Another engine's release() or
+    end_session() of the same request id never drops them.
     """
 
     def __init__(self, client: CacheClient, model: str, parallel: ParallelStrategy,

@@ -34,6 +34,11 @@ class WorkerAdapter:
     Every rank registers its cache. Under MLA only the TP leader sends STORE and RETRIEVE;
     the server writes a leader's loads into every rank of its TP group and tells each
     follower (a CacheClient made with mla_follower=True) when its own blocks hold the data.
+
+    The CacheClient must carry the engine's secret (`CacheClient(engine=...)`), the same as
+    the SchedulerAdapter's client and every other rank's: a RETRIEVE consumes the lookup
+    holds of its own engine only, and an MLA group is made of ranks of one engine only (a
+    follower whose client has another secret never gets its leader's loads).
     """
 
     def __init__(self, client: CacheClient, model: str, parallel: ParallelStrategy,
@@ -52,7 +57,8 @@ class WorkerAdapter:
         self._load_errors: set[int] = set()
 
     def register_kv_cache(self, cache: SharedKVCache) -> Registration:
-        """Once, at start-up, on every rank."""
+        """Once, at start-up, on every rank: the client passes the cache's memfd to the
+        server (the fd channel) and registers its layers."""
         self.registration = self.client.register_kv_cache(
             cache.handles(), model=self.model, layout=cache.layout, block_size=cache.block_size,
             kv_world_size=self.parallel.kv_world_size, kv_worker_id=self.parallel.kv_worker_id,

@@ -4,10 +4,11 @@ Load it with
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "LMCacheMPServerConnector",
         "kv_connector_module_path": "lmcache_mp.integrations.vllm", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"url": "tcp://127.0.0.1:5555"}}'
+        "kv_connector_extra_config": {"chunk_size": 256}}'
 
-Written and tested for vLLM 0.33.0 (KVConnectorBase_V1). This is the only module of
-lmcache_mp that imports vllm.
+A server on its default endpoint (this user's ipc:// socket in the runtime directory) needs
+no `url`. Written and tested for vLLM 0.33.0 (KVConnectorBase_V1). This is the only module
+of lmcache_mp that imports vllm.
 
 vLLM builds one connector per process: LMCacheMPServerConnector is a thin front that hands
 every hook to a SchedulerSide (the scheduler process: lookups, per-request bookkeeping with
@@ -20,6 +21,10 @@ while the server copies its chunks into its blocks, and no forward pass waits fo
 Stores start after the forward pass that computed them; a finished request's blocks are
 freed only once its stores have been read. A server that cannot be reached turns lookups
 into misses (after lookup_timeout), stores into no-ops and loads into recomputation.
+
+The scheduler's and the workers' CacheClients of one engine share an engine secret
+(`_engine_secret`): the server lets only sessions with the same secret release each
+other's lookup holds and form an MLA group, so other engines on the node cannot.
 """
 
 from __future__ import annotations
@@ -27,12 +32,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import mmap
 import os
 import time
 import uuid
 from dataclasses import dataclass, field, fields, replace
-from multiprocessing import resource_tracker
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,15 +43,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults,
 )
 
-from ..client.api import CacheClient, Registration
+from ..client.api import CacheClient
 from ..client.cuda import StoreEvent, cuda_ipc_handles
 from ..client.parallel import ParallelStrategy
 from ..client.scheduler import SchedulerAdapter
-from ..client.shm import SEGMENT_PREFIX, shm_handles
+from ..client.shm import SEGMENT_PREFIX, SharedSegment, memfd_handles
 from ..client.tracker import ChunkLayout, RequestTracker, StepPlan
 from ..client.worker import WorkerAdapter
 from ..errors import BadRequest, LMCacheMPError
-from ..protocol import SHM_DIR, RegisterKVCacheRequest, TensorHandle, TransferItem, validate_salt
+from ..protocol import RegisterKVCacheRequest, TensorHandle, TransferItem, validate_salt
+from ..runtime import default_url
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -64,6 +68,7 @@ logger = logging.getLogger(__name__)
 
 VLLM_VERSION = "0.33.0"  # the version this connector was written and tested for
 MAX_REQUEST_ID_CHARS = 512  # the server's limit; longer ids are not cached
+MIN_ENGINE_SECRET_CHARS = 16  # a shorter engine_secret could be guessed by other engines
 
 
 # -- configuration ---------------------------------------------------------------------------
@@ -72,12 +77,17 @@ MAX_REQUEST_ID_CHARS = 512  # the server's limit; longer ids are not cached
 class ConnectorConfig:
     """The connector's options: the keys of kv_connector_extra_config, all optional."""
 
-    url: str = "tcp://127.0.0.1:5555"  # the server, as given to lmcache-mp-server --url
+    # the server, as given to lmcache-mp-server --url; None: $LMCACHE_MP_URL, else this
+    # user's ipc:// socket in the runtime directory (the server's default endpoint)
+    url: str | None = None
     timeout: float = 5.0  # seconds a worker's registration or other call may take
     lookup_timeout: float = 1.0  # seconds a new request may wait for its lookup: then a miss
     load_timeout: float = 30.0  # seconds a store or load may take: then skipped or recomputed
     chunk_size: int = 256  # tokens per chunk: must equal the server's --chunk-size
     model: str = ""  # the model's name in cache keys; "" takes vLLM's model (path or name)
+    # the secret this engine's scheduler and workers share on the server (holds, MLA
+    # groups); "" derives one from vLLM's per-engine random values (_engine_secret)
+    engine_secret: str = ""
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -90,7 +100,10 @@ class ConnectorConfig:
                              f"known: {sorted(known)}")
         values: dict[str, Any] = {}
         for name, value in extra.items():
-            kind = type(getattr(cls, name))
+            default = known[name].default
+            if default is None and value is None:  # an optional value, left unset
+                continue
+            kind = str if default is None else type(default)
             if kind is str:
                 ok, expected = isinstance(value, str), "a string"
             else:
@@ -101,6 +114,11 @@ class ConnectorConfig:
                 raise ValueError(f"kv_connector_extra_config[{name!r}]: expected {expected}, "
                                  f"got {value!r}")
             values[name] = kind(value)
+        secret = values.get("engine_secret", "")
+        if secret and len(secret) < MIN_ENGINE_SECRET_CHARS:
+            raise ValueError(f"kv_connector_extra_config['engine_secret']: at least "
+                             f"{MIN_ENGINE_SECRET_CHARS} characters (other engines on the node "
+                             f"must not guess it), got {len(secret)}")
         return cls(**values)
 
 
@@ -111,6 +129,34 @@ def _model_name(config: ConnectorConfig, vllm_config: VllmConfig) -> str:
         raise ValueError("no model: vllm_config has no model_config; set "
                          "kv_connector_extra_config['model']")
     return vllm_config.model_config.model
+
+
+def _engine_secret(config: ConnectorConfig, vllm_config: VllmConfig) -> str:
+    """The `engine=` secret of this engine's CacheClients, the same in its scheduler and in
+    every worker, and different in every other engine and data-parallel rank.
+
+    vLLM 0.33 gives each engine two values that its scheduler and its workers both see in
+    vllm_config (the workers receive the engine core's config): kv_transfer_config.engine_id,
+    a uuid4 made when the config is (vLLM suffixes it with `_dp<rank>` per data-parallel
+    rank, and syncs it from TP rank 0), and instance_id, the nanosecond clock at which
+    VllmConfig was made. Neither is meant as a secret (engine_id is told to the peers of
+    NIXL-style connectors, and an operator may set it), so kv_connector_extra_config key
+    `engine_secret` takes one of the operator's instead. The data-parallel rank is mixed in
+    either way: every DP rank is an engine of its own, with its own scheduler.
+    """
+    dp_rank = vllm_config.parallel_config.data_parallel_rank
+    if config.engine_secret:
+        source = f"engine_secret\0{config.engine_secret}"
+    else:
+        kv_transfer = vllm_config.kv_transfer_config
+        engine_id = kv_transfer.engine_id if kv_transfer is not None else None
+        if not engine_id or not vllm_config.instance_id:
+            raise ValueError("vllm_config has no kv_transfer_config.engine_id or instance_id "
+                             "to derive the engine secret from: set "
+                             "kv_connector_extra_config['engine_secret']")
+        source = f"vllm\0{engine_id}\0{vllm_config.instance_id}"
+    return hashlib.sha256(f"lmcache-mp engine secret\0{source}\0dp{dp_rank}".encode()
+                          ).hexdigest()
 
 
 def _uses_mla(vllm_config: VllmConfig) -> bool:
@@ -324,7 +370,8 @@ class SchedulerSide:
             raise ValueError(f"vLLM's --block-size {block_size} does not fit lmcache-mp's "
                              f"chunk_size {config.chunk_size}: {exc}") from None
         self.client = CacheClient(config.url, timeout=config.lookup_timeout,
-                                  client_name="vllm-scheduler")
+                                  client_name="vllm-scheduler",
+                                  engine=_engine_secret(config, vllm_config))
         self.adapter = SchedulerAdapter(self.client, _model_name(config, vllm_config),
                                         _parallel(vllm_config, 0), config.chunk_size)
         self.trackers: dict[str, RequestTracker] = {}
@@ -529,11 +576,13 @@ class WorkerSide:
         self.parallel = _parallel(vllm_config, parallel_config.rank)
         self.tp_group = (f"{vllm_config.kv_transfer_config.engine_id}"
                          f"/dp{parallel_config.data_parallel_rank}/pp{self.parallel.pp_rank}")
-        self.client = CacheClient(config.url, timeout=config.timeout,
+        self.url = config.url or default_url()
+        self.client = CacheClient(self.url, timeout=config.timeout,
                                   client_name=f"vllm-worker-{parallel_config.rank}",
-                                  mla_follower=not self.parallel.sends_transfers)
+                                  mla_follower=not self.parallel.sends_transfers,
+                                  engine=_engine_secret(config, vllm_config))
         self.adapter = WorkerAdapter(self.client, self.model, self.parallel, config.load_timeout)
-        self._segments: list[str] = []  # shared memory we allocated the KV cache in
+        self._segments: list[SharedSegment] = []  # the memfds we allocated the KV cache in
         self._store_event: StoreEvent | None = None  # a KV cache on a GPU: STOREs wait on it
         self._pending_stores: set[str] = set()  # sent; the adapter has not reported them
         self._awaiting_stores: set[str] = set()  # finished: report once their stores are read
@@ -544,7 +593,8 @@ class WorkerSide:
 
     def mem_pool_context(self) -> contextlib.AbstractContextManager | None:
         """On CPU, vLLM's KV cache allocation (one torch.zeros of the whole cache) goes into
-        a shared-memory segment that the server can map; elsewhere vLLM allocates as usual."""
+        a SharedSegment (a sealed memfd) that the server can map once register_kv_caches
+        has passed it the descriptor; elsewhere vLLM allocates as usual."""
         from vllm.platforms import current_platform
         if current_platform.device_type != "cpu":
             return None
@@ -552,8 +602,9 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Worker, once at start-up: finds each layer's handle (cuda_ipc for a cache on a
-        GPU, shm on the CPU), checks the server's chunk size and registers the cache;
-        raises if any of that fails."""
+        GPU, memfd on the CPU: the CacheClient passes the segments' descriptors to the
+        server), checks the server's chunk size and registers the cache; raises if any of
+        that fails."""
         layout = "mla" if self.parallel.use_mla else "mha"
         tensors: list[torch.Tensor] = []
         seen: set[tuple[int, tuple[int, ...]]] = set()
@@ -574,13 +625,14 @@ class WorkerSide:
         elif devices == {"cpu"}:
             try:
                 handles = [_as_layout(handle, layout, self.block_size)
-                           for handle in shm_handles(tensors)]
+                           for handle, _ in memfd_handles(tensors)]
             except ValueError as exc:
                 raise ValueError(
                     f"lmcache-mp cannot register vLLM's KV cache: {exc}. On CPU the server "
-                    f"maps the cache by shared-memory name: let vLLM allocate it through this "
-                    f"connector (get_mem_pool_context), or pass tensors that lie in a "
-                    f"SharedKVCache or another /dev/shm segment") from None
+                    f"maps the cache only through a sealed memfd this worker passes it: let "
+                    f"vLLM allocate it through this connector (get_mem_pool_context), or pass "
+                    f"tensors that lie in a SharedKVCache or another "
+                    f"lmcache_mp.client.SharedSegment") from None
         else:
             raise ValueError(f"lmcache-mp registers KV caches on CUDA devices or in CPU shared "
                              f"memory, all on one of them; these are on {sorted(devices)}")
@@ -591,18 +643,17 @@ class WorkerSide:
         try:
             hello = self.client.hello()
             if hello.chunk_size != self.config.chunk_size:
-                raise ValueError(f"the server at {self.config.url} stores chunks of "
+                raise ValueError(f"the server at {self.url} stores chunks of "
                                  f"{hello.chunk_size} tokens, the connector's chunk_size is "
                                  f"{self.config.chunk_size}: make them equal")
-            reply = self.client.rpc.call(request)
+            registration = self.client.register(request)
         except LMCacheMPError as exc:
             raise RuntimeError(f"cannot register the KV cache with lmcache-mp-server at "
-                               f"{self.config.url} (is it running?): {exc}") from exc
-        self.adapter.registration = Registration(request, reply.instance_id, reply.num_blocks,
-                                                 reply.blocks_per_chunk, reply.chunk_bytes)
+                               f"{self.url} (is it running?): {exc}") from exc
+        self.adapter.registration = registration
         logger.info("rank %d registered %d %s layers of %d blocks with %s as instance %d",
-                    self.parallel.worker_id, len(handles), layout, reply.num_blocks,
-                    self.config.url, reply.instance_id)
+                    self.parallel.worker_id, len(handles), layout, registration.num_blocks,
+                    self.url, registration.instance_id)
 
     # -- every step --------------------------------------------------------------------------
 
@@ -669,14 +720,15 @@ class WorkerSide:
                                "register_kv_caches before the first step")
 
     def shutdown(self) -> None:
-        """Worker, once, at shutdown: unregisters and unlinks the KV cache's segment."""
+        """Worker, once, at shutdown: unregisters and closes the KV cache's segments (their
+        memory goes once vLLM's tensors over them are gone)."""
         registration = self.adapter.registration
         if registration is not None:
             with contextlib.suppress(LMCacheMPError):
                 self.client.unregister(registration)
         self.client.close()
-        for path in self._segments:
-            _unlink_segment(path)
+        for segment in self._segments:
+            segment.close()
         self._segments = []
 
 
@@ -724,12 +776,13 @@ def _as_layout(handle: TensorHandle, layout: str, block_size: int) -> TensorHand
 
 
 class _SharedMemoryAllocation(torch.overrides.TorchFunctionMode):
-    """Within it, torch.zeros on the CPU allocates in a new POSIX shared-memory segment
-    (zeroed, as new segments are) and records its path in `segments`. The segment stays
-    mapped while any tensor uses it; unlinking it (shutdown) only removes its name.
-    Python's resource tracker unlinks it if the process dies first."""
+    """Within it, torch.zeros on the CPU allocates in a new SharedSegment (a memfd sealed
+    against shrinking, zeroed as new memfds are) and records it in `segments`. The tensor
+    keeps the segment's mapping alive; closing the segment (shutdown) closes its descriptor,
+    and the memory goes with the last tensor over it. Nothing is left in any file system if
+    the process dies."""
 
-    def __init__(self, segments: list[str]):
+    def __init__(self, segments: list[SharedSegment]):
         super().__init__()
         self.segments = segments
 
@@ -740,29 +793,10 @@ class _SharedMemoryAllocation(torch.overrides.TorchFunctionMode):
             meta = torch.zeros(*args, **{**kwargs, "device": "meta"})
             nbytes = meta.numel() * meta.element_size()
             if nbytes > 0:
-                raw = torch.frombuffer(self._new_segment(nbytes), dtype=torch.uint8)
-                return raw.view(meta.dtype).view(meta.shape)
+                segment = SharedSegment(
+                    nbytes, name=f"{SEGMENT_PREFIX}vllm_{os.getpid()}_{uuid.uuid4().hex[:12]}")
+                self.segments.append(segment)
+                logger.info("KV cache of %d bytes in memfd %s", nbytes, segment.name)
+                # tensor() keeps the mapping alive while vLLM's tensors use it.
+                return segment.tensor(torch.uint8).view(meta.dtype).view(meta.shape)
         return func(*args, **kwargs)
-
-    def _new_segment(self, nbytes: int) -> mmap.mmap:
-        name = f"{SEGMENT_PREFIX}vllm_{os.getpid()}_{uuid.uuid4().hex[:12]}"
-        path = SHM_DIR + name
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            mapping = mmap.mmap(fd, nbytes)
-        except BaseException:
-            os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
-        resource_tracker.register("/" + name, "shared_memory")
-        self.segments.append(path)
-        logger.info("KV cache of %d bytes in shared memory %s", nbytes, name)
-        return mapping
-
-
-def _unlink_segment(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    resource_tracker.unregister("/" + path.removeprefix(SHM_DIR), "shared_memory")

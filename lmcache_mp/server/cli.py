@@ -9,6 +9,7 @@ import logging
 import sys
 
 from .. import admin
+from .access import AccessError
 from .config import Config
 from .quotas import QuotaError
 from .server import Server
@@ -26,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
         Server(config).run()
     except QuotaError as exc:
         logging.getLogger("lmcache_mp.server").error("bad quotas: %s", exc)
+        return 2
+    except AccessError as exc:
+        logging.getLogger("lmcache_mp.server").error("cannot start safely: %s", exc)
         return 2
     except OSError as exc:  # most often: the address is already in use
         logging.getLogger("lmcache_mp.server").error("cannot serve on %s: %s",

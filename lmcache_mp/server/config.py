@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import grp
+import ipaddress
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from ..errors import BadRequest
-from ..protocol import validate_salt
+from ..protocol import MAX_CHUNKS_PER_MESSAGE, MAX_MESSAGE_BYTES, validate_salt
+from ..runtime import default_runtime_dir, ipc_url
 from ..sizes import format_size, parse_size
 from .quotas import Quota, QuotaBook, load_quota_file, parse_cap, parse_quota_flag
 
@@ -39,6 +43,19 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+def _beyond_loopback(url: str) -> bool:
+    """Whether a tcp:// endpoint accepts connections from other machines."""
+    if not url.startswith("tcp://"):
+        return False
+    host = url.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", an interface or a host name: assume it reaches the network
+        return True
+
+
 def _log_level(text: str) -> str:
     if text.lower() not in LOG_LEVELS:
         raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
@@ -57,10 +74,31 @@ def option(default: Any, help: str, parse: Callable[[str], Any], metavar: str | 
 
 @dataclass
 class Config:
-    url: str | None = option(None, "ZeroMQ endpoint to bind, e.g. tcp://0.0.0.0:5555 or "
-                             "ipc:///run/lmcache-mp.sock; overrides --host and --port", str, "URL")
-    host: str = option("127.0.0.1", "TCP address to bind when --url is not given", str, "ADDR")
-    port: int = option(5555, "TCP port to bind when --url is not given", _positive(int), "PORT")
+    url: str | None = option(None, "ZeroMQ endpoint to bind, e.g. ipc:///run/lmcache-mp/"
+                             "server.sock or tcp://127.0.0.1:5555; overrides --host and "
+                             "--port", str, "URL", shown="ipc://RUNTIME_DIR/server.sock")
+    host: str | None = option(None, "TCP address to bind (with --port, default 5555); an "
+                              "address beyond loopback needs --token-file", str, "ADDR",
+                              shown="none: the ipc:// socket")
+    port: int | None = option(None, "TCP port to bind (on --host, default 127.0.0.1)",
+                              _positive(int), "PORT", shown="none: the ipc:// socket")
+    runtime_dir: str = option(None, "private directory for the ipc:// socket, the fd channel "
+                              "(fd.sock) and the token files (token, admin.token); created "
+                              "0700 (0750 with --socket-group)", str, "DIR",
+                              default_factory=lambda: str(default_runtime_dir()),
+                              shown="/run/lmcache-mp for root, $XDG_RUNTIME_DIR/lmcache-mp, "
+                                    "or /tmp/lmcache-mp-UID")
+    socket_group: str | None = option(None, "group whose members may connect too: the runtime "
+                                      "directory, sockets and engine token become readable "
+                                      "to it (the admin token never is)", str, "GROUP",
+                                      shown="none: only this user")
+    token_file: str | None = option(None, "file holding the engine token that HELLO must "
+                                    "carry on tcp:// endpoints (at least 16 characters, mode "
+                                    "0600 or 0640); required to bind beyond loopback",
+                                    str, "PATH", shown="RUNTIME_DIR/token, created")
+    admin_token_file: str | None = option(None, "file holding the admin token that admin ops "
+                                          "(CLEAR, QUOTA_*, per-tenant STATS) need",
+                                          str, "PATH", shown="RUNTIME_DIR/admin.token, created")
     chunk_size: int = option(256, "tokens per chunk; engines' block sizes must divide it",
                              _positive(int), "TOKENS")
     cpu_size: int = option(None, "CPU pool size, e.g. 4GiB; default: a fifth of RAM, "
@@ -76,11 +114,12 @@ class Config:
                                    _positive(float), "SEC")
     copy_threads: int = option(2, "threads that copy blocks between workers and the pool",
                                _positive(int), "N")
-    max_message_bytes: int = option(64 * 1024**2, "largest request accepted; ZeroMQ drops "
+    max_message_bytes: int = option(MAX_MESSAGE_BYTES, "largest request accepted; ZeroMQ drops "
                                     "the connection of a client that sends a larger one",
                                     parse_size, "SIZE")
-    max_chunks_per_message: int = option(65536, "most chunks one LOOKUP, STORE or RETRIEVE "
-                                         "may name", _positive(int), "N")
+    max_chunks_per_message: int = option(MAX_CHUNKS_PER_MESSAGE, "most chunks one LOOKUP, "
+                                         "STORE or RETRIEVE may name, at most "
+                                         f"{MAX_CHUNKS_PER_MESSAGE}", _positive(int), "N")
     shutdown_timeout: float = option(10.0, "seconds the first SIGTERM/SIGINT waits for "
                                      "in-flight requests before failing them",
                                      _positive(float), "SEC")
@@ -98,9 +137,35 @@ class Config:
 
     @property
     def bind_url(self) -> str:
-        return self.url or f"tcp://{self.host}:{self.port}"
+        if self.url:
+            return self.url
+        if self.host is not None or self.port is not None:
+            return f"tcp://{self.host or '127.0.0.1'}:{self.port or 5555}"
+        return ipc_url(Path(self.runtime_dir))
+
+    @property
+    def socket_gid(self) -> int | None:
+        if self.socket_group is None:
+            return None
+        if self.socket_group.isdigit():
+            return int(self.socket_group)
+        return grp.getgrnam(self.socket_group).gr_gid
 
     def validate(self) -> None:
+        if self.max_chunks_per_message > MAX_CHUNKS_PER_MESSAGE:
+            raise ValueError(f"--max-chunks-per-message must be at most {MAX_CHUNKS_PER_MESSAGE}, "
+                             f"got {self.max_chunks_per_message}")
+        if self.socket_group is not None:
+            try:
+                self.socket_gid
+            except KeyError:
+                raise ValueError(f"--socket-group: no group {self.socket_group!r}") from None
+        if _beyond_loopback(self.bind_url) and self.token_file is None:
+            raise ValueError(
+                f"{self.bind_url} can be reached from other machines, and clients there must "
+                f"authenticate: create a token file (`openssl rand -hex 32 > /etc/lmcache-mp/"
+                f"token; chmod 600 /etc/lmcache-mp/token`), pass --token-file with its path, "
+                f"and give the clients the same token (LMCACHE_MP_TOKEN); see docs/security.md")
         if self.cpu_size < 1024**2:
             raise ValueError(f"--cpu-size must be at least 1MiB, got {self.cpu_size} bytes")
         if self.gpu_size and not torch.cuda.is_available():
@@ -180,7 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lmcache-mp-server",
         description="Run the lmcache-mp KV-cache server: one per node, shared by every "
                     "inference worker on it.",
-        epilog="SIGINT/SIGTERM drain in-flight requests and exit 0; a second signal exits at "
+        epilog="Who may connect: by default only this user, through the ipc:// socket in the "
+               "private runtime directory (--socket-group admits a group); tcp:// endpoints need "
+               "the engine token in HELLO, admin ops the admin token (docs/security.md). "
+               "SIGINT/SIGTERM drain in-flight requests and exit 0; a second signal exits at "
                "once. SIGHUP reloads --quota-file. `lmcache-mp-server quota --help` shows the "
                "admin command that edits quotas of a running server.")
     add_config_arguments(parser)

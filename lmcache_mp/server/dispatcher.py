@@ -5,17 +5,28 @@ from __future__ import annotations
 import resource
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
 import torch
 
 from .. import __version__
-from ..errors import BadRequest, InternalError, UnsupportedVersion
+from ..errors import BadRequest, Forbidden, InternalError, UnsupportedVersion
 from ..protocol import (
+    ADMIN_OPS,
+    BLOCK_ID_BYTES,
+    CHUNK_HASH_BYTES,
+    LOOKUP_SLICE_PROBES,
+    MAX_KV_WORLD_SIZE,
+    MAX_LOOKUP_PROBES,
+    MAX_MODEL_CHARS,
+    MAX_NAME_CHARS,
+    MAX_REQUEST_ID_CHARS,
     PROTOCOL_VERSION,
+    ROLE_ADMIN,
     SKIP_BLOCK,
+    TRANSFER_SLICE_CHUNKS,
     ClearReply,
     ClearRequest,
     EndSessionReply,
@@ -50,26 +61,22 @@ from ..protocol import (
     TransferItem,
     UnregisterKVCacheReply,
     UnregisterKVCacheRequest,
-    unpack_block_ids,
     unpack_hashes,
     validate_salt,
 )
+from .access import Session, Sessions
 from .config import Config
 from .copy_engine import CopyEngine
 from .pool import CpuPool, DevicePool
 from .quotas import Quota, QuotaError, load_quota_file
-from .registry import DTYPES, MAX_KV_WORLD_SIZE, KVCacheInstance, Registry
-from .store import GPU_TIER, Chunk, ChunkKey, ChunkStore, LeaseOwner
+from .registry import DTYPES, KVCacheInstance, Registry
+from .slices import SliceRunner
+from .store import (GPU_TIER, Chunk, ChunkKey, ChunkStore, Demotion, LeaseOwner, PrefixScan,
+                    Reservation)
 from .streams import DeviceStalled, StreamCopier
 
-MAX_REQUEST_ID_CHARS = 512
 T = TypeVar("T")
-
-
-def _validate_request_id(request_id: str, path: str) -> str:
-    if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise BadRequest(f"`{path}`: request_id longer than {MAX_REQUEST_ID_CHARS} characters")
-    return request_id
+R = TypeVar("R")
 
 
 def _leading_successes(errors, count: int) -> int:
@@ -78,37 +85,51 @@ def _leading_successes(errors, count: int) -> int:
     return outcomes.index(False) if False in outcomes else count
 
 
-def _lease_owner(cache_salt: str, request_id: str, prefix: str = "") -> LeaseOwner:
-    return LeaseOwner(validate_salt(cache_salt, f"{prefix}cache_salt"),
-                      _validate_request_id(request_id, f"{prefix}request_id"))
+def _lease_owner(session: Session, cache_salt: str, request_id: str, prefix: str = ""
+                 ) -> LeaseOwner:
+    _check_length(request_id, MAX_REQUEST_ID_CHARS, f"{prefix}request_id")
+    return LeaseOwner(session.engine, validate_salt(cache_salt, f"{prefix}cache_salt"),
+                      request_id)
+
+
+def _check_length(value: str, limit: int, path: str) -> None:
+    if len(value) > limit:
+        raise BadRequest(f"`{path}`: at most {limit} characters, got {len(value)}")
 
 
 class _Transfer:
     """One validated STORE or RETRIEVE item: its keys and, per chunk, its block ids."""
 
-    def __init__(self, instance: KVCacheInstance, item: TransferItem, path: str,
-                 allow_skip: bool):
-        self.owner = _lease_owner(item.cache_salt, item.request_id, f"{path}.")
+    def __init__(self, session: Session, instance: KVCacheInstance, item: TransferItem,
+                 path: str, allow_skip: bool):
+        self.owner = _lease_owner(session, item.cache_salt, item.request_id, f"{path}.")
         salt = self.owner.cache_salt
         hashes = unpack_hashes(item.chunk_hashes, f"{path}.chunk_hashes")
-        block_ids = unpack_block_ids(item.block_ids, f"{path}.block_ids")
+        if len(item.block_ids) % BLOCK_ID_BYTES:
+            raise BadRequest(f"`{path}.block_ids`: length {len(item.block_ids)} is not a "
+                             f"multiple of {BLOCK_ID_BYTES}")
         per_chunk = instance.geometry.blocks_per_chunk
-        if len(block_ids) != len(hashes) * per_chunk:
+        count = len(item.block_ids) // BLOCK_ID_BYTES
+        if count != len(hashes) * per_chunk:
             raise BadRequest(f"`{path}.block_ids`: {len(hashes)} chunks need "
                              f"{len(hashes) * per_chunk} block ids ({per_chunk} per chunk), "
-                             f"got {len(block_ids)}")
-        written = [b for b in block_ids if b != SKIP_BLOCK] if allow_skip else block_ids
-        if written and not (0 <= min(written) and max(written) < instance.num_blocks):
+                             f"got {count}")
+        # One tensor op per check, not a Python loop per block: thousands of chunks stay cheap.
+        ids = (torch.frombuffer(bytearray(item.block_ids), dtype=torch.int32).to(torch.int64)
+               if count else torch.empty(0, dtype=torch.int64))
+        skipped = ids == SKIP_BLOCK if allow_skip else torch.zeros_like(ids, dtype=torch.bool)
+        written = ids[~skipped]
+        if written.numel() and not (0 <= int(written.min()) and
+                                    int(written.max()) < instance.num_blocks):
             skip = f" (or {SKIP_BLOCK} to leave a block alone)" if allow_skip else ""
             raise BadRequest(f"`{path}.block_ids`: ids must be in [0, {instance.num_blocks})"
-                             f"{skip}, got range [{min(written)}, {max(written)}]")
+                             f"{skip}, got range [{int(written.min())}, {int(written.max())}]")
         self.keys = [ChunkKey(instance.model, instance.kv_world_size, instance.kv_worker_id,
                               salt, h) for h in hashes]
-        ids = torch.tensor(block_ids, dtype=torch.int64)
-        self.block_ids = list(ids.split(per_chunk)) if block_ids else []
+        self.block_ids = ids.view(len(hashes), per_chunk) if count else ids
         # Per chunk: whether some block is SKIP_BLOCK (decided here, off the copy path).
-        self.skips = [SKIP_BLOCK in block_ids[c:c + per_chunk]
-                      for c in range(0, len(block_ids), per_chunk)] if allow_skip else []
+        self.skips = (skipped.view(len(hashes), per_chunk).any(1).tolist() if count
+                      else [])
 
 
 class Dispatcher:
@@ -119,9 +140,12 @@ class Dispatcher:
     """
 
     def __init__(self, config: Config, store: ChunkStore, pool: CpuPool, registry: Registry,
-                 copy_engine: CopyEngine, push: Callable[[bytes, Any], None],
+                 copy_engine: CopyEngine, sessions: Sessions, fd_socket: str,
+                 push: Callable[[bytes, Any], None],
                  copier: StreamCopier | None = None, gpu_pool: DevicePool | None = None):
-        """`push(client, message)` sends a message the client did not ask for (MLA loads);
+        """`sessions`: who said HELLO, and may do what; `fd_socket`: the fd channel's path,
+        told in HELLO replies;
+        `push(client, message)` sends a message the client did not ask for (MLA loads);
         `copier` runs the copies of caches registered on a GPU (None without CUDA);
         `gpu_pool` is the GPU tier (--gpu-size), whose chunks the store places."""
         self.push = push
@@ -132,10 +156,11 @@ class Dispatcher:
         self.pool = pool
         self.registry = registry
         self.copy_engine = copy_engine
+        self.sessions = sessions
+        self.fd_socket = fd_socket
+        self.slices = SliceRunner()
         self.requests_served: Counter[str] = Counter()
         self._handlers: dict[type, Callable[[bytes, Any], Any]] = {
-            HelloRequest: self.hello,
-            PingRequest: self.ping,
             RegisterKVCacheRequest: self.register,
             UnregisterKVCacheRequest: self.unregister,
             LookupRequest: self.lookup,
@@ -151,10 +176,22 @@ class Dispatcher:
             QuotaListRequest: self.quota_list,
         }
 
-    def handle(self, client: bytes, op: str, request: Any) -> Any | Awaitable[Any]:
+    def note_request(self, client: bytes, op: str) -> None:
+        """A request for `op` arrived from `client` (before its payload is decoded)."""
         self.requests_served[op] += 1
         self.registry.seen(client)
-        return self._handlers[type(request)](client, request)
+        self.sessions.seen(client)
+
+    def handle(self, client: bytes, op: str, request: Any) -> Any | Awaitable[Any]:
+        if op == "HELLO":
+            return self.hello(client, request)
+        if op == "PING":  # heartbeats need no session: they only keep registrations alive
+            return self.ping()
+        session = self.sessions.get(client)
+        if op in ADMIN_OPS and session.role != ROLE_ADMIN:
+            raise Forbidden(f"{op} is an admin op: HELLO with the admin token first (the "
+                            f"runtime directory's admin.token, or LMCACHE_MP_ADMIN_TOKEN)")
+        return self._handlers[type(request)](session, request)
 
     # -- session ---------------------------------------------------------------------------
 
@@ -162,52 +199,93 @@ class Dispatcher:
         if req.protocol_version != PROTOCOL_VERSION:
             raise UnsupportedVersion(f"client speaks protocol {req.protocol_version}, "
                                      f"this server speaks {PROTOCOL_VERSION}")
+        for name in ("client_name", "token", "engine"):
+            _check_length(getattr(req, name), MAX_NAME_CHARS, name)
+        session = self.sessions.open(client, req.token, req.engine)
         return HelloReply(PROTOCOL_VERSION, __version__, self.config.chunk_size,
                           self.config.max_message_bytes, self.config.max_chunks_per_message,
-                          self.config.lease_timeout, self.config.worker_timeout)
+                          self.config.lease_timeout, self.config.worker_timeout,
+                          session.role, self.fd_socket)
 
-    def ping(self, client: bytes, req: PingRequest) -> PingReply:
+    def ping(self) -> PingReply:
         return PingReply(time.time())
 
-    def register(self, client: bytes, req: RegisterKVCacheRequest) -> RegisterKVCacheReply:
-        instance = self.registry.register(client, req)
+    def register(self, session: Session, req: RegisterKVCacheRequest) -> RegisterKVCacheReply:
+        instance = self.registry.register(session.client, session.engine, req)
         return RegisterKVCacheReply(instance.instance_id, instance.num_blocks,
                                     instance.geometry.blocks_per_chunk,
                                     instance.geometry.chunk_bytes)
 
-    def unregister(self, client: bytes, req: UnregisterKVCacheRequest) -> UnregisterKVCacheReply:
-        self.registry.get(req.instance_id, client)
+    def unregister(self, session: Session, req: UnregisterKVCacheRequest
+                   ) -> UnregisterKVCacheReply:
+        self.registry.get(req.instance_id, session.client)
         self.registry.unregister(req.instance_id)
         return UnregisterKVCacheReply()
 
     # -- the cache -------------------------------------------------------------------------
 
-    def _check_batch_size(self, chunk_counts: list[int]) -> None:
-        total = sum(chunk_counts)
+    def _check_batch_size(self, packed_hashes: list[bytes]) -> int:
+        """The chunks a message names, from its packed hashes' lengths: checked before any
+        per-chunk work."""
+        total = sum(len(packed) for packed in packed_hashes) // CHUNK_HASH_BYTES
         if total > self.config.max_chunks_per_message:
             raise BadRequest(f"`items`: {total} chunks in one message; the limit is "
                              f"{self.config.max_chunks_per_message}")
+        return total
 
-    def lookup(self, client: bytes, req: LookupRequest) -> LookupReply:
+    def lookup(self, session: Session, req: LookupRequest
+               ) -> LookupReply | Awaitable[LookupReply]:
         if not 0 < req.kv_world_size <= MAX_KV_WORLD_SIZE:
             raise BadRequest(f"`kv_world_size`: must be in [1, {MAX_KV_WORLD_SIZE}]")
+        _check_length(req.model, MAX_MODEL_CHARS, "model")
+        probes = self._check_batch_size([item.chunk_hashes for item in req.items]) \
+            * req.kv_world_size
+        if probes > MAX_LOOKUP_PROBES:
+            raise BadRequest(f"`items`: {probes} index probes (chunk hashes times kv_world_size "
+                             f"{req.kv_world_size}) in one LOOKUP; the limit is "
+                             f"{MAX_LOOKUP_PROBES}")
         parsed = []
         for i, item in enumerate(req.items):
             path = f"items[{i}]"
-            request_id = _validate_request_id(item.request_id, f"{path}.request_id")
-            parsed.append((validate_salt(item.cache_salt, f"{path}.cache_salt"),
+            holder = _lease_owner(session, item.cache_salt, item.request_id, f"{path}.")
+            parsed.append((holder.cache_salt,
                            unpack_hashes(item.chunk_hashes, f"{path}.chunk_hashes"),
-                           request_id if item.hold else None))
-        self._check_batch_size([len(hashes) for _, hashes, _ in parsed])
-        return LookupReply([self.store.lookup(req.model, req.kv_world_size, salt, hashes, hold_for)
-                            for salt, hashes, hold_for in parsed])
+                           holder if item.hold else None))
+        if probes <= LOOKUP_SLICE_PROBES:
+            return LookupReply([self.store.lookup(req.model, req.kv_world_size, salt, hashes,
+                                                  holder)
+                                for salt, hashes, holder in parsed])
+        return self._sliced_lookup(req, parsed)
 
-    def _transfers(self, instance: KVCacheInstance, items: list[TransferItem],
-                   allow_skip: bool = False) -> list[_Transfer]:
-        transfers = [_Transfer(instance, item, f"items[{i}]", allow_skip)
-                     for i, item in enumerate(items)]
-        self._check_batch_size([len(t.keys) for t in transfers])
-        return transfers
+    async def _sliced_lookup(self, req: LookupRequest, parsed) -> LookupReply:
+        """A LOOKUP of many probes, LOOKUP_SLICE_PROBES at a time between other clients'
+        requests; each item's chunks stay held between its slices."""
+        scans = [(PrefixScan(self.store, req.model, req.kv_world_size, salt, hashes,
+                             hold_while_scanning=True), holder)
+                 for salt, hashes, holder in parsed]
+        hits: list[int] = []
+
+        def step() -> bool:
+            budget = LOOKUP_SLICE_PROBES
+            while budget > 0 and len(hits) < len(scans):
+                scan, holder = scans[len(hits)]
+                budget -= scan.step(budget)
+                if scan.done:
+                    hits.append(scan.finish(holder))
+            return len(hits) == len(scans)
+        try:
+            await self.slices.run(step)
+        except BaseException:
+            for scan, _ in scans[len(hits):]:
+                scan.abandon()
+            raise
+        return LookupReply(hits)
+
+    def _transfers(self, session: Session, instance: KVCacheInstance,
+                   items: list[TransferItem], allow_skip: bool = False) -> list[_Transfer]:
+        self._check_batch_size([item.chunk_hashes for item in items])
+        return [_Transfer(session, instance, item, f"items[{i}]", allow_skip)
+                for i, item in enumerate(items)]
 
     def _chunk_bytes(self, chunk: Chunk) -> torch.Tensor:
         pool = self.gpu_pool if chunk.tier == GPU_TIER else self.pool
@@ -218,84 +296,99 @@ class Dispatcher:
         return (self._chunk_bytes(chunk).view(DTYPES[geometry.dtype])
                 .view(geometry.chunk_shape))
 
-    async def _copy(self, instances: list[KVCacheInstance], copies: Awaitable[T]) -> T:
-        """Await `copies`, keeping the instances mapped until the device is done with them."""
+    def _pin(self, instances: list[KVCacheInstance]) -> Callable[[], None]:
+        """Keep the instances mapped (an unregister meanwhile waits) until the returned
+        callable is called: from the first slice of a transfer to the device's last copy."""
         for instance in instances:
             instance.copies_in_flight += 1
 
-        def finished() -> None:
+        def unpin() -> None:
             for instance in instances:
                 self.registry.copy_finished(instance)
-        try:
-            result = await copies
-        except DeviceStalled as stall:
-            stall.after(finished)
-            raise
-        except BaseException:
-            finished()
-            raise
-        finished()
-        return result
+        return unpin
 
-    def _sender(self, client: bytes, instance_id: int, op: str) -> KVCacheInstance:
-        instance = self.registry.get(instance_id, client)
+    async def _each(self, values: Sequence[T], work: Callable[[T], R], done: list[R]) -> None:
+        """Append work(value) to `done` for every value, TRANSFER_SLICE_CHUNKS at a time
+        between other clients' requests; on failure `done` holds what was finished."""
+        def step() -> bool:
+            start = len(done)
+            done.extend(work(value) for value in values[start:start + TRANSFER_SLICE_CHUNKS])
+            return len(done) == len(values)
+        if len(values) <= TRANSFER_SLICE_CHUNKS:
+            step()
+        else:
+            await self.slices.run(step)
+
+    def _sender(self, session: Session, instance_id: int, op: str) -> KVCacheInstance:
+        instance = self.registry.get(instance_id, session.client)
         if instance.geometry.layout == "mla" and instance.tp_rank != 0:
             raise BadRequest(f"under MLA only the TP leader (tp_rank 0) sends {op}; instance "
                              f"{instance_id} has tp_rank {instance.tp_rank}, and the server "
                              f"fills its blocks when the leader retrieves")
         return instance
 
-    def store_chunks(self, client: bytes, req: StoreRequest) -> Awaitable[StoreReply]:
-        instance = self._sender(client, req.instance_id, "STORE")
-        transfers = self._transfers(instance, req.items)
+    def store_chunks(self, session: Session, req: StoreRequest) -> Awaitable[StoreReply]:
+        instance = self._sender(session, req.instance_id, "STORE")
+        transfers = self._transfers(session, instance, req.items)
         instance.stores += 1
+        return self._store(instance, transfers, self._pin([instance]))
+
+    async def _store(self, instance: KVCacheInstance, transfers: list[_Transfer],
+                     unpin: Callable[[], None]) -> StoreReply:
+        """Reserve, copy, then commit or abort: each step a slice at a time. Reserved chunks
+        stay invisible until their commit, so slices of other requests never see them."""
         geometry = instance.geometry
         # Chunks from a cache on the GPU tier's device go to the tier (when it has room).
         on_gpu = (self.gpu_pool is not None and instance.lane is not None
                   and instance.lane.staging.device == self.gpu_pool.device)
-        # Reserve synchronously, before any await: validation and reservation see one state.
-        reservations = [[self.store.reserve(key, geometry.chunk_bytes, geometry, on_gpu)
-                         for key in t.keys] for t in transfers]
-        return self._finish_store(instance, transfers, reservations)
-
-    async def _finish_store(self, instance, transfers, reservations) -> StoreReply:
-        pending = [(i, c, r.chunk) for i, per_item in enumerate(reservations)
-                   for c, r in enumerate(per_item) if r.chunk is not None]
-        demotions = [r.demotion for per_item in reservations for r in per_item
-                     if r.demotion is not None]
+        places = [(i, c, key) for i, t in enumerate(transfers) for c, key in enumerate(t.keys)]
+        reservations: list[Reservation] = []
+        pending: list[tuple[int, int, Chunk]] = []
+        demotions: list[Demotion] = []
 
         def abort_all(demotions_landed: bool) -> None:
-            for _, _, chunk in pending:
-                self.store.abort(chunk)
+            for reservation in reservations:
+                if reservation.chunk is not None:
+                    self.store.abort(reservation.chunk)
             settle = self.store.finish_demotion if demotions_landed else self.store.abort_demotion
             for demotion in demotions:
                 settle(demotion)
         try:
-            jobs = [(transfers[i].block_ids[c], self._chunk_tensor(chunk, instance))
-                    for i, c, chunk in pending]
+            await self._each(places, lambda place: self.store.reserve(
+                place[2], geometry.chunk_bytes, geometry, on_gpu), reservations)
+            pending = [(i, c, r.chunk) for (i, c, _), r in zip(places, reservations)
+                       if r.chunk is not None]
+            demotions = [r.demotion for r in reservations if r.demotion is not None]
+            jobs: list = []
+            await self._each(pending, lambda p: (transfers[p[0]].block_ids[p[1]],
+                                                 self._chunk_tensor(p[2], instance)), jobs)
             if instance.lane is not None:
                 moves = [(self._chunk_bytes(d.chunk), self.gpu_pool.view(d.gpu_offset,
                                                                           d.chunk.nbytes))
                          for d in demotions]
-                copies = self.copier.store(instance, jobs, moves)
+                errors = await self.copier.store(instance, jobs, moves)
             else:
-                copies = self.copy_engine.run([partial(instance.gather, ids, out)
-                                               for ids, out in jobs])
-            errors = await self._copy([instance], copies)
+                errors = await self.copy_engine.run([partial(instance.gather, ids, out)
+                                                     for ids, out in jobs])
         except DeviceStalled as stall:
             # The device may still write into those chunks; when it is done, demotions landed.
             stall.after(partial(abort_all, True))
+            stall.after(unpin)
             raise InternalError(f"{stall}; nothing of this STORE was stored") from None
         except BaseException:
             abort_all(False)
+            unpin()
             raise
+        unpin()
         for demotion, error in zip(demotions, errors):
             if error is None:
                 self.store.finish_demotion(demotion)
             else:
                 self.store.abort_demotion(demotion)
         errors = errors[len(demotions):]
-        statuses = [bytearray(r.status for r in per_item) for per_item in reservations]
+        statuses = [bytearray(len(t.keys)) for t in transfers]
+        for (i, c, _), reservation in zip(places, reservations):
+            statuses[i][c] = reservation.status
         copied: list[list[Chunk]] = [[] for _ in transfers]
         for (i, c, chunk), error in zip(pending, errors):
             if error is None:
@@ -303,40 +396,63 @@ class Dispatcher:
             else:
                 self.store.abort(chunk)
                 statuses[i][c] = StoreStatus.FAILED
-        for chunks in copied:
-            self.store.commit_request(chunks)
+        # Later chunks of a request are committed first, so that they are evicted first.
+        settled: list[None] = []
+        await self._each([chunk for chunks in copied for chunk in reversed(chunks)],
+                         self.store.commit, settled)
         return StoreReply([bytes(s) for s in statuses])
 
-    def retrieve_chunks(self, client: bytes, req: RetrieveRequest) -> Awaitable[RetrieveReply]:
-        instance = self._sender(client, req.instance_id, "RETRIEVE")
-        transfers = self._transfers(instance, req.items, allow_skip=True)
-        instance.retrieves += 1
-        held = [self.store.hold_prefix(t.keys, instance.geometry) for t in transfers]
-        return self._finish_retrieve(instance, transfers, held)
-
-    async def _finish_retrieve(self, leader, transfers, held) -> RetrieveReply:
+    def retrieve_chunks(self, session: Session, req: RetrieveRequest
+                        ) -> Awaitable[RetrieveReply]:
+        leader = self._sender(session, req.instance_id, "RETRIEVE")
+        transfers = self._transfers(session, leader, req.items, allow_skip=True)
+        leader.retrieves += 1
         # Under MLA every rank of the TP group holds the same latent cache: fill them all.
         targets = [leader, *self.registry.tp_followers(leader)]
+        return self._retrieve(leader, targets, transfers, self._pin(targets))
+
+    async def _retrieve(self, leader: KVCacheInstance, targets: list[KVCacheInstance],
+                        transfers: list[_Transfer], unpin: Callable[[], None]
+                        ) -> RetrieveReply:
+        """Hold each item's leading stored chunks, copy them, unhold: a slice at a time."""
+        held: list[list[Chunk]] = [[] for _ in transfers]
+        geometry = leader.geometry
 
         def unhold() -> None:
             for chunks in held:
                 self.store.unhold(chunks)
+
+        def hold(place: tuple[int, int, ChunkKey]) -> None:
+            i, c, key = place
+            if len(held[i]) == c:  # every earlier chunk of the item was there: a prefix
+                chunk = self.store.hold_if_stored(key, geometry)
+                if chunk is not None:
+                    held[i].append(chunk)
         try:
-            jobs = [(t.block_ids[c], self._chunk_tensor(chunk, leader), t.skips[c])
-                    for t, chunks in zip(transfers, held) for c, chunk in enumerate(chunks)]
+            places = [(i, c, key) for i, t in enumerate(transfers) for c, key in enumerate(t.keys)]
+            await self._each(places, hold, [])
+            flat = [(t, c, chunk) for t, chunks in zip(transfers, held)
+                    for c, chunk in enumerate(chunks)]
+            jobs: list = []
+            await self._each(flat, lambda f: (f[0].block_ids[f[1]],
+                                              self._chunk_tensor(f[2], leader), f[0].skips[f[1]]),
+                             jobs)
             if leader.lane is not None:
-                per_target = await self._copy(targets, self.copier.retrieve(targets, jobs))
+                per_target = await self.copier.retrieve(targets, jobs)
                 outcomes = [error for errors in per_target for error in errors]
             else:
-                outcomes = await self._copy(targets, self.copy_engine.run(
-                    [partial(target.scatter, *job) for target in targets for job in jobs]))
+                outcomes = await self.copy_engine.run(
+                    [partial(target.scatter, *job) for target in targets for job in jobs])
         except DeviceStalled as stall:
             stall.after(unhold)  # the device may still read those chunks
+            stall.after(unpin)
             raise InternalError(f"{stall}; treat the blocks of this RETRIEVE as unwritten"
                                 ) from None
         except BaseException:
             unhold()
+            unpin()
             raise
+        unpin()
         unhold()
         errors = iter(outcomes)
         landed = {target.instance_id: [_leading_successes(errors, len(chunks)) for chunks in held]
@@ -350,24 +466,28 @@ class Dispatcher:
                 for t, n in zip(transfers, landed[follower.instance_id])]))
         return RetrieveReply(landed[leader.instance_id])
 
-    def release(self, client: bytes, req: ReleaseRequest) -> ReleaseReply:
-        owners = [_lease_owner(ref.cache_salt, ref.request_id, f"items[{i}].")
+    def release(self, session: Session, req: ReleaseRequest) -> ReleaseReply:
+        owners = [_lease_owner(session, ref.cache_salt, ref.request_id, f"items[{i}].")
                   for i, ref in enumerate(req.items)]
         return ReleaseReply(sum(self.store.release(owner) for owner in owners))
 
-    def end_session(self, client: bytes, req: EndSessionRequest) -> EndSessionReply:
-        return EndSessionReply(self.store.release(_lease_owner(req.cache_salt, req.request_id)))
+    def end_session(self, session: Session, req: EndSessionRequest) -> EndSessionReply:
+        return EndSessionReply(self.store.release(
+            _lease_owner(session, req.cache_salt, req.request_id)))
 
-    def clear(self, client: bytes, req: ClearRequest) -> ClearReply:
+    def clear(self, session: Session, req: ClearRequest) -> ClearReply:
         if req.cache_salt is not None:
             validate_salt(req.cache_salt, "cache_salt")
         return ClearReply(self.store.clear(req.cache_salt))
 
-    def stats(self, client: bytes, req: StatsRequest) -> StatsReply:
+    def stats(self, session: Session, req: StatsRequest) -> StatsReply:
+        """Aggregates for everyone; per-tenant figures and every registration for admins
+        only: an engine sees its own engine's registrations and never a salt."""
         store = self.store
         rusage = resource.getrusage(resource.RUSAGE_SELF)  # ru_maxrss is in KiB on Linux
+        admin = session.role == ROLE_ADMIN
         tenants = {}
-        for salt in {*store.tenants, *store.quotas.configured()}:
+        for salt in {*store.tenants, *store.quotas.configured()} if admin else ():
             usage, quota = store.tenants.get(salt), store.quotas.get(salt)
             tenants[salt] = TenantStats(
                 usage.bytes_used if usage else 0, usage.chunks if usage else 0, quota.cap,
@@ -382,7 +502,7 @@ class Dispatcher:
             prefault_done=self.pool.prefault_done.is_set(), tenants=tenants,
             instances=[InstanceStats(i.instance_id, i.model, i.kv_world_size, i.kv_worker_id,
                                      i.tp_rank, i.stores, i.retrieves, i.loads_pushed)
-                       for i in self.registry.instances()],
+                       for i in self.registry.instances() if admin or i.engine == session.engine],
             gpu_capacity_bytes=self.gpu_pool.capacity if self.gpu_pool is not None else 0,
             gpu_bytes_used=self.gpu_pool.allocator.used if self.gpu_pool is not None else 0,
             cpu_seconds=rusage.ru_utime + rusage.ru_stime, peak_rss_bytes=rusage.ru_maxrss * 1024)
@@ -395,7 +515,7 @@ class Dispatcher:
         return QuotaInfo(salt, quota.cap, quota.reserve, self.store.quotas.has_own(salt),
                          usage.bytes_used if usage else 0)
 
-    def quota_set(self, client: bytes, req: QuotaSetRequest) -> QuotaInfo:
+    def quota_set(self, session: Session, req: QuotaSetRequest) -> QuotaInfo:
         salt = validate_salt(req.cache_salt)
         try:
             self.store.quotas.set(salt, Quota(req.cap, req.reserve))
@@ -404,10 +524,10 @@ class Dispatcher:
         self.store.enforce_cap(salt)
         return self._quota_info(salt)
 
-    def quota_get(self, client: bytes, req: QuotaGetRequest) -> QuotaInfo:
+    def quota_get(self, session: Session, req: QuotaGetRequest) -> QuotaInfo:
         return self._quota_info(validate_salt(req.cache_salt))
 
-    def quota_delete(self, client: bytes, req: QuotaDeleteRequest) -> QuotaInfo:
+    def quota_delete(self, session: Session, req: QuotaDeleteRequest) -> QuotaInfo:
         """Drop the run-time quota; the file's, the flags' or the default applies again."""
         salt = validate_salt(req.cache_salt)
         try:
@@ -417,7 +537,7 @@ class Dispatcher:
         self.store.enforce_cap(salt)
         return self._quota_info(salt)
 
-    def quota_list(self, client: bytes, req: QuotaListRequest) -> QuotaListReply:
+    def quota_list(self, session: Session, req: QuotaListRequest) -> QuotaListReply:
         return QuotaListReply(self.store.quotas.default.cap,
                               [self._quota_info(salt)
                                for salt in sorted(self.store.quotas.configured())])

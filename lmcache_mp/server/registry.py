@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import re
 import secrets
 import threading
 from collections.abc import Callable
@@ -17,10 +16,14 @@ import torch
 from ..errors import BadRequest, UnknownInstance
 from ..protocol import (
     CUDA_IPC_HANDLE_BYTES,
-    SHM_DIR,
+    MAX_KV_WORLD_SIZE,
+    MAX_LAYERS,
+    MAX_MODEL_CHARS,
+    MAX_NAME_CHARS,
     SKIP_BLOCK,
+    TICKET_BYTES,
+    MemfdHandle,
     RegisterKVCacheRequest,
-    ShmHandle,
     TensorHandle,
     span_bytes,
 )
@@ -29,10 +32,8 @@ from .pool import populate
 
 logger = logging.getLogger(__name__)
 
-_SHM_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 LAYOUTS = {"mha": 5, "mla": 3}  # tensor rank of one layer
-MAX_LAYERS = 1024
-MAX_KV_WORLD_SIZE = 1024
+TakeFd = Callable[[bytes], Any]  # fd_channel.FdChannel.take
 # Above this many bytes per block (all layers), one copy_ per block beats index_copy_.
 _PER_BLOCK_SCATTER_BYTES = 256 * 1024
 
@@ -86,6 +87,7 @@ class KVCacheInstance:
 
     instance_id: int
     owner: bytes  # the ZeroMQ identity that registered it
+    engine: bytes  # its session's engine: only ranks of the same engine share an MLA group
     model: str
     kv_world_size: int
     kv_worker_id: int
@@ -155,6 +157,8 @@ class KVCacheInstance:
             if per_block:  # index_copy_ runs at half the speed of copy_ on large blocks
                 for position, block in enumerate(block_ids.tolist()):
                     target.select(block_dim, block).copy_(source.select(block_dim, position))
+            elif target.element_size() == 1:  # torch has no index_copy_ for float8 on the CPU
+                target.view(torch.uint8).index_copy_(block_dim, block_ids, source.view(torch.uint8))
             else:
                 target.index_copy_(block_dim, block_ids, source)
 
@@ -180,19 +184,23 @@ def _check(condition: bool, message: str) -> None:
         raise BadRequest(message)
 
 
-def _map_segment(name: str, path: str) -> mmap.mmap:
-    _check(bool(_SHM_NAME.fullmatch(name)),
-           f"`{path}`: shared-memory name {name!r} must be 1-200 of [A-Za-z0-9_.-]")
+def _map_ticket(take_fd: TakeFd, handle: MemfdHandle, path: str) -> mmap.mmap:
+    """Map the memfd the fd channel took for this handle's ticket (and close the fd: the
+    mapping keeps the memory). Its seals forbid shrinking, so the mapping stays valid
+    whatever the worker does to its end."""
+    _check(len(handle.ticket) == TICKET_BYTES, f"`{path}.ticket`: expected {TICKET_BYTES} "
+           f"bytes from the fd channel, got {len(handle.ticket)}")
+    passed = take_fd(handle.ticket)
+    _check(passed is not None, f"`{path}.ticket`: unknown or expired ticket (for segment "
+           f"{handle.name[:64]!r}): send the memfd to the fd channel (HELLO's fd_socket) and "
+           f"register within a minute")
     try:
-        fd = os.open(SHM_DIR + name, os.O_RDWR)
+        return mmap.mmap(passed.fd, passed.size)
     except OSError as exc:
-        raise BadRequest(f"`{path}`: cannot open shared memory {name!r}: {exc.strerror}") from None
-    try:
-        size = os.fstat(fd).st_size
-        _check(size > 0, f"`{path}`: shared memory {name!r} is empty")
-        return mmap.mmap(fd, size)
+        raise BadRequest(f"`{path}`: cannot map memfd {handle.name[:64]!r}: {exc.strerror}"
+                         ) from None
     finally:
-        os.close(fd)
+        os.close(passed.fd)
 
 
 def _validate_handles(req: RegisterKVCacheRequest, chunk_size: int) -> tuple[Geometry, int]:
@@ -205,12 +213,12 @@ def _validate_handles(req: RegisterKVCacheRequest, chunk_size: int) -> tuple[Geo
            f"`kv_world_size`: must be in [1, {MAX_KV_WORLD_SIZE}]")
     _check(0 <= req.kv_worker_id < req.kv_world_size,
            f"`kv_worker_id`: {req.kv_worker_id} not in [0, {req.kv_world_size})")
-    _check(req.tp_rank >= 0, "`tp_rank`: must not be negative")
-    _check(len(req.tp_group) <= 256, "`tp_group`: at most 256 characters")
-    _check(0 < len(req.model) <= 512, "`model`: expected 1..512 characters")
+    _check(0 <= req.tp_rank < MAX_KV_WORLD_SIZE, f"`tp_rank`: must be in [0, {MAX_KV_WORLD_SIZE})")
+    _check(len(req.tp_group) <= MAX_NAME_CHARS, f"`tp_group`: at most {MAX_NAME_CHARS} characters")
+    _check(0 < len(req.model) <= MAX_MODEL_CHARS, f"`model`: expected 1..{MAX_MODEL_CHARS} characters")
     first = req.layers[0]
     rank = LAYOUTS[req.layout]
-    if first.kind == ShmHandle.KIND:
+    if first.kind == MemfdHandle.KIND:
         _check(not req.store_event, "`store_event`: only cuda_ipc registrations wait on an event")
     else:
         _check(len(req.store_event) in (0, CUDA_IPC_HANDLE_BYTES),
@@ -220,13 +228,24 @@ def _validate_handles(req: RegisterKVCacheRequest, chunk_size: int) -> tuple[Geo
         where = f"layers[{i}]"
         _check(handle.kind == first.kind, f"`{where}.kind`: every layer needs the kind of "
                f"layers[0] ({first.kind!r}), got {handle.kind!r}")
+        _check(len(getattr(handle, "name", "")) <= MAX_NAME_CHARS,
+               f"`{where}.name`: at most {MAX_NAME_CHARS} characters")
         _check(handle.dtype in DTYPES, f"`{where}.dtype`: unsupported {handle.dtype!r}; "
                f"supported: {', '.join(DTYPES)}")
         _check(len(handle.shape) == rank and len(handle.strides) == rank,
                f"`{where}.shape`: layout {req.layout!r} needs {rank} dimensions, "
                f"got shape {handle.shape} and strides {handle.strides}")
         _check(all(d > 0 for d in handle.shape), f"`{where}.shape`: dimensions must be positive")
-        _check(all(s >= 0 for s in handle.strides), f"`{where}.strides`: must not be negative")
+        _check(all(0 <= s < 2**63 for s in handle.strides),
+               f"`{where}.strides`: must not be negative, and below 2**63")
+        # No two elements on one address (so no block, K or V shares bytes with another, and
+        # torch can count the elements once the span fits in the memory): smallest stride
+        # first, each dimension must step past everything the ones inside it span.
+        inner = 1
+        for stride, size in sorted(zip(handle.strides, handle.shape)):
+            _check(size == 1 or stride >= inner, f"`{where}`: shape {handle.shape} with "
+                   f"strides {handle.strides} puts several elements on one address")
+            inner += (size - 1) * stride
         _check(handle.offset >= 0 and handle.offset % DTYPES[handle.dtype].itemsize == 0,
                f"`{where}.offset`: must be a non-negative multiple of the element size")
         _check(handle.shape == first.shape and handle.dtype == first.dtype,
@@ -248,7 +267,7 @@ def _validate_handles(req: RegisterKVCacheRequest, chunk_size: int) -> tuple[Geo
 
 def _memory(handle: TensorHandle) -> str | bytes:
     """What names the memory a handle lies in: its segment, or its allocation's IPC handle."""
-    return handle.name if isinstance(handle, ShmHandle) else handle.ipc_handle
+    return handle.ticket if isinstance(handle, MemfdHandle) else handle.ipc_handle
 
 
 def _stack_layers(handles: list[TensorHandle], typed: torch.Tensor) -> torch.Tensor | None:
@@ -271,26 +290,30 @@ class Registry:
     """Every registered KV cache by instance id, and the clients that own them."""
 
     def __init__(self, chunk_size: int, clock: Callable[[], float],
-                 cuda_ipc: CudaIpcSupport | None = None):
-        """`cuda_ipc`: how to map cuda_ipc handles; None on a server without CUDA."""
+                 take_fd: TakeFd, cuda_ipc: CudaIpcSupport | None = None):
+        """`take_fd(ticket)`: the fd channel's descriptor for a memfd handle's ticket, or None;
+        `cuda_ipc`: how to map cuda_ipc handles; None on a server without CUDA."""
         self.chunk_size = chunk_size
         self.clock = clock
+        self.take_fd = take_fd
         self.cuda_ipc = cuda_ipc
         self._instances: dict[int, KVCacheInstance] = {}
 
     def __len__(self) -> int:
         return len(self._instances)
 
-    def register(self, owner: bytes, req: RegisterKVCacheRequest) -> KVCacheInstance:
+    def register(self, owner: bytes, engine: bytes, req: RegisterKVCacheRequest
+                 ) -> KVCacheInstance:
+        """Map a worker's cache for connection `owner` of `engine` (access.Session)."""
         geometry, num_blocks = _validate_handles(req, self.chunk_size)
         dtype = DTYPES[geometry.dtype]
-        mappings: dict[str, mmap.mmap] = {}
+        mappings: dict[bytes, mmap.mmap] = {}
         allocations: dict[bytes, Allocation] = {}
         try:
-            if req.layers[0].kind == ShmHandle.KIND:
+            if req.layers[0].kind == MemfdHandle.KIND:
                 for i, handle in enumerate(req.layers):
-                    if handle.name not in mappings:
-                        mappings[handle.name] = _map_segment(handle.name, f"layers[{i}].name")
+                    if handle.ticket not in mappings:
+                        mappings[handle.ticket] = _map_ticket(self.take_fd, handle, f"layers[{i}]")
                 sizes = {name: len(mapping) for name, mapping in mappings.items()}
             else:
                 _check(self.cuda_ipc is not None, "`layers[0].kind`: this server has no CUDA, "
@@ -300,7 +323,7 @@ class Registry:
             for i, handle in enumerate(req.layers):
                 size = sizes[_memory(handle)]
                 end = handle.offset + span_bytes(handle.shape, handle.strides, dtype.itemsize)
-                where = (f"shared memory {handle.name!r}" if isinstance(handle, ShmHandle)
+                where = (f"memfd {handle.name[:64]!r}" if isinstance(handle, MemfdHandle)
                          else "its CUDA allocation")
                 _check(end <= size, f"`layers[{i}]`: tensor ends at byte {end} but {where} "
                        f"holds {size} bytes")
@@ -326,7 +349,7 @@ class Registry:
                 allocation.close()
             raise
         instance = KVCacheInstance(
-            instance_id=self._new_id(), owner=owner, model=req.model,
+            instance_id=self._new_id(), owner=owner, engine=engine, model=req.model,
             kv_world_size=req.kv_world_size, kv_worker_id=req.kv_worker_id, tp_rank=req.tp_rank,
             tp_group=req.tp_group,
             num_blocks=num_blocks, geometry=geometry, layers=layers, stacked=stacked,
@@ -355,6 +378,9 @@ class Registry:
             raise UnknownInstance(f"no KV cache with instance_id {instance_id} is registered "
                                   f"by this connection; register it (again) first")
         return instance
+
+    def owns_any(self, owner: bytes) -> bool:
+        return any(instance.owner == owner for instance in self._instances.values())
 
     def seen(self, owner: bytes) -> None:
         now = self.clock()
@@ -385,13 +411,13 @@ class Registry:
         return list(self._instances.values())
 
     def tp_followers(self, leader: KVCacheInstance) -> list[KVCacheInstance]:
-        """Under MLA, the other ranks of the leader's TP group: the same engine (tp_group),
-        model, kv rank, cache shape and handle kind, so they take the same chunks into the
-        same blocks."""
+        """Under MLA, the other ranks of the leader's TP group: the same engine (the secret
+        its sessions share) and tp_group, model, kv rank, cache shape and handle kind, so
+        they take the same chunks into the same blocks. Nobody outside the engine can join."""
         if leader.geometry.layout != "mla":
             return []
         return [i for i in self._instances.values()
-                if i is not leader and i.tp_rank != leader.tp_rank
+                if i is not leader and i.tp_rank != leader.tp_rank and i.engine == leader.engine
                 and i.tp_group == leader.tp_group and i.model == leader.model
                 and i.kv_world_size == leader.kv_world_size
                 and i.kv_worker_id == leader.kv_worker_id and i.geometry == leader.geometry

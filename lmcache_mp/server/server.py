@@ -3,26 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import gc
 import inspect
 import logging
 import os
 import signal
 import time
+from collections import deque
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import uvloop
 import zmq
 
-from .. import __version__, cuda, protocol
+from .. import __version__, cuda, protocol, runtime
 from ..errors import InternalError, ServerError, ShuttingDown
 from ..sizes import format_size
+from .access import Sessions, load_or_create_token, prepare_runtime_dir, read_token_file
 from .config import Config
 from .copy_engine import CopyEngine
 from .cuda_ipc import CudaIpcSupport, SharedAllocations
 from .device import CudaDevice
 from .dispatcher import Dispatcher
+from .fd_channel import FdChannel
 from .pool import CpuPool, DevicePool
 from .quotas import QuotaError
 from .registry import Registry
@@ -33,6 +39,7 @@ logger = logging.getLogger("lmcache_mp.server")
 
 _MAX_MESSAGES_PER_WAKE = 64
 _HOUSEKEEPING_S = 0.5
+_BACKLOG_RETRY_S = 0.002  # how soon replies a slow reader could not take are offered again
 _GPU_COPY_TIMEOUT_S = 60.0  # one request's device work; a GPU that takes longer has failed
 
 
@@ -59,6 +66,12 @@ class Server:
         self._in_flight: dict[asyncio.Task, _InFlight] = {}
         self._answered: set[asyncio.Task] = set()
         self._housekeeping: asyncio.Task | None = None
+        self._fd_channel: FdChannel | None = None
+        self._sessions: Sessions | None = None
+        # Replies ZeroMQ could not take yet (the client reads slowly), in order, per client.
+        self._backlog: dict[bytes, deque[list[bytes]]] = {}
+        self._backlog_bytes: dict[bytes, int] = {}
+        self._backlog_retry: asyncio.TimerHandle | None = None
 
     def run(self) -> None:
         uvloop.run(self.serve())
@@ -95,8 +108,30 @@ class Server:
         self.should_exit = True
         self._exit_requested.set()
 
+    def _open_access(self) -> tuple[Sessions, FdChannel]:
+        """The runtime directory, the tokens and the fd channel; raises AccessError."""
+        config = self.config
+        gid = config.socket_gid
+        directory = Path(config.runtime_dir)
+        prepare_runtime_dir(directory, gid)
+        shared_mode = 0o640 if gid is not None else 0o600
+        engine_token = (read_token_file(Path(config.token_file)) if config.token_file else
+                        load_or_create_token(directory / runtime.TOKEN_NAME, shared_mode, gid))
+        admin_token = (read_token_file(Path(config.admin_token_file), 0o600)
+                       if config.admin_token_file else
+                       load_or_create_token(directory / runtime.ADMIN_TOKEN_NAME, 0o600, None))
+        # Only a socket file has permissions to decide who connects: tcp:// and abstract
+        # ipc://@ sockets need the token.
+        path_socket = (config.bind_url.startswith("ipc://")
+                       and not config.bind_url.startswith("ipc://@"))
+        sessions = Sessions(engine_token, admin_token, token_required=not path_socket)
+        channel = FdChannel(str(directory / runtime.FD_SOCKET_NAME),
+                            0o660 if gid is not None else 0o600, gid)
+        return sessions, channel
+
     async def startup(self) -> None:
         config = self.config
+        self._sessions, self._fd_channel = self._open_access()
         # Parallelism comes from the copy threads; torch's own pool would oversubscribe the cores.
         torch.set_num_threads(1)
         has_cuda = torch.cuda.is_available()
@@ -112,27 +147,51 @@ class Server:
             self._copier = StreamCopier(CudaDevice(), config.copy_threads, _GPU_COPY_TIMEOUT_S)
             cuda_ipc = CudaIpcSupport(SharedAllocations(cuda.open_allocation).open,
                                       cuda.device_index, self._copier.new_lane)
-        registry = Registry(config.chunk_size, time.monotonic, cuda_ipc)
+        registry = Registry(config.chunk_size, time.monotonic, self._fd_channel.take, cuda_ipc)
         self._copy_engine = CopyEngine(config.copy_threads)
         self.dispatcher = Dispatcher(config, store, self._pool, registry, self._copy_engine,
-                                     push=self._push, copier=self._copier, gpu_pool=gpu_pool)
+                                     self._sessions, self._fd_channel.path, push=self._push,
+                                     copier=self._copier, gpu_pool=gpu_pool)
         self._exit_requested = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        self._fd_channel.start(loop)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
-        self._socket.bind(config.bind_url)
+        # A full pipe to a client raises instead of dropping the reply: see _send.
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # The socket file is born with no permission for others, not chmod-ed a moment later.
+        umask = os.umask(0o117 if config.socket_gid is not None else 0o177)
+        try:
+            self._socket.bind(config.bind_url)
+        finally:
+            os.umask(umask)
+        if config.bind_url.startswith("ipc://") and not config.bind_url.startswith("ipc://@"):
+            socket_path = config.bind_url.removeprefix("ipc://")
+            if config.socket_gid is not None:
+                os.chown(socket_path, -1, config.socket_gid)
         # A plain socket driven by the loop's reader callback: zmq.asyncio's futures cost
         # more than a whole LOOKUP.
-        asyncio.get_running_loop().add_reader(self._socket.FD, self._drain)
+        loop.add_reader(self._socket.FD, self._drain)
         self._housekeeping = asyncio.create_task(self._housekeeping_loop())
-        logger.info("lmcache-mp-server %s serving on %s: chunk size %d tokens, CPU pool %s, "
-                    "GPU tier %s, %d copy threads, %s", __version__, config.bind_url,
+        # Everything built so far (torch's modules above all) lives as long as the process:
+        # out of the collector's sight, a full collection costs ~0.2 ms instead of ~100 ms,
+        # which a request allocating a few thousand keys would otherwise trigger.
+        gc.freeze()
+        logger.info("lmcache-mp-server %s serving on %s (runtime directory %s%s): chunk size "
+                    "%d tokens, CPU pool %s, GPU tier %s, %d copy threads, %s", __version__,
+                    config.bind_url, config.runtime_dir,
+                    f", group {config.socket_group}" if config.socket_group else "",
                     config.chunk_size, format_size(self._pool.capacity),
                     format_size(gpu_pool.capacity) if gpu_pool is not None else "off",
                     config.copy_threads,
                     f"CUDA on {torch.cuda.device_count()} GPUs (cuda_ipc handles accepted)"
-                    if has_cuda else "no CUDA (shm handles only)")
+                    if has_cuda else "no CUDA (memfd handles only)")
+        if config.bind_url.startswith("tcp://"):
+            logger.warning("%s is a TCP endpoint: any process that can reach it and holds the "
+                           "engine token can use the cache; keep the token file private",
+                           config.bind_url)
 
     async def main_loop(self) -> None:
         await self._exit_requested.wait()
@@ -152,7 +211,11 @@ class Server:
         request_id = protocol.request_id_of(body)
         try:
             parsed = protocol.parse_request_frames(body)
-            request = protocol.unpack(protocol.OPS[parsed.op].request, parsed.payload)
+            # Any request that names a known op counts, and is a sign of life, even when
+            # its payload is then refused.
+            self.dispatcher.note_request(client, parsed.op)
+            request = protocol.unpack(protocol.OPS[parsed.op].request, parsed.payload,
+                                      bounded=True)
             result = self.dispatcher.handle(client, parsed.op, request)
             if not inspect.isawaitable(result):
                 reply = protocol.reply_frames(request_id, result)
@@ -192,11 +255,61 @@ class Server:
         self._send(client, protocol.error_frames(request_id, exc.code, str(exc)))
 
     def _send(self, client: bytes, frames: list[bytes]) -> None:
-        try:
-            self._socket.send_multipart([client, *frames], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # the client is gone or not reading: its loss, not ours
-            logger.debug("dropping reply to a client: %s", exc)
+        """Send, or keep in the client's backlog while ZeroMQ's pipe to it is full: no reply
+        is ever dropped for a client that reads, however late."""
+        backlog = self._backlog.get(client)
+        if backlog is not None:
+            self._keep(client, backlog, frames)
+        else:
+            try:
+                self._socket.send_multipart([client, *frames], zmq.NOBLOCK)
+            except zmq.Again:
+                backlog = self._backlog[client] = deque()
+                self._backlog_bytes[client] = 0
+                self._keep(client, backlog, frames)
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: the client is gone; its loss only
+                logger.debug("dropping a reply to a client that left: %s", exc)
         # A send can consume the FD's edge for messages that arrived meanwhile.
+        if self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            asyncio.get_running_loop().call_soon(self._drain)
+
+    def _keep(self, client: bytes, backlog: deque[list[bytes]], frames: list[bytes]) -> None:
+        size = sum(len(frame) for frame in frames)
+        if self._backlog_bytes[client] + size > protocol.REPLY_BACKLOG_BYTES:
+            # It stopped reading: free what it left, and end its session so that its next
+            # request learns why (unauthenticated, naming the backlog) before HELLO again.
+            logger.warning("a client left over %d bytes of replies unread: dropping them and "
+                           "its session", protocol.REPLY_BACKLOG_BYTES)
+            del self._backlog[client], self._backlog_bytes[client]
+            self._sessions.drop(client, reason=f"it left more than "
+                                f"{protocol.REPLY_BACKLOG_BYTES} bytes of replies unread")
+            return
+        backlog.append(frames)
+        self._backlog_bytes[client] += size
+        if self._backlog_retry is None:
+            self._backlog_retry = asyncio.get_running_loop().call_later(
+                _BACKLOG_RETRY_S, self._flush_backlogs)
+
+    def _flush_backlogs(self) -> None:
+        self._backlog_retry = None
+        for client in list(self._backlog):
+            backlog = self._backlog[client]
+            while backlog:
+                try:
+                    self._socket.send_multipart([client, *backlog[0]], zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError as exc:
+                    if exc.errno != errno.EHOSTUNREACH:
+                        raise
+                    backlog.clear()
+                    break
+                self._backlog_bytes[client] -= sum(len(frame) for frame in backlog.popleft())
+            if not backlog:
+                del self._backlog[client], self._backlog_bytes[client]
+        if self._backlog:
+            self._backlog_retry = asyncio.get_running_loop().call_later(
+                _BACKLOG_RETRY_S, self._flush_backlogs)
         if self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             asyncio.get_running_loop().call_soon(self._drain)
 
@@ -211,6 +324,10 @@ class Server:
                 logger.warning("instance %d: no message for %g s, dropping its registration",
                                instance_id, self.config.worker_timeout)
                 dispatcher.registry.unregister(instance_id)
+            self._sessions.expire(busy=dispatcher.registry.owns_any)
+            expired = self._fd_channel.expire()
+            if expired:
+                logger.info("%d fd channel tickets expired unused", expired)
 
     def _refuse(self, frames: list[bytes]) -> None:
         self._send_error(frames[0], protocol.request_id_of(frames[1:]),
@@ -239,5 +356,7 @@ class Server:
             self.dispatcher.registry.unregister(instance_id)
         self._socket.close(linger=0)
         self._context.term()
+        runtime.unlink_ipc_endpoint(self.config.bind_url)
+        self._fd_channel.close()
         self._pool.close()
         logger.info("shutdown: done")

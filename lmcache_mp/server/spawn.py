@@ -2,41 +2,57 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+from .. import runtime
 from ..client import CacheClient
 from ..errors import TransportError
 
 
-def unlink_ipc_endpoint(url: str) -> None:
-    """Remove the socket file of an ipc:// endpoint whose process is gone: a process that
-    was killed (or exited at once on a second signal) never unbinds, and leaves it behind."""
-    if url.startswith("ipc://") and not url.startswith("ipc://@"):  # @: abstract, no file
-        Path(url.removeprefix("ipc://")).unlink(missing_ok=True)
-
-
 class ServerProcess:
-    """`python -m lmcache_mp.server --url URL ARGS...`, its log kept in a temporary file."""
+    """`python -m lmcache_mp.server --url URL --runtime-dir DIR ARGS...`, its log kept in a
+    temporary file. Without `url`, it serves the ipc:// socket of its runtime directory;
+    without `runtime_dir`, that is a fresh private temporary directory, removed by close()."""
 
-    def __init__(self, url: str, args: list[str]):
-        self.url = url
-        self.args = args
+    def __init__(self, url: str | None = None, args: list[str] = (),
+                 runtime_dir: str | None = None):
+        self._own_dir = runtime_dir is None
+        self.runtime_dir = Path(runtime_dir or tempfile.mkdtemp(prefix="lmcache-mp-"))
+        self.url = url or runtime.ipc_url(self.runtime_dir)
+        self.args = list(args)
         self.proc: subprocess.Popen | None = None
         self._log = tempfile.TemporaryFile("w+")  # a pipe could fill up and stall the server
         self._output = ""
+
+    def token(self, admin: bool = False) -> str:
+        """The engine (or admin) token the server keeps in its runtime directory."""
+        name = runtime.ADMIN_TOKEN_NAME if admin else runtime.TOKEN_NAME
+        return (self.runtime_dir / name).read_text().strip()
+
+    def client(self, admin: bool = False, **kwargs: Any) -> CacheClient:
+        """A CacheClient with this server's credentials, whatever its endpoint."""
+        return CacheClient(self.url, token=self.token(admin), **kwargs)
 
     def start(self, ready_timeout: float = 60.0) -> float:
         """Start it and wait until it answers HELLO; return the seconds that took."""
         started = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmcache_mp.server", "--url", self.url, *self.args],
+            [sys.executable, "-m", "lmcache_mp.server", "--url", self.url,
+             "--runtime-dir", str(self.runtime_dir), *self.args],
             stdout=self._log, stderr=subprocess.STDOUT)
-        with CacheClient(self.url, timeout=1.0) as client:
+        while not (self.runtime_dir / runtime.TOKEN_NAME).exists():
+            self.check_alive()
+            if time.monotonic() - started > ready_timeout:
+                raise RuntimeError(f"the server wrote no token in {ready_timeout} s")
+            time.sleep(0.02)
+        with self.client(timeout=1.0) as client:
             while True:
                 self.check_alive()
                 try:
@@ -83,7 +99,9 @@ class ServerProcess:
     def close(self) -> int:
         """Stop the server and release its log and endpoint; returns the exit code."""
         code = self.stop()
-        unlink_ipc_endpoint(self.url)
+        runtime.unlink_ipc_endpoint(self.url)
+        if self._own_dir:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
         self.output()
         self._log.close()
         return code

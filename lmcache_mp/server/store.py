@@ -30,6 +30,7 @@ class ChunkKey(NamedTuple):
 
 
 class LeaseOwner(NamedTuple):
+    engine: bytes  # the session's engine (access.Session.engine): no other engine can touch it
     cache_salt: str
     request_id: str
 
@@ -89,6 +90,57 @@ class Reservation:
     status: int
     chunk: Chunk | None = None
     demotion: Demotion | None = None
+
+
+class PrefixScan:
+    """One LOOKUP item's probe of the index, possibly a slice at a time.
+
+    Probes cost a dict lookup per hash per kv worker; a long prompt times many ranks is
+    probed in slices (Dispatcher), and what a sliced scan found is held in the meantime,
+    so that no store or eviction between slices can take it away."""
+
+    def __init__(self, store: ChunkStore, model: str, kv_world_size: int, cache_salt: str,
+                 hashes: Sequence[bytes], hold_while_scanning: bool):
+        self.store = store
+        self.model = model
+        self.kv_world_size = kv_world_size
+        self.cache_salt = cache_salt
+        self.hashes = hashes
+        self.hold_while_scanning = hold_while_scanning
+        self.found: list[Chunk] = []
+        self._next = 0  # index of the next hash to probe
+        self.done = not hashes
+
+    def step(self, budget: int) -> int:
+        """Probe up to `budget` keys (at least one hash's worth); return how many it used."""
+        store, ranks = self.store, range(self.kv_world_size)
+        used = 0
+        while not self.done and (used == 0 or used + self.kv_world_size <= budget):
+            chunk_hash = self.hashes[self._next]
+            chunks = [store._visible(ChunkKey(self.model, self.kv_world_size, worker,
+                                              self.cache_salt, chunk_hash)) for worker in ranks]
+            used += self.kv_world_size
+            if None in chunks:
+                self.done = True
+                break
+            if self.hold_while_scanning:
+                for chunk in chunks:
+                    store._hold(chunk)
+            self.found.extend(chunks)
+            self._next += 1
+            self.done = self._next == len(self.hashes)
+        return used
+
+    def finish(self, holder: LeaseOwner | None) -> int:
+        """Count the lookup, and lease what it found to `holder`; returns the hit in chunks."""
+        return self.store._touch_and_lease(self.cache_salt, len(self.hashes), self._next,
+                                           self.found, holder, held=self.hold_while_scanning)
+
+    def abandon(self) -> None:
+        """The request went away between slices: give back what the scan held."""
+        if self.hold_while_scanning:
+            self.store.unhold(self.found)
+        self.found = []
 
 
 class ChunkStore:
@@ -153,33 +205,36 @@ class ChunkStore:
         return chunk if chunk is not None and chunk.committed and not chunk.moving else None
 
     def lookup(self, model: str, kv_world_size: int, cache_salt: str,
-               hashes: Sequence[bytes], hold_for: str | None = None) -> int:
-        """Leading chunks stored for every kv worker; with `hold_for`, lease them to that request."""
-        found: list[Chunk] = []
-        hit = 0
-        for chunk_hash in hashes:
-            ranks = [self._visible(ChunkKey(model, kv_world_size, worker, cache_salt, chunk_hash))
-                     for worker in range(kv_world_size)]
-            if None in ranks:
-                break
-            found.extend(ranks)
-            hit += 1
+               hashes: Sequence[bytes], holder: LeaseOwner | None = None) -> int:
+        """Leading chunks stored for every kv worker; with `holder`, lease them to it."""
+        scan = PrefixScan(self, model, kv_world_size, cache_salt, hashes, hold_while_scanning=False)
+        scan.step(len(hashes) * kv_world_size)
+        return scan.finish(holder)
+
+    def _touch_and_lease(self, cache_salt: str, hashes: int, hit: int, found: list[Chunk],
+                         holder: LeaseOwner | None, held: bool) -> int:
+        """A lookup's outcome: count it, refresh what it found, lease it to `holder`; `held`:
+        the chunks are held already (by a sliced scan), and the lease takes those holds."""
         usage = self.tenants.get(cache_salt, self._departed)  # a hit means it is listed
         usage.hits += hit
-        usage.misses += len(hashes) - hit
-        # Later chunks become older than earlier ones, so eviction trims prefixes from the end.
-        for chunk in reversed(found):
-            policy = self._policies[chunk.tier]
-            if (cache_salt, chunk.key) in policy:
-                policy.touch(cache_salt, chunk.key)
-        if hold_for is not None:
-            owner = LeaseOwner(cache_salt, hold_for)
-            self.release(owner)
+        usage.misses += hashes - hit
+        if held:
+            if holder is None:
+                self.unhold(found)  # re-adds them most recent first: as a touch would
+        else:
+            # Later chunks become older than earlier ones, so eviction trims prefixes from the end.
+            for chunk in reversed(found):
+                policy = self._policies[chunk.tier]
+                if (cache_salt, chunk.key) in policy:
+                    policy.touch(cache_salt, chunk.key)
+        if holder is not None:
+            self.release(holder)
             if found:
-                for chunk in found:
-                    self._hold(chunk)
-                self._leases[owner] = Lease([c.key for c in found],
-                                            self.clock() + self.lease_timeout)
+                if not held:
+                    for chunk in found:
+                        self._hold(chunk)
+                self._leases[holder] = Lease([c.key for c in found],
+                                             self.clock() + self.lease_timeout)
         return hit
 
     # -- store: reserve, then commit or abort -------------------------------------------
@@ -263,11 +318,6 @@ class ChunkStore:
         self.allocators[chunk.tier].free(chunk.offset, chunk.nbytes)
         self.forget_if_idle(chunk.key.cache_salt)
 
-    def commit_request(self, chunks: Sequence[Chunk]) -> None:
-        """Commit one request's chunks, later chunks first so that they are evicted first."""
-        for chunk in reversed(chunks):
-            self.commit(chunk)
-
     def _fit_under_cap(self, cache_salt: str, size: int) -> bool:
         """Evict the salt's own LRU chunks until `size` more bytes fit under its cap."""
         cap = self.quotas.get(cache_salt).cap
@@ -346,22 +396,26 @@ class ChunkStore:
 
     # -- retrieve: hold while reading ----------------------------------------------------
 
-    def hold_prefix(self, keys: Sequence[ChunkKey], geometry: Hashable) -> list[Chunk]:
-        """Hold the leading committed chunks of `keys` that match `geometry`, up to the first miss."""
-        held = []
-        for key in keys:
-            chunk = self._visible(key)
-            if chunk is None or chunk.geometry != geometry:
-                break
-            self._hold(chunk)
-            held.append(chunk)
-        return held
+    def hold_if_stored(self, key: ChunkKey, geometry: Hashable) -> Chunk | None:
+        """Hold the committed chunk of `key` if it has `geometry` (RETRIEVE reads it next)."""
+        chunk = self._visible(key)
+        if chunk is None or chunk.geometry != geometry:
+            return None
+        self._hold(chunk)
+        return chunk
 
     def unhold(self, chunks: Sequence[Chunk]) -> None:
+        freed: set[str] = set()
         for chunk in reversed(chunks):
             chunk.holds -= 1
             if chunk.holds == 0:
                 self._policies[chunk.tier].add(chunk.key.cache_salt, chunk.key)
+                freed.add(chunk.key.cache_salt)
+        # A salt whose cap was lowered while these were held is brought under it now.
+        for salt in freed:
+            cap = self.quotas.get(salt).cap
+            if cap is not None and self._used_by(salt) > cap:
+                self.enforce_cap(salt)
 
     def _hold(self, chunk: Chunk) -> None:
         if chunk.holds == 0:

@@ -8,13 +8,13 @@ import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from lmcache_mp.client import CacheClient
 from tests.utils import run_server
 
 pytestmark = pytest.mark.slow
@@ -31,9 +31,9 @@ def bench(*args: str, env: dict[str, str] | None = None, timeout: float = 240
                           env=env)
 
 
-def run_json(tmp_path: Path, *args: str) -> dict:
+def run_json(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> dict:
     out = tmp_path / "out.json"
-    result = bench(*args, *TINY, "--json", str(out))
+    result = bench(*args, *TINY, "--json", str(out), env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| STORE |" in result.stdout and "byte-exact checks" in result.stdout
     return json.loads(out.read_text())
@@ -128,15 +128,44 @@ def test_multi_tenant_quota_keeps_steady_tenants_hitting(tmp_path):
 
 
 def test_a_running_server_is_left_as_it_was_found(tmp_path):
+    """`--url` alone: the server at this user's default endpoint (here the test server's
+    runtime directory stands for it), its credentials read from that directory."""
     with run_server("--cpu-size", "128MiB") as server:
-        data = run_json(tmp_path, "--url", server.url, "--workload", "W2", "--requests", "2",
-                        "--chunks", "1")
-        assert not data["server"]["spawned"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_MP_")}
+        env["LMCACHE_MP_RUNTIME_DIR"] = str(server.runtime_dir)
+        data = run_json(tmp_path, "--url", "--workload", "W2", "--requests", "2",
+                        "--chunks", "1", env=env)
+        assert not data["server"]["spawned"] and data["server"]["url"] == server.url
         assert data["checks"]["verified_chunks"] == 2
-        with CacheClient(server.url) as client:
+        with server.client(admin=True) as client:  # quotas and tenants are the admin's to see
             stats = client.stats()
             assert stats.chunks == 0 and stats.tenants == {} and stats.registrations == 0
             assert client.quota_list().quotas == []
+
+
+def test_a_tcp_server_is_reached_with_the_tokens_from_the_environment(tmp_path):
+    """On tcp:// every client needs the engine token (the admin client the admin token):
+    without them the run fails; with them in the environment its engines work."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with run_server("--cpu-size", "128MiB", url=f"tcp://127.0.0.1:{port}") as server:
+        args = ["--url", server.url, "--workload", "W3", "--tp", "2", "--requests", "2",
+                "--chunks", "1", "--batch", "2", "--timeout", "10", *TINY]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_MP_")}
+        # No token anywhere (this user's runtime directory is not the server's).
+        env["LMCACHE_MP_RUNTIME_DIR"] = str(tmp_path / "nowhere")
+        refused = bench(*args, env=env, timeout=120)
+        assert refused.returncode == 3 and "Traceback" not in refused.stderr
+        assert "token" in refused.stderr, refused.stderr[-2000:]
+        env.update(LMCACHE_MP_TOKEN=server.token(), LMCACHE_MP_ADMIN_TOKEN=server.token(admin=True))
+        out = tmp_path / "out.json"
+        result = bench(*args, "--json", str(out), env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        data = json.loads(out.read_text())
+        assert data["server"]["url"] == server.url and not data["server"]["spawned"]
+        # MLA: the follower rank joined its leader's group (one engine secret for both).
+        assert data["checks"]["verified_chunks"] == 4 and data["checks"]["corrupt_chunks"] == 0
 
 
 def test_redis_missing_says_how_to_install_it(tmp_path):

@@ -1,5 +1,6 @@
 """Scheduler and worker adapters in separate processes against a real server: TP, MLA, PP."""
 
+import secrets
 import time
 
 import torch
@@ -17,12 +18,13 @@ SEED = 40
 
 
 class Ranks:
-    """One rank_worker process per rank of a TP × PP world."""
+    """One rank_worker process per rank of a TP × PP world: the ranks of engine `engine`."""
 
-    def __init__(self, url, tp, pp, use_mla, shape):
+    def __init__(self, url, tp, pp, use_mla, shape, engine):
         self.ranks = [
             WorkerProcess(rank_worker, Job(url, NUM_BLOCKS, SEED, [], [], shape=shape,
-                                           parallel=ParallelStrategy(use_mla, tp * pp, r, tp, pp)))
+                                           parallel=ParallelStrategy(use_mla, tp * pp, r, tp, pp),
+                                           engine=engine))
             for r in range(tp * pp)]
         for rank in self.ranks:
             assert rank.receive() == "ready"
@@ -60,10 +62,14 @@ def lookup(scheduler, request_id, token_ids, salt=None):
 
 
 def flow(server, tp, pp, use_mla, shape):
-    """A first request misses and stores; a second with the same prompt hits and loads."""
-    ranks = Ranks(server.url, tp, pp, use_mla, shape)
+    """A first request misses and stores; a second with the same prompt hits and loads.
+    The scheduler's client and the ranks are one engine: they share its secret, so the
+    ranks' RETRIEVEs consume the scheduler's holds and MLA followers join their leader."""
+    engine = secrets.token_hex(16)
+    ranks = Ranks(server.url, tp, pp, use_mla, shape, engine)
     try:
-        with CacheClient(server.url) as client:
+        with CacheClient(server.url, engine=engine) as client, \
+                server.client(admin=True) as admin:
             scheduler = SchedulerAdapter(client, MODEL, ParallelStrategy(use_mla, tp * pp, 0, tp, pp))
             prompt = tokens(tp * 10 + pp)
             hashes = chunk_hashes(prompt, 256)
@@ -86,6 +92,8 @@ def flow(server, tp, pp, use_mla, shape):
                                    expected_blocks(NUM_BLOCKS, SEED + owner, source, shape))
             scheduler.end_session("second", None)
             stats = client.stats()
+            assert len(stats.instances) == tp * pp  # an engine sees its own registrations
+            assert stats.instances == admin.stats().instances  # and no other engine has any
             assert stats.leases_held == 0
             return {i.tp_rank * 100 + i.kv_worker_id: i for i in stats.instances}
     finally:
@@ -124,7 +132,9 @@ def test_an_unreachable_server_degrades_to_misses_skips_and_load_errors():
             CacheClient(url, timeout=0.5) as client:
         with run_server(url=url):
             adapter = WorkerAdapter(client, MODEL, parallel, load_timeout=0.5)
+            client.rpc.timeout = 10  # a busy machine may take more than 0.5 s to register
             adapter.register_kv_cache(cache)
+            client.rpc.timeout = 0.5  # from here on, a server that is gone must cost little
         scheduler = SchedulerAdapter(client, MODEL, parallel)
         prompt = tokens(7)
         hashes = chunk_hashes(prompt, 256)

@@ -7,6 +7,7 @@ maps them through cuda_ipc handles and copies with its own streams.
 from __future__ import annotations
 
 import importlib.util
+import secrets
 
 import pytest
 import torch
@@ -113,8 +114,9 @@ def test_an_mla_leader_fills_its_follower_on_the_gpu():
     leader = random_layers(2, shape, torch.bfloat16, 11, one_allocation=False)
     follower = random_layers(2, shape, torch.bfloat16, None, one_allocation=False)
     hashes = prompt(700, 2)
-    with run_server() as server, CacheClient(server.url, timeout=60) as lead, \
-            CacheClient(server.url, timeout=60, mla_follower=True) as follow:
+    engine = secrets.token_hex(16)  # one engine: an MLA group has ranks of one engine only
+    with run_server() as server, CacheClient(server.url, timeout=60, engine=engine) as lead, \
+            CacheClient(server.url, timeout=60, mla_follower=True, engine=engine) as follow:
         event = StoreEvent(leader[0].device)
         mine = lead.register_kv_cache(cuda_ipc_handles(leader), model=MODEL, layout="mla",
                                       block_size=BLOCK, tp_rank=0, store_event=event.handle)

@@ -2,11 +2,11 @@
 
 An `Engine` here is vLLM without a model: vLLM's real Scheduler (which builds our
 connector's scheduler side), one worker-side connector per rank whose KV cache vLLM's own
-allocator (`allocate_kv_cache`) places in shared memory through the connector's
-`get_mem_pool_context`, and a stand-in for the model runner that calls the worker hooks in
-the order vLLM's does, writes each scheduled token's KV as a function of its prefix (so
-that a cached prefix must come back byte for byte), and hands the workers' reports to the
-scheduler aggregated by vLLM's KVOutputAggregator.
+allocator (`allocate_kv_cache`) places in a sealed memfd (a SharedSegment) through the
+connector's `get_mem_pool_context`, and a stand-in for the model runner that calls the
+worker hooks in the order vLLM's does, writes each scheduled token's KV as a function of
+its prefix (so that a cached prefix must come back byte for byte), and hands the workers'
+reports to the scheduler aggregated by vLLM's KVOutputAggregator.
 
 The Scheduler needs a real ModelConfig: it is built from a config.json written here (a
 4-layer Llama, no weights). The first ModelConfig on a machine costs 8-17 s, while vLLM
@@ -17,7 +17,9 @@ stand-in with the two attributes the connector reads (model, use_mla) and build
 SchedulerOutput, NewRequestData and KVCacheBlocks themselves, as vLLM's scheduler would.
 """
 
+import contextlib
 import copy
+import gc
 import json
 import os
 import pickle
@@ -54,13 +56,13 @@ with warnings.catch_warnings():
     from vllm.v1.structured_output import StructuredOutputManager
     from vllm.v1.worker.utils import allocate_kv_cache
 
-from lmcache_mp.client import CacheClient, SharedKVCache
+from lmcache_mp.client import SharedKVCache
 from lmcache_mp.integrations.vllm import (
     ConnectorConfig, LMCacheMPServerConnector, StepMetadata, _as_layout,
 )
-from lmcache_mp.protocol import CudaIpcHandle, ShmHandle
+from lmcache_mp.protocol import CudaIpcHandle, MemfdHandle
 
-from ..utils import ipc_url, run_server, shm_segments
+from ..utils import ipc_url, run_server
 
 BLOCK = 16
 LAYERS = 4
@@ -96,10 +98,13 @@ def kv_byte(tokens, position: int, layer: int, rank: int) -> int:
     return (sum(tokens[:position + 1]) * 31 + position * 7 + layer * 3 + rank * 101) % 251
 
 
-def transfer_config(url: str, **extra) -> KVTransferConfig:
+def transfer_config(url: str | None, **extra) -> KVTransferConfig:
+    """Our connector's config; without a url the connector's default endpoint."""
+    if url is not None:
+        extra["url"] = url
     return KVTransferConfig(kv_connector=CONNECTOR,
                             kv_connector_module_path="lmcache_mp.integrations.vllm",
-                            kv_role="kv_both", kv_connector_extra_config={"url": url, **extra})
+                            kv_role="kv_both", kv_connector_extra_config=extra)
 
 
 def kv_cache_config(spec) -> KVCacheConfig:
@@ -250,8 +255,15 @@ def engines(model_dir, server):
 
 
 def stats(server):
-    with CacheClient(server.url) as client:
+    """Everything the server has: an admin sees every engine's registrations."""
+    with server.client(admin=True) as client:
         return client.stats()
+
+
+def engine_of(connector) -> str:
+    """The engine secret a scheduler- or worker-side connector's client sent in HELLO."""
+    side = connector._scheduler or connector._worker
+    return side.client.rpc.hello_request.engine
 
 
 # -- vLLM's scheduler, end to end ----------------------------------------------------------------
@@ -326,7 +338,7 @@ def test_an_engine_hit_within_our_chunk_leaves_the_engines_blocks_alone(engines,
 
 # -- MLA, hooks driven by hand -----------------------------------------------------------------
 
-def hand_config(url: str, tp: int = 1, mla: bool = False, **extra):
+def hand_config(url: str | None, tp: int = 1, mla: bool = False, **extra):
     """A VllmConfig without a ModelConfig, and a stand-in with what the connector reads."""
     config = VllmConfig(cache_config=CacheConfig(block_size=BLOCK),
                         parallel_config=ParallelConfig(tensor_parallel_size=tp),
@@ -442,7 +454,7 @@ def test_mla_tp2_the_leader_stores_and_loads_and_the_follower_gets_the_bytes(ser
             worker.shutdown()
 
 
-def one_rank_connectors(url: str):
+def one_rank_connectors(url: str | None):
     """The scheduler-side and worker-side connectors of a one-rank engine with an MHA cache."""
     config = hand_config(url)
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float16)
@@ -538,7 +550,7 @@ def test_worker_refuses_caches_it_cannot_share_and_a_wrong_chunk_size(server):
     worker = LMCacheMPServerConnector(config, KVConnectorRole.WORKER, None)
     try:
         private = {"layer.0": torch.zeros(8, 2, BLOCK, 128, dtype=torch.float16)}
-        with pytest.raises(ValueError, match="not in shared memory.*get_mem_pool_context"):
+        with pytest.raises(ValueError, match="not in a SharedSegment.*get_mem_pool_context"):
             worker.register_kv_caches(private)
         mixed = {**private, "layer.1": torch.zeros(8, 2, BLOCK, 128, device="meta")}
         with pytest.raises(ValueError, match=r"on CUDA devices or in CPU shared memory, all on "
@@ -568,7 +580,7 @@ def test_worker_refuses_caches_it_cannot_share_and_a_wrong_chunk_size(server):
 ])
 def test_vllm_layers_become_views_of_the_same_bytes_in_the_servers_layout(vllm_shape, to_server):
     layer = torch.arange(torch.Size(vllm_shape).numel(), dtype=torch.float32).view(vllm_shape)
-    for handle in (ShmHandle("x", 64, list(layer.shape), list(layer.stride()), "float32"),
+    for handle in (MemfdHandle(b"", 64, list(layer.shape), list(layer.stride()), "float32", "x"),
                    CudaIpcHandle(b"\x00" * 64, 64, "0" * 32, list(layer.shape),
                                  list(layer.stride()), "float32")):
         mapped = _as_layout(handle, "mha", BLOCK)
@@ -585,12 +597,197 @@ def test_extra_config_is_typed_and_unknown_keys_are_refused():
         ConnectorConfig.from_extra_config({"chunk_size": 2.5})
 
 
-def test_the_kv_cache_segments_are_unlinked_at_shutdown(server):
-    before = shm_segments()
+def kv_memfds(table: str) -> set[str]:
+    """The connector's KV cache memfds this process has open ("fd") or mapped ("maps")."""
+    if table == "fd":
+        found = set()
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # the listing's own descriptor is gone
+                found.add(os.readlink(f"/proc/self/fd/{fd}"))
+    else:
+        with open("/proc/self/maps") as maps:
+            found = {line.split(None, 5)[-1].strip() for line in maps}
+    return {name for name in found if name.startswith("/memfd:lmcache_mp_vllm_")}
+
+
+def test_the_kv_cache_segments_are_closed_at_shutdown_and_freed_with_the_tensors(server):
+    fds, maps = kv_memfds("fd"), kv_memfds("maps")
     config = hand_config(server.url)
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float16)
     worker, caches = worker_connector(config, kv_cache_config(spec), 0)
-    assert len(shm_segments() - before) == 1
+    (segment,) = worker._worker._segments  # one memfd for vLLM's one allocation
+    assert len(kv_memfds("fd") - fds) == 1 and segment.fd >= 0
+    assert stats(server).registrations == 1
     worker.shutdown()
-    assert shm_segments() == before
-    del caches
+    assert segment.fd == -1  # closed; no name in any file system was ever made
+    assert len(kv_memfds("maps") - maps) == 1  # vLLM's tensors still use the memory
+    caches[0].view(torch.uint8)[0, 0, 0, 0] = 1
+    del caches, segment
+    gc.collect()
+    # With the last tensor the mapping goes, and the descriptor Python's mmap kept with it.
+    assert kv_memfds("maps") == maps and kv_memfds("fd") == fds
+    assert stats(server).registrations == 0
+
+
+# -- engines and their secret ------------------------------------------------------------------
+
+def connectors_of(config, ranks: int):
+    """An engine's scheduler-side connector and its workers', without registering caches."""
+    scheduler = LMCacheMPServerConnector(config, KVConnectorRole.SCHEDULER, None)
+    workers = []
+    for rank in range(ranks):
+        worker_config = copy.deepcopy(config)  # as vLLM sends it to each worker process
+        worker_config.parallel_config.rank = rank
+        workers.append(LMCacheMPServerConnector(worker_config, KVConnectorRole.WORKER, None))
+    return scheduler, workers
+
+
+def test_one_engines_scheduler_and_workers_share_a_secret_no_other_engine_has():
+    url = ipc_url()  # nothing listens: clients connect lazily
+    made = []
+    try:
+        def secrets_of(config, ranks=2):
+            scheduler, workers = connectors_of(config, ranks)
+            made.extend([scheduler, *workers])
+            return {engine_of(c) for c in (scheduler, *workers)}
+
+        first = hand_config(url, tp=2)
+        (secret,) = secrets_of(first)  # the same on the scheduler and on every rank
+        assert len(secret) == 64 and first.kv_transfer_config.engine_id not in secret
+        (other,) = secrets_of(hand_config(url, tp=2))
+        assert other != secret  # another engine: its own engine_id and instance_id
+        same_id = hand_config(url, tp=2)  # an operator may set engine_id: still apart
+        same_id.kv_transfer_config.engine_id = first.kv_transfer_config.engine_id
+        (other,) = secrets_of(same_id)
+        assert other != secret
+        dp1 = copy.deepcopy(first)  # another data-parallel rank is an engine of its own
+        dp1.parallel_config.data_parallel_rank = 1
+        (other,) = secrets_of(dp1)
+        assert other != secret
+
+        # An operator's secret wins, for every engine given it, still apart per DP rank.
+        chosen = "0123456789abcdef-our-engine"
+        (given,) = secrets_of(hand_config(url, tp=2, engine_secret=chosen))
+        assert secrets_of(hand_config(url, tp=2, engine_secret=chosen)) == {given}
+        assert given not in (secret, chosen)
+        dp1 = hand_config(url, tp=2, engine_secret=chosen)
+        dp1.parallel_config.data_parallel_rank = 1
+        assert secrets_of(dp1) != {given}
+        with pytest.raises(ValueError, match="'engine_secret'.*at least 16 characters"):
+            ConnectorConfig.from_extra_config({"engine_secret": "short"})
+    finally:
+        for connector in made:
+            connector.shutdown()
+
+
+def write_chunks(scheduler, worker, request_id: str, tokens: list[int], blocks: list[int]):
+    """A request that misses, stores its tokens from `blocks` and finishes; returns once
+    the worker has reported its stores read."""
+    request = Request(request_id, tokens, SamplingParams(max_tokens=1), None)
+    assert lookup(scheduler, request) == (0, False)
+    scheduler.update_state_after_alloc(request, blocks_of(blocks), 0)
+    worker_step([worker], scheduler.build_connector_meta(scheduler_output(
+        new=[(request, blocks)], num_scheduled={request_id: len(tokens)})))
+    request.status = RequestStatus.FINISHED_STOPPED
+    assert scheduler.request_finished(request, blocks)[0] is True
+    step_until_reported([worker], scheduler, scheduler.build_connector_meta(
+        scheduler_output(finished={request_id})), 0, request_id, finished={request_id})
+
+
+def wait_for_leases(server, count: int) -> None:
+    deadline = time.monotonic() + 5
+    while stats(server).leases_held != count:
+        assert time.monotonic() < deadline, f"{stats(server).leases_held} leases, not {count}"
+        time.sleep(0.005)
+
+
+def test_an_engine_cannot_release_the_holds_of_another_engine(server):
+    """Two engines look up the same request id and salt (ids are the clients' to choose):
+    each holds the chunks, and one's end of the request or release leaves the other's."""
+    scheduler_a, worker_a = one_rank_connectors(server.url)
+    scheduler_b, worker_b = one_rank_connectors(server.url)
+    try:
+        assert engine_of(scheduler_a) == engine_of(worker_a) != engine_of(scheduler_b)
+        tokens = prompt(13, 2 * 256 + 7)
+        write_chunks(scheduler_a, worker_a, "writer", tokens, list(range(33)))
+        wait_for_leases(server, 0)
+
+        request_a = Request("same-id", tokens, SamplingParams(max_tokens=1), None)
+        request_b = Request("same-id", tokens, SamplingParams(max_tokens=1), None)
+        assert lookup(scheduler_a, request_a) == (512, True)
+        assert lookup(scheduler_b, request_b) == (512, True)
+        wait_for_leases(server, 2)
+        request_b.status = RequestStatus.FINISHED_ABORTED
+        assert scheduler_b.request_finished(request_b, []) == (False, None)  # END_SESSION
+        wait_for_leases(server, 1)
+        scheduler_b._scheduler.adapter.release("same-id", None)  # a RELEASE changes nothing
+        time.sleep(0.1)
+        assert stats(server).leases_held == 1  # engine A's hold, still there
+
+        request_a.status = RequestStatus.FINISHED_ABORTED
+        assert scheduler_a.request_finished(request_a, []) == (False, None)
+        wait_for_leases(server, 0)
+    finally:
+        for connector in (worker_a, scheduler_a, worker_b, scheduler_b):
+            connector.shutdown()
+
+
+def test_an_mla_follower_of_another_engine_never_joins_the_leaders_group(server):
+    """Engines given the same engine_id (an operator may) name the same TP group; only
+    the engine secret keeps engine B's rank 1 out of engine A's group, so A's loads never
+    land in B's blocks."""
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    kvcc = kv_cache_config(spec)
+    config_a, config_b = (hand_config(server.url, tp=2, mla=True) for _ in range(2))
+    config_b.kv_transfer_config.engine_id = config_a.kv_transfer_config.engine_id
+    scheduler = LMCacheMPServerConnector(config_a, KVConnectorRole.SCHEDULER, kvcc)
+    leader, leader_caches = worker_connector(config_a, kvcc, 0)
+    stranger, stranger_caches = worker_connector(config_b, kvcc, 1)
+    try:
+        assert leader._worker.tp_group == stranger._worker.tp_group
+        assert engine_of(scheduler) == engine_of(leader) != engine_of(stranger)
+        generator = torch.Generator().manual_seed(6)
+        for cache in leader_caches:
+            raw = cache.view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
+        tokens = prompt(14, 2 * 256 + 30)
+        write_chunks(scheduler, leader, "first", tokens, list(range(34)))
+
+        second = Request("second", tokens, SamplingParams(max_tokens=1), None)
+        target = list(range(100, 134))
+        assert lookup(scheduler, second) == (512, True)
+        scheduler.update_state_after_alloc(second, blocks_of(target), 512)
+        meta = scheduler.build_connector_meta(scheduler_output())
+        assert step_until_reported([leader], scheduler, meta, 1, "second") == set()
+        for leader_cache, stranger_cache in zip(leader_caches, stranger_caches):
+            assert torch.equal(leader_cache[target[:32]].view(torch.uint8),
+                               leader_cache[:32].view(torch.uint8))
+            assert not stranger_cache.view(torch.uint8).any()  # nothing landed there
+        instances = {i.tp_rank: i for i in stats(server).instances if i.model == "tiny-mla"}
+        assert (instances[0].stores, instances[0].retrieves) == (1, 1)
+        assert instances[1].loads_pushed == 0
+        second.status = RequestStatus.FINISHED_STOPPED
+        scheduler.update_connector_output(KVConnectorOutput(finished_recving={"second"}))
+        assert scheduler.request_finished(second, target) == (False, None)
+    finally:
+        for connector in (leader, stranger, scheduler):
+            connector.shutdown()
+
+
+def test_without_a_url_the_connector_finds_the_server_at_its_default_endpoint(
+        server, monkeypatch):
+    """The server's default endpoint is the ipc:// socket in its runtime directory; the
+    connector's default is the same socket in the same directory (here: the test's)."""
+    assert ConnectorConfig.from_extra_config({}).url is None
+    assert ConnectorConfig.from_extra_config({"url": None}).url is None
+    monkeypatch.delenv("LMCACHE_MP_URL", raising=False)
+    monkeypatch.setenv("LMCACHE_MP_RUNTIME_DIR", str(server.runtime_dir))
+    scheduler, worker = one_rank_connectors(None)
+    try:
+        assert worker._worker.url == server.url
+        tokens = prompt(15, 256 + 3)
+        write_chunks(scheduler, worker, "default-url", tokens, list(range(17)))
+        assert stats(server).chunks >= 1
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()

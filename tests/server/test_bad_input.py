@@ -11,7 +11,7 @@ import zmq
 from lmcache_mp import protocol
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import BadRequest, UnknownInstance
-from lmcache_mp.protocol import CudaIpcHandle, ShmHandle
+from lmcache_mp.protocol import CudaIpcHandle, MemfdHandle
 
 from ..utils import run_server
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
@@ -25,6 +25,9 @@ def raw(server):
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.RCVTIMEO, 5000)
     socket.connect(server.url)
+    request_id, status, _ = exchange(socket, [rid(1), b"HELLO", protocol.pack(
+        protocol.HelloRequest(protocol.PROTOCOL_VERSION))])
+    assert (request_id, status) == (rid(1), b"ok")
     yield socket
     socket.close()
     context.term()
@@ -101,11 +104,11 @@ def test_bad_registrations_are_refused_with_the_reason(client):
         def variant(**changes):
             fields = dict(vars(good))
             fields.update(changes)
-            return [ShmHandle(**fields)]
+            return [MemfdHandle(**fields)]
 
         cases = [
-            (variant(name="../../etc/passwd"), "must be 1-200 of"),
-            (variant(name="lmcache_mp_does_not_exist"), "cannot open shared memory"),
+            (variant(ticket=b"\x00" * 16), "unknown or expired ticket"),
+            (variant(ticket=b"abc"), "expected 16 bytes from the fd channel"),
             (variant(offset=len(cache.layers) * 10**9), "holds"),
             (variant(shape=[2, 64, 16, 2]), "needs 5 dimensions"),
             (variant(dtype="complex64"), "unsupported 'complex64'"),
@@ -126,6 +129,9 @@ def test_bad_registrations_are_refused_with_the_reason(client):
             with pytest.raises(BadRequest) as error:
                 register(client, cache, **overrides)
             assert words in str(error.value)
+        with pytest.raises(ValueError, match="does not have open"):  # a local error
+            client.register_kv_cache(variant(name="lmcache_mp_not_here"), model=MODEL,
+                                     layout="mha", block_size=16)
         assert client.ping() > 0
 
 

@@ -5,6 +5,7 @@ import sys
 import pytest
 import torch
 
+from lmcache_mp.protocol import MAX_CHUNKS_PER_MESSAGE
 from lmcache_mp.server.config import Config
 from lmcache_mp.sizes import parse_size
 
@@ -23,9 +24,11 @@ def test_parse_size_rejects_nonsense(text):
         parse_size(text)
 
 
-def test_defaults_bind_loopback_5555():
-    config = Config.from_args([], env={})
-    assert config.bind_url == "tcp://127.0.0.1:5555"
+def test_defaults_bind_the_private_ipc_socket():
+    config = Config.from_args(["--runtime-dir", "/tmp/lmcache-mp-cfg"], env={})
+    assert config.bind_url == "ipc:///tmp/lmcache-mp-cfg/server.sock"
+    assert Config.from_args(["--port", "6001"], env={}).bind_url == "tcp://127.0.0.1:6001"
+    assert Config.from_args(["--host", "127.0.0.2"], env={}).bind_url == "tcp://127.0.0.2:5555"
     assert config.chunk_size == 256
     assert 256 * 1024**2 <= config.cpu_size <= 32 * 1024**3
 
@@ -74,3 +77,22 @@ def test_a_gpu_tier_needs_cuda(capsys):
             Config.from_args(argv, env=env)
         assert exit_info.value.code == 2
         assert "--gpu-size needs CUDA, and this server has none" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--host", "0.0.0.0"], ["--url", "tcp://*:5555"],
+                                  ["--url", "tcp://[::]:5555"], ["--host", "10.1.2.3"]])
+def test_binding_beyond_loopback_needs_a_token_file(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        Config.from_args(argv, env={})
+    assert exit_info.value.code == 2
+    assert "--token-file" in capsys.readouterr().err
+    for loopback in (["--host", "127.0.0.1"], ["--url", "tcp://localhost:5555"],
+                     ["--url", "tcp://[::1]:5555"]):
+        Config.from_args(loopback, env={})
+    Config.from_args([*argv, "--token-file", "/etc/lmcache-mp/token"], env={})
+
+
+def test_chunks_per_message_cannot_exceed_the_protocol_limit(capsys):
+    with pytest.raises(SystemExit):
+        Config.from_args(["--max-chunks-per-message", str(MAX_CHUNKS_PER_MESSAGE + 1)], env={})
+    assert f"at most {MAX_CHUNKS_PER_MESSAGE}" in capsys.readouterr().err

@@ -5,7 +5,9 @@ import pytest
 from lmcache_mp.protocol import StoreStatus
 from lmcache_mp.server.pool import ALIGNMENT, ExtentAllocator
 from lmcache_mp.server.quotas import Quota, QuotaBook
-from lmcache_mp.server.store import ChunkKey, ChunkStore, LeaseOwner
+from lmcache_mp.server.store import ChunkKey, ChunkStore, LeaseOwner, PrefixScan
+
+ENGINE = b"engine"  # leases belong to an engine (access.Session.engine)
 
 CHUNK = 2 * ALIGNMENT
 GEOMETRY = ("test-geometry",)
@@ -39,7 +41,9 @@ def key(i: int, worker: int = 0, salt: str = "", world: int = 1) -> ChunkKey:
 def put(store, keys):
     """Reserve and commit one request's chunks; return their statuses."""
     reservations = [store.reserve(k, CHUNK, GEOMETRY) for k in keys]
-    store.commit_request([r.chunk for r in reservations if r.chunk is not None])
+    for reservation in reversed(reservations):  # later chunks first, as the dispatcher does
+        if reservation.chunk is not None:
+            store.commit(reservation.chunk)
     store.check_invariants()
     return [r.status for r in reservations]
 
@@ -106,17 +110,17 @@ def test_eviction_is_lru_and_takes_a_requests_later_chunks_first(clock):
 def test_held_chunks_are_never_evicted_and_full_pool_refuses(clock):
     store = make_store(clock, chunks=2)
     put(store, [key(0), key(1)])
-    assert store.lookup("m", 1, "", [h(0), h(1)], hold_for="req") == 2
+    assert store.lookup("m", 1, "", [h(0), h(1)], holder=LeaseOwner(ENGINE, "", "req")) == 2
     assert put(store, [key(2)]) == [StoreStatus.NO_SPACE]
     assert store.lookup("m", 1, "", [h(0), h(1)]) == 2
-    assert store.release(LeaseOwner("", "req")) == 2
+    assert store.release(LeaseOwner(ENGINE, "", "req")) == 2
     assert put(store, [key(2)]) == [StoreStatus.STORED]
 
 
 def test_leases_expire(clock):
     store = make_store(clock, chunks=1, lease_timeout=5.0)
     put(store, [key(0)])
-    store.lookup("m", 1, "", [h(0)], hold_for="req")
+    store.lookup("m", 1, "", [h(0)], holder=LeaseOwner(ENGINE, "", "req"))
     clock.now += 4.9
     assert store.expire_leases() == 0
     assert put(store, [key(1)]) == [StoreStatus.NO_SPACE]
@@ -129,9 +133,9 @@ def test_leases_expire(clock):
 def test_a_new_lookup_replaces_the_requests_lease(clock):
     store = make_store(clock)
     put(store, [key(0), key(1)])
-    store.lookup("m", 1, "", [h(0), h(1)], hold_for="req")
-    store.lookup("m", 1, "", [h(0)], hold_for="req")
-    assert store.release(LeaseOwner("", "req")) == 1
+    store.lookup("m", 1, "", [h(0), h(1)], holder=LeaseOwner(ENGINE, "", "req"))
+    store.lookup("m", 1, "", [h(0)], holder=LeaseOwner(ENGINE, "", "req"))
+    assert store.release(LeaseOwner(ENGINE, "", "req")) == 1
     store.check_invariants()
 
 
@@ -139,22 +143,22 @@ def test_release_is_per_salt_and_per_kv_worker(clock):
     store = make_store(clock)
     put(store, [key(0, worker=0, world=2, salt="a")])
     put(store, [key(0, worker=1, world=2, salt="a")])
-    store.lookup("m", 2, "a", [h(0)], hold_for="req")
-    assert store.release(LeaseOwner("b", "req")) == 0
-    assert store.release(LeaseOwner("a", "req"), kv_worker_id=1) == 1
+    store.lookup("m", 2, "a", [h(0)], holder=LeaseOwner(ENGINE, "a", "req"))
+    assert store.release(LeaseOwner(ENGINE, "b", "req")) == 0
+    assert store.release(LeaseOwner(ENGINE, "a", "req"), kv_worker_id=1) == 1
     assert store.leases_held == 1
-    assert store.release(LeaseOwner("a", "req")) == 1
+    assert store.release(LeaseOwner(ENGINE, "a", "req")) == 1
     assert store.leases_held == 0
     store.check_invariants()
 
 
-def test_hold_prefix_stops_at_miss_and_geometry_mismatch(clock):
+def test_holds_take_only_stored_chunks_of_the_same_geometry(clock):
     store = make_store(clock)
     put(store, [key(0), key(1)])
-    held = store.hold_prefix([key(0), key(5), key(1)], GEOMETRY)
-    assert [c.key for c in held] == [key(0)]
-    assert store.hold_prefix([key(0)], ("other",)) == []
-    store.unhold(held)
+    held = [store.hold_if_stored(k, GEOMETRY) for k in (key(0), key(5))]
+    assert held[0].key == key(0) and held[1] is None
+    assert store.hold_if_stored(key(1), ("other",)) is None
+    store.unhold(held[:1])
     store.check_invariants()
 
 
@@ -162,7 +166,7 @@ def test_clear_by_salt_keeps_other_tenants_and_chunks_being_read(clock):
     store = make_store(clock)
     put(store, [key(0, salt="a"), key(1, salt="a")])
     put(store, [key(0, salt="b")])
-    reading = store.hold_prefix([key(1, salt="a")], GEOMETRY)
+    reading = [store.hold_if_stored(key(1, salt="a"), GEOMETRY)]
     assert store.clear("a") == 1
     assert store.lookup("m", 1, "b", [h(0)]) == 1
     store.unhold(reading)
@@ -189,7 +193,8 @@ def test_a_tenant_at_its_cap_evicts_only_itself_then_is_refused(clock):
     assert store.tenants["flood"].evictions == 3
     assert store.lookup("m", 1, "steady", [h(0), h(1)]) == 2
     assert store.lookup("m", 1, "flood", [h(105), h(104), h(103)]) == 3  # newest survive
-    store.lookup("m", 1, "flood", [h(103), h(104), h(105)], hold_for="reader")
+    store.lookup("m", 1, "flood", [h(103), h(104), h(105)],
+                 holder=LeaseOwner(ENGINE, "flood", "reader"))
     assert put(store, [key(200, salt="flood")]) == [StoreStatus.OVER_QUOTA]
     assert store.tenants["flood"].refused == 1
     assert store.tenants["steady"].evictions == 0
@@ -251,3 +256,46 @@ def test_the_default_cap_applies_to_salts_without_their_own(clock):
     assert store.tenants["anyone"].bytes_used == CHUNK
     put(store, [key(0, salt="vip"), key(1, salt="vip")])
     assert store.tenants["vip"].bytes_used == 2 * CHUNK
+
+
+def test_a_salt_over_its_lowered_cap_goes_under_it_when_its_holds_go(clock):
+    store = quota_store(clock, 10, {})
+    put(store, [key(i, salt="t") for i in range(4)])
+    reader = LeaseOwner(ENGINE, "t", "reader")
+    assert store.lookup("m", 1, "t", [h(i) for i in range(4)], holder=reader) == 4
+    store.quotas.set("t", Quota(cap=2 * CHUNK))
+    assert store.enforce_cap("t") == 0  # every chunk is held: nothing can go yet
+    assert store.tenants["t"].bytes_used == 4 * CHUNK
+    store.release(reader)
+    assert store.tenants["t"].bytes_used == 2 * CHUNK
+    assert store.lookup("m", 1, "t", [h(0), h(1)]) == 2  # a prefix survives
+    store.check_invariants()
+
+
+def test_holds_belong_to_an_engine(clock):
+    store = make_store(clock, chunks=2)
+    put(store, [key(0), key(1)])
+    mine, theirs = LeaseOwner(ENGINE, "", "req"), LeaseOwner(b"another engine", "", "req")
+    assert store.lookup("m", 1, "", [h(0), h(1)], holder=mine) == 2
+    assert store.release(theirs) == 0
+    assert put(store, [key(2)]) == [StoreStatus.NO_SPACE]  # still held
+    assert store.release(mine) == 2
+
+
+def test_a_sliced_scan_holds_what_it_found_between_slices(clock):
+    store = make_store(clock, chunks=8)
+    put(store, [key(i, worker=w, world=2) for i in range(3) for w in range(2)])
+    scan = PrefixScan(store, "m", 2, "", [h(0), h(1), h(2), h(3)], hold_while_scanning=True)
+    assert scan.step(2) == 2 and not scan.done  # one hash: both kv workers
+    assert store.clear() == 4  # between slices: hashes 1 and 2 go, what the scan found stays
+    assert store.num_chunks == 2
+    while not scan.done:
+        scan.step(2)
+    assert scan.finish(None) == 1
+    assert store.leases_held == 0 and store.num_chunks == 2
+    store.check_invariants()
+    other = PrefixScan(store, "m", 2, "", [h(0)], hold_while_scanning=True)
+    other.step(1)
+    other.abandon()
+    assert store.clear() == 2  # the abandoned scan held nothing
+    store.check_invariants()

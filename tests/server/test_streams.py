@@ -23,14 +23,15 @@ from lmcache_mp.protocol import (
     LoadDone,
     LookupItem,
     LookupRequest,
+    MemfdHandle,
     RegisterKVCacheRequest,
     RetrieveRequest,
-    ShmHandle,
     StoreRequest,
     StoreStatus,
     TransferItem,
     UnregisterKVCacheRequest,
 )
+from lmcache_mp.server.access import Sessions
 from lmcache_mp.server.config import Config
 from lmcache_mp.server.copy_engine import CopyEngine
 from lmcache_mp.server.cuda_ipc import CudaIpcSupport, SharedAllocations
@@ -115,10 +116,13 @@ class Rig:
         support = CudaIpcSupport(self.shared.open,
                                  lambda uuid: 0 if normalize_uuid(uuid) == UUID else None,
                                  self.copier.new_lane)
-        self.registry = Registry(256, time.monotonic, support)
+        self.registry = Registry(256, time.monotonic, lambda ticket: None, support)
         self.pushed: list = []
+        sessions = Sessions("engine-token-0123456789", "admin-token-0123456789",
+                            token_required=False)
+        self.engine = sessions.open(CLIENT, "", "the rig's engine").engine
         self.dispatcher = Dispatcher(Config(cpu_size=16 * 1024**2), self.store, self.pool,
-                                     self.registry, CopyEngine(1),
+                                     self.registry, CopyEngine(1), sessions, "",
                                      push=lambda client, m: self.pushed.append((client, m)),
                                      copier=self.copier, gpu_pool=self.gpu_pool)
 
@@ -276,7 +280,7 @@ def test_bad_cuda_ipc_registrations_are_refused_and_close_what_they_opened():
     good = CudaIpcHandle(handle, 0, UUID, [4, BLOCK, 8], [BLOCK * 8, 8, 1], "float16")
 
     def register(*layers, store_event=b""):
-        return rig.registry.register(CLIENT, RegisterKVCacheRequest(
+        return rig.registry.register(CLIENT, rig.engine, RegisterKVCacheRequest(
             "m", 1, 0, "mla", BLOCK, list(layers), store_event=store_event))
 
     cases = [
@@ -288,7 +292,7 @@ def test_bad_cuda_ipc_registrations_are_refused_and_close_what_they_opened():
                         "float16"),), "no GPU with UUID"),
         ((good, CudaIpcHandle(handle, 3584, UUID, good.shape, good.strides, "float16")),
          "`layers[1]`: tensor ends at byte 4608 but its CUDA allocation holds 4096 bytes"),
-        ((good, ShmHandle("x", 0, good.shape, good.strides, "float16")),
+        ((good, MemfdHandle(b"x" * 16, 0, good.shape, good.strides, "float16")),
          "`layers[1].kind`: every layer needs the kind of layers[0] ('cuda_ipc')"),
     ]
     for layers, words in cases:
@@ -298,8 +302,9 @@ def test_bad_cuda_ipc_registrations_are_refused_and_close_what_they_opened():
     with pytest.raises(BadRequest, match="`store_event`: expected 64 bytes"):
         register(good, store_event=b"\x00" * 3)
     with pytest.raises(BadRequest, match="`store_event`: only cuda_ipc registrations"):
-        rig.registry.register(CLIENT, RegisterKVCacheRequest(
-            "m", 1, 0, "mla", BLOCK, [ShmHandle("x", 0, good.shape, good.strides, "float16")],
+        rig.registry.register(CLIENT, rig.engine, RegisterKVCacheRequest(
+            "m", 1, 0, "mla", BLOCK, [MemfdHandle(b"x" * 16, 0, good.shape, good.strides,
+                                                  "float16")],
             store_event=b"\x00" * 64))
     opens = sum(1 for entry in rig.log if entry[0] == "open")
     closes = sum(1 for entry in rig.log if entry[0] == "close")
@@ -317,7 +322,7 @@ def test_registering_the_same_memory_twice_opens_it_once_and_closes_it_after_bot
     assert len(handles) == 1 and len(rig.shared) == 1
     request = RegisterKVCacheRequest("m", 1, 0, "mla", BLOCK, [CudaIpcHandle(
         bytes([4]) * 64, 4096, UUID, [BLOCKS, BLOCK, 64], [BLOCK * 64, 64, 1], "float16")])
-    second = rig.registry.register(CLIENT, request).instance_id
+    second = rig.registry.register(CLIENT, rig.engine, request).instance_id
     assert [entry[0] for entry in rig.log] == ["open"]
     rig.registry.unregister(first)
     assert [entry[0] for entry in rig.log] == ["open"] and len(rig.shared) == 1

@@ -43,7 +43,7 @@ def admin(url, *args):
 
 
 def test_two_tenants_with_the_same_prompt_never_see_each_other(cache):
-    with run_server() as server, CacheClient(server.url) as client:
+    with run_server() as server, CacheClient(server.url, admin=True) as client:
         registration = register(client, cache)
         hashes = prompt(1, 3)
         assert store(client, registration, "alice", hashes) == [StoreStatus.STORED] * 3
@@ -69,7 +69,7 @@ def test_two_tenants_with_the_same_prompt_never_see_each_other(cache):
 
 def test_a_flooding_tenant_over_its_cap_evicts_only_itself_and_is_refused(cache):
     with run_server("--cpu-size", "8MiB", "--quota", "flood=2MiB") as server, \
-            CacheClient(server.url) as client:
+            CacheClient(server.url, admin=True) as client:
         registration = register(client, cache)
         steady = prompt(10, 4)
         store(client, registration, "steady", steady)
@@ -86,7 +86,7 @@ def test_a_flooding_tenant_over_its_cap_evicts_only_itself_and_is_refused(cache)
 
 def test_a_tenant_inside_its_reservation_keeps_everything_under_a_flood(cache):
     with run_server("--cpu-size", "4MiB", "--quota", "steady=unlimited:2MiB") as server, \
-            CacheClient(server.url) as client:
+            CacheClient(server.url, admin=True) as client:
         registration = register(client, cache)
         steady = prompt(30, 4)
         store(client, registration, "steady", steady)
@@ -101,7 +101,7 @@ def test_a_tenant_inside_its_reservation_keeps_everything_under_a_flood(cache):
 
 
 def test_quotas_change_at_run_time_through_the_admin_command(cache):
-    with run_server("--cpu-size", "8MiB") as server, CacheClient(server.url) as client:
+    with run_server("--cpu-size", "8MiB") as server, CacheClient(server.url, admin=True) as client:
         registration = register(client, cache)
         hashes = prompt(50, 6)
         store(client, registration, "t", hashes)
@@ -131,7 +131,7 @@ def test_the_quota_file_is_reloaded_on_sighup(cache, tmp_path):
     path = tmp_path / "quotas.toml"
     path.write_text('[quotas]\n"t" = "4MiB"\n')
     with run_server("--cpu-size", "8MiB", "--quota-file", str(path), "--log-level", "info"
-                    ) as server, CacheClient(server.url) as client:
+                    ) as server, CacheClient(server.url, admin=True) as client:
         registration = register(client, cache)
         store(client, registration, "t", prompt(60, 6))
         assert client.quota_get("t").cap == 4 * MiB
@@ -169,7 +169,7 @@ def test_bad_quota_flags_stop_the_server_with_a_clear_error(args, words):
 def test_concurrent_tenants_never_exceed_their_caps_or_the_pool():
     caps = ["t0=2MiB", "t1=1MiB", "t2=3MiB", "t3=1MiB"]
     args = ["--cpu-size", "6MiB"] + [flag for cap in caps for flag in ("--quota", cap)]
-    with run_server(*args) as server, CacheClient(server.url) as client:
+    with run_server(*args) as server, CacheClient(server.url, admin=True) as client:
         jobs = [Job(server.url, 8 * BLOCKS_PER_CHUNK, n, prompt(70 + n, 8),
                     chunk_blocks(range(8)), cache_salt=f"t{n}", request_id=f"r{n}")
                 for n in range(4)]

@@ -1,0 +1,338 @@
+"""The fd channel: takes workers' sealed memfd descriptors over a unix socket and issues tickets for REGISTER_KV_CACHE.
+
+The server never opens worker memory by name. A worker sends descriptors here (the wire
+format is in lmcache_mp.fdpass); each must be a memfd sealed with F_SEAL_SHRINK and open
+for reading and writing. Seals can only be added, so once the server has seen that one no
+ftruncate can pull pages out from under its mapping (no SIGBUS mid-copy), and a memfd names
+no file, so no worker can point the server at someone else's memory. Every descriptor the
+channel receives is either ticketed or closed at once; a ticket's descriptor then belongs
+to whoever take()s it, or is closed when the ticket expires.
+
+All of it runs on the server's event loop from non-blocking sockets; nothing here waits.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import errno
+import fcntl
+import logging
+import os
+import secrets
+import socket
+import stat
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgpack
+
+from ..fdpass import FD_CHANNEL_MAGIC
+from ..protocol import MAX_FDS_PER_MESSAGE, MAX_PENDING_TICKETS, TICKET_BYTES, TICKET_TTL_S
+
+logger = logging.getLogger(__name__)
+
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # Linux 5.1; not in every fcntl
+# The server writes retrieved blocks into the segment, so it must stay writable.
+_WRITE_SEALS = fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE
+
+REQUEST_TIMEOUT_S = 1.0  # a connection that has sent no request by then is closed
+MAX_CONNECTIONS = 64  # open at once; further ones are accepted and closed at once
+_REQUEST_BYTES = 64  # room for FD_CHANNEL_MAGIC; a longer message arrives with MSG_TRUNC
+_ACCEPT_RETRY_S = 0.1  # pause after accept() ran out of descriptors
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+@dataclass(frozen=True)
+class PassedFd:
+    """A descriptor the channel holds for a ticket, with who sent it and until when it is valid."""
+
+    fd: int
+    size: int  # bytes when ticketed; F_SEAL_SHRINK means it can never be smaller
+    uid: int  # the sender's, from SO_PEERCRED
+    pid: int
+    expires: float  # on the channel's clock
+
+
+class _Refused(Exception):
+    """A message the channel will not ticket; the text goes back to the worker."""
+
+
+class _Connection:
+    """One accepted connection, waiting for its single request."""
+
+    def __init__(self, sock: socket.socket, uid: int, pid: int):
+        self.sock = sock
+        self.fileno = sock.fileno()
+        self.uid = uid
+        self.pid = pid
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class FdChannel:
+    """The server's unix socket for descriptors; Server starts it, the registry take()s from it.
+
+    start(), take(), expire() and close() run on the event loop's thread.
+    """
+
+    def __init__(self, path: str, mode: int = 0o600, gid: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.path = path
+        self._mode = mode
+        self._gid = gid
+        self._clock = clock
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._listener: socket.socket | None = None
+        self._inode: tuple[int, int] | None = None  # of the socket file we bound
+        self._accept_retry: asyncio.TimerHandle | None = None
+        self._connections: dict[int, _Connection] = {}
+        self._tickets: dict[bytes, PassedFd] = {}
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Bind and listen at `path`, then serve from `loop`. Raises OSError if `path` is
+        something other than a socket, or a socket another process still listens on."""
+        self._remove_stale_socket()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            listener.setblocking(False)
+            listener.bind(self.path)
+            st = os.lstat(self.path)
+            self._inode = (st.st_dev, st.st_ino)
+            # A bound socket refuses connections until listen(), so nobody gets in before
+            # the permissions are right.
+            os.chmod(self.path, self._mode)
+            if self._gid is not None:
+                os.chown(self.path, -1, self._gid)
+            listener.listen(MAX_CONNECTIONS)
+        except BaseException:
+            listener.close()
+            self._unlink_own_socket()
+            raise
+        self._loop = loop
+        self._listener = listener
+        loop.add_reader(listener.fileno(), self._accept)
+        logger.info("fd channel listening on %s (mode %o%s)", self.path, self._mode,
+                    f", group {self._gid}" if self._gid is not None else "")
+
+    def take(self, ticket: bytes) -> PassedFd | None:
+        """Hand over the ticket's descriptor: the caller owns (and must close) it from now on.
+        None for a ticket that is unknown, already taken or expired."""
+        passed = self._tickets.pop(ticket, None)
+        if passed is not None and passed.expires <= self._clock():
+            os.close(passed.fd)
+            return None
+        return passed
+
+    def expire(self) -> int:
+        """Close the descriptors of tickets past TICKET_TTL_S; the server's housekeeping calls
+        it every 0.5 s. Returns how many there were."""
+        now = self._clock()
+        stale = [ticket for ticket, passed in self._tickets.items() if passed.expires <= now]
+        for ticket in stale:
+            os.close(self._tickets.pop(ticket).fd)
+        return len(stale)
+
+    def close(self) -> None:
+        """Stop serving: close every connection and unused descriptor, and remove the socket."""
+        if self._listener is not None:
+            self._loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+            self._unlink_own_socket()
+        if self._accept_retry is not None:
+            self._accept_retry.cancel()
+            self._accept_retry = None
+        for conn in list(self._connections.values()):
+            self._close_connection(conn)
+        _close_all([passed.fd for passed in self._tickets.values()])
+        self._tickets.clear()
+
+    # -- serving ---------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            # Out of descriptors, most likely: the waiting connection keeps the listener
+            # readable, so pause accepting instead of spinning the loop.
+            logger.warning("fd channel: accept failed (%s); pausing %.1f s", exc, _ACCEPT_RETRY_S)
+            self._loop.remove_reader(self._listener.fileno())
+            self._accept_retry = self._loop.call_later(_ACCEPT_RETRY_S, self._resume_accept)
+            return
+        if len(self._connections) >= MAX_CONNECTIONS:
+            logger.debug("fd channel: %d connections open already; closing a new one",
+                         MAX_CONNECTIONS)
+            sock.close()
+            return
+        try:
+            sock.setblocking(False)
+            pid, uid, _gid = _UCRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        except OSError as exc:
+            logger.debug("fd channel: closing a connection whose peer is unknown: %s", exc)
+            sock.close()
+            return
+        conn = _Connection(sock, uid, pid)
+        conn.timer = self._loop.call_later(REQUEST_TIMEOUT_S, self._time_out, conn)
+        self._connections[conn.fileno] = conn
+        self._loop.add_reader(conn.fileno, self._receive, conn)
+
+    def _resume_accept(self) -> None:
+        self._accept_retry = None
+        if self._listener is not None:
+            self._loop.add_reader(self._listener.fileno(), self._accept)
+
+    def _time_out(self, conn: _Connection) -> None:
+        logger.debug("fd channel: pid %d (uid %d) sent no request within %.1f s; closing",
+                     conn.pid, conn.uid, REQUEST_TIMEOUT_S)
+        self._close_connection(conn)
+
+    def _receive(self, conn: _Connection) -> None:
+        try:
+            data, fds, flags = _recv_fds(conn.sock)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            logger.debug("fd channel: receiving from pid %d failed: %s", conn.pid, exc)
+            self._close_connection(conn)
+            return
+        if not data and not fds and not flags:  # the peer hung up
+            self._close_connection(conn)
+            return
+        tickets = None
+        try:
+            tickets = self._issue(conn, data, fds, flags)
+            answer: dict[str, object] = {"tickets": tickets}
+        except _Refused as exc:
+            logger.debug("fd channel: refused %d descriptor(s) from pid %d (uid %d): %s",
+                         len(fds), conn.pid, conn.uid, exc)
+            answer = {"error": str(exc)}
+        finally:
+            if tickets is None:
+                _close_all(fds)
+        try:
+            conn.sock.send(msgpack.packb(answer))
+        except OSError as exc:
+            # The sender will never learn its tickets, so nobody could take() them.
+            logger.debug("fd channel: replying to pid %d failed: %s", conn.pid, exc)
+            _close_all([self._tickets.pop(ticket).fd for ticket in tickets or ()])
+        self._close_connection(conn)
+
+    def _issue(self, conn: _Connection, data: bytes, fds: list[int], flags: int) -> list[bytes]:
+        """Tickets for all the descriptors, or _Refused naming the first one that fails."""
+        if flags & socket.MSG_CTRUNC:
+            raise _Refused(f"the descriptors did not all arrive: more than {MAX_FDS_PER_MESSAGE} "
+                           f"in one message, or the server is out of descriptors")
+        if flags & socket.MSG_TRUNC or data != FD_CHANNEL_MAGIC:
+            raise _Refused(f"not an fd channel request: its data must be {FD_CHANNEL_MAGIC!r}")
+        if not fds:
+            raise _Refused("the request carries no descriptors")
+        sizes = [_checked_size(i, fd) for i, fd in enumerate(fds)]
+        if len(self._tickets) + len(fds) > MAX_PENDING_TICKETS:
+            self.expire()
+            if len(self._tickets) + len(fds) > MAX_PENDING_TICKETS:
+                raise _Refused(f"the server holds {MAX_PENDING_TICKETS} unused tickets already; "
+                               f"use them in REGISTER_KV_CACHE or let them expire "
+                               f"({TICKET_TTL_S} s)")
+        expires = self._clock() + TICKET_TTL_S
+        issued = {secrets.token_bytes(TICKET_BYTES): PassedFd(fd, size, conn.uid, conn.pid, expires)
+                  for fd, size in zip(fds, sizes)}
+        self._tickets.update(issued)
+        return list(issued)
+
+    def _close_connection(self, conn: _Connection) -> None:
+        if self._connections.get(conn.fileno) is not conn:
+            return
+        del self._connections[conn.fileno]
+        self._loop.remove_reader(conn.fileno)
+        conn.timer.cancel()
+        conn.sock.close()
+
+    # -- the socket file -------------------------------------------------------------------
+
+    def _remove_stale_socket(self) -> None:
+        """Unlink a socket file that a dead server left at `path`; refuse anything else."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise OSError(errno.EEXIST, "exists and is not a socket; refusing to replace it",
+                          self.path)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as probe:
+            probe.setblocking(False)
+            try:
+                probe.connect(self.path)
+            except (ConnectionRefusedError, FileNotFoundError):
+                logger.info("fd channel: removing the stale socket %s", self.path)
+                os.unlink(self.path)
+                return
+            except BlockingIOError:
+                pass  # a full backlog: somebody is listening
+        raise OSError(errno.EADDRINUSE, "another process is listening on it", self.path)
+
+    def _unlink_own_socket(self) -> None:
+        """Remove the socket file if it is still the one we bound (not a successor's)."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == self._inode:
+            os.unlink(self.path)
+
+
+def _recv_fds(sock: socket.socket) -> tuple[bytes, list[int], int]:
+    """One message: its data, the descriptors it carried (close-on-exec: the server starts
+    processes, and these are not theirs) and its flags. Not socket.recv_fds: it ignores its
+    flags argument, MSG_CMSG_CLOEXEC included (CPython gh-107898)."""
+    fds = array.array("i")
+    data, ancillary, flags, _ = sock.recvmsg(
+        _REQUEST_BYTES, socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * fds.itemsize),
+        socket.MSG_CMSG_CLOEXEC)
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds), flags
+
+
+def _checked_size(i: int, fd: int) -> int:
+    """The size of a descriptor fit for the server to map, or _Refused saying why it is not."""
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        raise _Refused(f"fd {i} is not a regular file but a {_file_kind(mode)}; "
+                       f"send the memfd of a lmcache_mp.client.SharedSegment")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0  # a file that cannot carry seals
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise _Refused(f"fd {i} is not a memfd sealed with F_SEAL_SHRINK; "
+                       f"allocate with lmcache_mp.client.SharedSegment")
+    if seals & _WRITE_SEALS:
+        raise _Refused(f"fd {i} is sealed against writes (F_SEAL_WRITE or F_SEAL_FUTURE_WRITE); "
+                       f"the server writes retrieved blocks into it")
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+        raise _Refused(f"fd {i} is not open for reading and writing")
+    # Sized only now: before F_SEAL_SHRINK was seen the sender could still have shrunk it.
+    size = os.fstat(fd).st_size
+    if size <= 0:
+        raise _Refused(f"fd {i} is empty")
+    return size
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "pipe"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISDIR, "directory"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return kind
+    return "special file"
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)

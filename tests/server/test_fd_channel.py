@@ -1,0 +1,293 @@
+"""The fd channel over real unix sockets: what it tickets, what it refuses, and that it never
+leaks a descriptor or stalls its event loop."""
+
+import asyncio
+import concurrent.futures
+import errno
+import fcntl
+import mmap
+import multiprocessing
+import os
+import socket
+import stat
+import threading
+import time
+
+import msgpack
+import pytest
+import uvloop
+
+from lmcache_mp.client.shm import SharedSegment
+from lmcache_mp.errors import BadRequest, RequestTimeout, ServerUnavailable
+from lmcache_mp.fdpass import FD_CHANNEL_MAGIC, send_fds
+from lmcache_mp.protocol import MAX_FDS_PER_MESSAGE, TICKET_BYTES, TICKET_TTL_S
+from lmcache_mp.server.fd_channel import MAX_CONNECTIONS, REQUEST_TIMEOUT_S, FdChannel
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Served:
+    """An FdChannel on an event loop in its own thread, as in the server; this test process
+    plays the server, so its open descriptors are the server's."""
+
+    def __init__(self, path: str, new_loop, clock: FakeClock):
+        self.clock = clock
+        self.loop_errors: list[dict] = []
+        self.loop = new_loop()
+        self.loop.set_exception_handler(lambda loop, context: self.loop_errors.append(context))
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.channel = FdChannel(path, clock=clock)
+        self.call(self.channel.start, self.loop)
+
+    def call(self, fn, *args):
+        """fn(*args) on the loop's thread, once the callback running there now has finished."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(fn(*args))
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        self.loop.call_soon_threadsafe(run)
+        return done.result(timeout=5)
+
+    def open_fds(self) -> int:
+        return self.call(lambda: len(os.listdir("/proc/self/fd")))
+
+    def close(self) -> None:
+        self.call(self.channel.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+        assert self.loop_errors == []
+
+
+# The server runs uvloop; asyncio's own loop behaves differently enough to check both.
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(params=list(LOOPS))
+def served(request, tmp_path):
+    served = Served(str(tmp_path / "fd.sock"), LOOPS[request.param], FakeClock())
+    yield served
+    served.close()
+
+
+def _fill_and_send(path: str, payload: bytes) -> tuple[list[bytes], int]:
+    """In a worker process: put the payload in a SharedSegment and trade its fd for a ticket."""
+    with SharedSegment(len(payload)) as segment:
+        segment.mapping[:] = payload
+        tickets = send_fds(path, [segment.fd], timeout=5.0)
+    return tickets, os.getpid()  # the server's duplicate outlives this process's segment
+
+
+@pytest.mark.parametrize("served", ["uvloop"], indirect=True)  # a process start is slow: once
+def test_a_worker_process_trades_its_segment_for_a_ticket_and_the_server_maps_its_bytes(served):
+    payload = os.urandom(3 * mmap.PAGESIZE + 123)
+    with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        tickets, worker_pid = pool.submit(_fill_and_send, served.channel.path, payload).result(60)
+    (ticket,) = tickets
+    assert len(ticket) == TICKET_BYTES
+    passed = served.call(served.channel.take, ticket)
+    assert (passed.size, passed.pid, passed.uid) == (len(payload), worker_pid, os.getuid())
+    assert passed.expires == served.clock.now + TICKET_TTL_S
+    assert fcntl.fcntl(passed.fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC  # not for the server's children
+    try:
+        with mmap.mmap(passed.fd, passed.size) as mapped:
+            assert mapped[:] == payload
+    finally:
+        os.close(passed.fd)
+    assert served.call(served.channel.take, ticket) is None  # a ticket is good for one take
+
+
+def _regular_file(tmp_path) -> int:
+    fd = os.open(tmp_path / "plain", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    os.ftruncate(fd, 4096)
+    return fd
+
+
+def _memfd(seals: int, size: int = 4096) -> int:
+    fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def _read_only(tmp_path) -> int:
+    with SharedSegment(4096) as segment:
+        return os.open(f"/proc/self/fd/{segment.fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
+def _pipe(tmp_path) -> int:
+    read_end, write_end = os.pipe()
+    os.close(write_end)
+    return read_end
+
+
+BAD_FDS = {
+    "regular file": (_regular_file, "fd 1 is not a memfd sealed with F_SEAL_SHRINK; allocate "
+                                    "with lmcache_mp.client.SharedSegment"),
+    "unsealed memfd": (lambda tmp_path: _memfd(0), "fd 1 is not a memfd sealed with F_SEAL_SHRINK"),
+    "write-sealed memfd": (lambda tmp_path: _memfd(fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE),
+                           r"fd 1 is sealed against writes \(F_SEAL_WRITE"),
+    "read-only fd": (_read_only, "fd 1 is not open for reading and writing"),
+    "pipe": (_pipe, "fd 1 is not a regular file but a pipe"),
+    "empty memfd": (lambda tmp_path: _memfd(fcntl.F_SEAL_SHRINK, size=0), "fd 1 is empty"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_FDS))
+def test_one_unfit_descriptor_refuses_the_whole_message_and_none_is_kept(served, tmp_path, kind):
+    make, reason = BAD_FDS[kind]
+    bad = make(tmp_path)
+    try:
+        with SharedSegment(4096) as good:
+            before = served.open_fds()
+            with pytest.raises(BadRequest, match=reason):
+                send_fds(served.channel.path, [good.fd, bad], timeout=5.0)
+            assert served.open_fds() == before  # the good one's duplicate was closed too
+            (ticket,) = send_fds(served.channel.path, [good.fd], timeout=5.0)  # still serving
+            os.close(served.call(served.channel.take, ticket).fd)
+    finally:
+        os.close(bad)
+
+
+def test_too_many_descriptors_are_refused_by_the_client_and_by_the_server(served):
+    with SharedSegment(4096) as segment:
+        with pytest.raises(ValueError, match=f"1 to {MAX_FDS_PER_MESSAGE} descriptors"):
+            send_fds(served.channel.path, [segment.fd] * (MAX_FDS_PER_MESSAGE + 1), timeout=5.0)
+        with pytest.raises(ValueError, match="got 0"):
+            send_fds(served.channel.path, [], timeout=5.0)
+        before = served.open_fds()
+        # A client that ignores the limit: the kernel delivers what fits and drops the rest.
+        for data, count, reason in (
+                (FD_CHANNEL_MAGIC, MAX_FDS_PER_MESSAGE + 1, "did not all arrive"),
+                (b"hello", 1, "not an fd channel request"),
+                (FD_CHANNEL_MAGIC, 0, "carries no descriptors")):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as raw:
+                raw.settimeout(5.0)
+                raw.connect(served.channel.path)
+                socket.send_fds(raw, [data], [segment.fd] * count)
+                assert reason in msgpack.unpackb(raw.recv(4096))["error"]
+            assert served.open_fds() == before
+
+
+def test_a_silent_client_is_closed_after_a_second_and_never_holds_up_others(served):
+    before = served.open_fds()
+    started = time.monotonic()
+    silent = []
+    for _ in range(MAX_CONNECTIONS - 1):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.connect(served.channel.path)
+        silent.append(sock)
+    try:
+        with SharedSegment(4096) as segment:
+            (ticket,) = send_fds(served.channel.path, [segment.fd], timeout=5.0)
+            assert time.monotonic() - started < 0.5
+            os.close(served.call(served.channel.take, ticket).fd)
+        for _ in range(2):  # the last free place, then one too many
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.connect(served.channel.path)
+            silent.append(sock)
+        silent[-1].settimeout(0.5)
+        assert silent[-1].recv(16) == b""  # closed at once, not after REQUEST_TIMEOUT_S
+        for sock in silent[:-1]:
+            sock.settimeout(3.0)
+            assert sock.recv(16) == b""
+        assert REQUEST_TIMEOUT_S - 0.1 < time.monotonic() - started < REQUEST_TIMEOUT_S + 1.0
+    finally:
+        for sock in silent:
+            sock.close()
+    assert served.open_fds() == before
+
+
+def test_tickets_expire_and_their_descriptors_are_closed(served):
+    with SharedSegment(4096) as segment:
+        first, second = send_fds(served.channel.path, [segment.fd, segment.fd], timeout=5.0)
+    sealed = _memfd(fcntl.F_SEAL_SHRINK)
+    send_fds(served.channel.path, [sealed], timeout=5.0)
+    os.close(sealed)
+    assert served.call(served.channel.expire) == 0
+    before = served.open_fds()
+    served.clock.now += TICKET_TTL_S
+    assert served.call(served.channel.take, first) is None  # expired: closed on the spot
+    assert served.open_fds() == before - 1
+    assert served.call(served.channel.expire) == 2
+    assert served.open_fds() == before - 3
+    assert served.call(served.channel.take, second) is None
+    assert served.call(served.channel.take, b"\0" * TICKET_BYTES) is None
+
+
+def test_close_releases_every_descriptor_and_the_socket_file(served):
+    with SharedSegment(4096) as segment:
+        send_fds(served.channel.path, [segment.fd] * 3, timeout=5.0)
+    idle = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    idle.connect(served.channel.path)
+    served.call(lambda: None)  # let the loop accept it
+    before = served.open_fds()
+    served.call(served.channel.close)
+    assert served.open_fds() == before - 3 - 1 - 1  # tickets, the connection, the listener
+    assert not os.path.exists(served.channel.path)
+    idle.settimeout(1.0)
+    assert idle.recv(16) == b""
+    idle.close()
+    with SharedSegment(4096) as segment, \
+            pytest.raises(ServerUnavailable, match="must run on this machine"):
+        send_fds(served.channel.path, [segment.fd], timeout=1.0)
+
+
+def test_the_socket_file_is_private_and_only_a_stale_socket_is_replaced(served, tmp_path):
+    assert stat.S_IMODE(os.stat(served.channel.path).st_mode) == 0o600
+    shared = FdChannel(str(tmp_path / "shared.sock"), mode=0o660, gid=os.getgid())
+    served.call(shared.start, served.loop)
+    st = os.stat(shared.path)
+    assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o660, os.getgid())
+    served.call(shared.close)
+
+    with pytest.raises(OSError) as live:  # another channel listens there
+        served.call(FdChannel(served.channel.path).start, served.loop)
+    assert live.value.errno == errno.EADDRINUSE
+
+    not_socket = tmp_path / "not_a_socket"
+    not_socket.write_bytes(b"precious")
+    with pytest.raises(OSError, match="not a socket"):
+        served.call(FdChannel(str(not_socket)).start, served.loop)
+    assert not_socket.read_bytes() == b"precious"
+
+    stale_path = str(tmp_path / "stale.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as dead:
+        dead.bind(stale_path)  # a server that died without unlinking its socket
+    revived = FdChannel(stale_path)
+    served.call(revived.start, served.loop)
+    try:
+        with SharedSegment(4096) as segment:
+            (ticket,) = send_fds(stale_path, [segment.fd], timeout=5.0)
+        os.close(served.call(revived.take, ticket).fd)
+    finally:
+        served.call(revived.close)
+
+
+def test_client_errors_say_what_went_wrong(tmp_path):
+    with SharedSegment(4096) as segment:
+        missing = str(tmp_path / "missing.sock")
+        with pytest.raises(ServerUnavailable, match=f"{missing}.*must run on this machine"):
+            send_fds(missing, [segment.fd], timeout=1.0)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as mute:
+            mute.bind(str(tmp_path / "mute.sock"))
+            mute.listen(1)  # never accepts, never answers
+            with pytest.raises(RequestTimeout, match="did not answer within 0.2 s"):
+                send_fds(str(tmp_path / "mute.sock"), [segment.fd], timeout=0.2)
+        closed = os.dup(segment.fd)
+        os.close(closed)
+        with pytest.raises(ValueError, match=f"descriptor 1 \\({closed}\\) cannot be sent"):
+            send_fds(missing, [segment.fd, closed], timeout=1.0)
