@@ -78,6 +78,9 @@ LIMITS: dict[str, Limit] = {
                                  "REGISTER_KV_CACHE, server-wide"),
     "TICKET_TTL_S": Limit(60, "seconds a ticket stays valid"),
     "MAX_SESSIONS": Limit(65536, "connections that said HELLO and are remembered"),
+    "MAX_REGISTRATIONS_PER_CONNECTION": Limit(
+        64, "KV caches one connection may have registered at once"),
+    "MAX_REGISTRATIONS": Limit(4096, "KV caches registered at once, server-wide"),
     "REPLY_BACKLOG_BYTES": Limit(
         64 * 1024**2, "reply bytes kept for one connection that does not read them; past it "
                       "the server drops that connection's session and backlog"),
@@ -101,6 +104,8 @@ MAX_FDS_PER_MESSAGE = LIMITS["MAX_FDS_PER_MESSAGE"].value
 MAX_PENDING_TICKETS = LIMITS["MAX_PENDING_TICKETS"].value
 TICKET_TTL_S = LIMITS["TICKET_TTL_S"].value
 MAX_SESSIONS = LIMITS["MAX_SESSIONS"].value
+MAX_REGISTRATIONS_PER_CONNECTION = LIMITS["MAX_REGISTRATIONS_PER_CONNECTION"].value
+MAX_REGISTRATIONS = LIMITS["MAX_REGISTRATIONS"].value
 REPLY_BACKLOG_BYTES = LIMITS["REPLY_BACKLOG_BYTES"].value
 
 _CACHE_SALT = re.compile(r"[\x21-\x7e]{0,%d}" % MAX_SALT_CHARS)  # printable ASCII, no spaces

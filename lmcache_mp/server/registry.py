@@ -20,6 +20,8 @@ from ..protocol import (
     MAX_LAYERS,
     MAX_MODEL_CHARS,
     MAX_NAME_CHARS,
+    MAX_REGISTRATIONS,
+    MAX_REGISTRATIONS_PER_CONNECTION,
     SKIP_BLOCK,
     TICKET_BYTES,
     MemfdHandle,
@@ -305,6 +307,15 @@ class Registry:
     def register(self, owner: bytes, engine: bytes, req: RegisterKVCacheRequest
                  ) -> KVCacheInstance:
         """Map a worker's cache for connection `owner` of `engine` (access.Session)."""
+        # Each mapping holds a descriptor in this process: bounded, so no client can use up
+        # the server's descriptors (and with them every other client's connections).
+        _check(len(self._instances) < MAX_REGISTRATIONS,
+               f"the server holds {MAX_REGISTRATIONS} registrations already (MAX_REGISTRATIONS)")
+        mine = sum(1 for instance in self._instances.values() if instance.owner == owner)
+        _check(mine < MAX_REGISTRATIONS_PER_CONNECTION,
+               f"this connection holds {mine} registrations already; the limit is "
+               f"{MAX_REGISTRATIONS_PER_CONNECTION} (MAX_REGISTRATIONS_PER_CONNECTION): "
+               f"unregister one first")
         geometry, num_blocks = _validate_handles(req, self.chunk_size)
         dtype = DTYPES[geometry.dtype]
         mappings: dict[bytes, mmap.mmap] = {}

@@ -8,6 +8,7 @@ import gc
 import inspect
 import logging
 import os
+import resource
 import signal
 import time
 from collections import deque
@@ -131,6 +132,10 @@ class Server:
 
     async def startup(self) -> None:
         config = self.config
+        # Every connection and registration costs a descriptor: take all the system allows.
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         self._sessions, self._fd_channel = self._open_access()
         # Parallelism comes from the copy threads; torch's own pool would oversubscribe the cores.
         torch.set_num_threads(1)
@@ -249,7 +254,9 @@ class Server:
     def _send_error(self, client: bytes, request_id: int, exc: BaseException) -> None:
         if not isinstance(exc, ServerError):
             logger.exception("request %d failed", request_id, exc_info=exc)
-            exc = InternalError(f"internal error: {type(exc).__name__}: {exc}")
+            # The first line only: the log has the rest (torch's errors carry C++ frames).
+            summary = str(exc).strip().split("\n", 1)[0][:200]
+            exc = InternalError(f"internal error: {type(exc).__name__}: {summary}")
         else:
             logger.debug("request %d refused: %s: %s", request_id, exc.code, exc)
         self._send(client, protocol.error_frames(request_id, exc.code, str(exc)))

@@ -11,7 +11,7 @@ import zmq
 from lmcache_mp import protocol
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import BadRequest, UnknownInstance
-from lmcache_mp.protocol import CudaIpcHandle, MemfdHandle
+from lmcache_mp.protocol import MAX_REGISTRATIONS_PER_CONNECTION, CudaIpcHandle, MemfdHandle
 
 from ..utils import run_server
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
@@ -178,3 +178,17 @@ def test_too_many_chunks_in_one_message_is_refused():
             client.lookup(MODEL, 1, [LookupItem.build("a", prompt(1, 3)),
                                      LookupItem.build("b", prompt(2, 2))])
         assert client.lookup(MODEL, 1, [LookupItem.build("a", prompt(1, 4))]) == [0]
+
+
+def test_registrations_per_connection_are_bounded(server):
+    with make_cache(BLOCKS_PER_CHUNK, None) as cache, CacheClient(server.url) as client, \
+            CacheClient(server.url) as other:
+        registrations = [register(client, cache)
+                         for _ in range(MAX_REGISTRATIONS_PER_CONNECTION)]
+        with pytest.raises(BadRequest, match="MAX_REGISTRATIONS_PER_CONNECTION"):
+            register(client, cache)
+        register(other, cache)  # another connection is not held back
+        client.unregister(registrations.pop())
+        registrations.append(register(client, cache))
+        for registration in registrations:
+            client.unregister(registration)
