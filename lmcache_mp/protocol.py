@@ -62,6 +62,12 @@ LIMITS: dict[str, Limit] = {
     "TRANSFER_SLICE_CHUNKS": Limit(
         256, "chunks of one STORE or RETRIEVE the server prepares or settles before letting "
              "others run"),
+    # The per-array limit alone lets arrays nested in arrays build a value per byte of a
+    # MAX_MESSAGE_BYTES message (seconds of the loop, gigabytes). The largest valid request,
+    # a REGISTER_KV_CACHE of MAX_LAYERS handles, holds about 18 values per layer.
+    "MAX_REQUEST_VALUES": Limit(
+        32768, "values (array elements and map entries) in one request's payload, nested "
+               "ones included"),
     "MAX_MAP_FIELDS": Limit(64, "keys in any msgpack map of a request"),
     "MAX_STRING_BYTES": Limit(4096, "bytes of any msgpack string in a request"),
     "MAX_REQUEST_ID_CHARS": Limit(512, "characters of a request_id"),
@@ -91,6 +97,7 @@ MAX_CHUNKS_PER_MESSAGE = LIMITS["MAX_CHUNKS_PER_MESSAGE"].value
 MAX_LOOKUP_PROBES = LIMITS["MAX_LOOKUP_PROBES"].value
 LOOKUP_SLICE_PROBES = LIMITS["LOOKUP_SLICE_PROBES"].value
 TRANSFER_SLICE_CHUNKS = LIMITS["TRANSFER_SLICE_CHUNKS"].value
+MAX_REQUEST_VALUES = LIMITS["MAX_REQUEST_VALUES"].value
 MAX_MAP_FIELDS = LIMITS["MAX_MAP_FIELDS"].value
 MAX_STRING_BYTES = LIMITS["MAX_STRING_BYTES"].value
 MAX_REQUEST_ID_CHARS = LIMITS["MAX_REQUEST_ID_CHARS"].value
@@ -519,11 +526,6 @@ _REQUEST_LIMITS = dict(max_array_len=MAX_ITEMS_PER_MESSAGE, max_map_len=MAX_MAP_
                       max_str_len=MAX_STRING_BYTES, max_ext_len=0)
 
 
-# Values (array elements plus map entries) one request may hold in all: the per-array limit
-# alone lets arrays nested in arrays build a value per byte of a MAX_MESSAGE_BYTES message
-# (seconds of the loop, gigabytes). The largest valid request, a REGISTER_KV_CACHE of
-# MAX_LAYERS handles, holds about 18 per layer.
-MAX_REQUEST_VALUES = 32 * MAX_ITEMS_PER_MESSAGE
 # msgpack errors that carry no text of their own.
 _UNPACK_REASONS = {"StackError": "arrays and maps nested more than 1024 deep",
                    "FormatError": "a byte that starts no msgpack value"}

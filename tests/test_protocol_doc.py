@@ -694,14 +694,14 @@ def test_sessions_roles_and_engines_work_as_documented(server: ServerProcess) ->
                 session(server, engine="secret-a") as scheduler_a, \
                 session(server, engine="secret-b") as other_b:
             requests_before = call(admin, 1, "STATS", {})["requests"]
-            # Before HELLO: every op but HELLO and PING is unauthenticated, whatever it is;
-            # a payload that does not decode is refused first; all of them are counted.
+            # Before HELLO: every op but HELLO and PING is unauthenticated, whatever its
+            # payload (it is not even decoded); all of them are counted.
             for n, op in enumerate(["LOOKUP", "STATS", "QUOTA_LIST", "END_SESSION"]):
                 payload = {"model": "m", "kv_world_size": 1, "items": []} if op == "LOOKUP" \
                     else {"request_id": "r"} if op == "END_SESSION" else {}
                 assert refused(fresh, 10 + n, op, payload) == \
                     {"code": "unauthenticated", "message": no_session}, op
-            assert refused(fresh, 14, "LOOKUP", b"\xc1", raw=True)["code"] == "bad_request"
+            assert refused(fresh, 14, "LOOKUP", b"\xc1", raw=True)["code"] == "unauthenticated"
             assert isinstance(call(fresh, 15, "PING", {})["server_time"], float)
             requests_after = call(admin, 2, "STATS", {})["requests"]
             assert requests_after["LOOKUP"] - requests_before.get("LOOKUP", 0) == 2

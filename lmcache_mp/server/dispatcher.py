@@ -39,7 +39,6 @@ from ..protocol import (
     LookupReply,
     LookupRequest,
     PingReply,
-    PingRequest,
     QuotaDeleteRequest,
     QuotaGetRequest,
     QuotaInfo,
@@ -182,15 +181,23 @@ class Dispatcher:
         self.registry.seen(client)
         self.sessions.seen(client)
 
-    def handle(self, client: bytes, op: str, request: Any) -> Any | Awaitable[Any]:
-        if op == "HELLO":
-            return self.hello(client, request)
-        if op == "PING":  # heartbeats need no session: they only keep registrations alive
-            return self.ping()
+    def admit(self, client: bytes, op: str) -> Session | None:
+        """The session that may send `op` (None for HELLO and PING, which need none);
+        raises Unauthenticated or Forbidden. Cheap: the server asks before decoding."""
+        if op in ("HELLO", "PING"):  # heartbeats only keep registrations alive
+            return None
         session = self.sessions.get(client)
         if op in ADMIN_OPS and session.role != ROLE_ADMIN:
             raise Forbidden(f"{op} is an admin op: HELLO with the admin token first (the "
                             f"runtime directory's admin.token, or LMCACHE_MP_ADMIN_TOKEN)")
+        return session
+
+    def handle(self, client: bytes, op: str, request: Any) -> Any | Awaitable[Any]:
+        session = self.admit(client, op)
+        if op == "HELLO":
+            return self.hello(client, request)
+        if op == "PING":
+            return self.ping()
         return self._handlers[type(request)](session, request)
 
     # -- session ---------------------------------------------------------------------------

@@ -219,6 +219,8 @@ class Server:
             # Any request that names a known op counts, and is a sign of life, even when
             # its payload is then refused.
             self.dispatcher.note_request(client, parsed.op)
+            # Who may send it is known from the frames: no decoding for those who may not.
+            self.dispatcher.admit(client, parsed.op)
             request = protocol.unpack(protocol.OPS[parsed.op].request, parsed.payload,
                                       bounded=True)
             result = self.dispatcher.handle(client, parsed.op, request)

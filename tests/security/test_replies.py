@@ -1,0 +1,172 @@
+"""No silent loss: every request gets its reply, however slowly its client reads; refused
+requests still count and still keep a worker's registrations alive; undecodable ones are
+told why; the server cleans up its socket files when it stops."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from lmcache_mp.client import LookupItem, StoreStatus, TransferItem
+from lmcache_mp.errors import BadRequest
+from lmcache_mp.protocol import (
+    LookupRequest, RetrieveReply, RetrieveRequest, StoreReply, StoreRequest,
+    UnregisterKVCacheRequest,
+)
+from lmcache_mp.server.spawn import ServerProcess
+
+from ..utils import run_server
+from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, prompt
+from .agents import RawClient, new_cache, raw_bytes, rid, wait_for
+
+PIPELINED = 20_000
+
+
+@pytest.fixture(scope="module")
+def server():
+    with run_server("--worker-timeout", "1") as srv:
+        yield srv
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hwm", [0, 1], ids=["unbounded queues", "one-message queues"])
+def test_pipelined_requests_read_late_all_get_their_replies(server, hwm):
+    """20,000 STATS sent without reading, read a second later: 20,000 replies, one per id.
+    With one-message queues at the client, the server's pipe to it fills and the replies
+    wait in the server's backlog for the client to read."""
+    with RawClient(server.url, hwm=hwm, timeout_ms=20_000) as raw:
+        raw.hello()
+        sent = [raw.send("STATS", {}) for _ in range(PIPELINED)]
+        time.sleep(1.0)
+        replies = [raw.recv() for _ in range(PIPELINED)]
+        assert [r[0] for r in replies] == sent  # in order, none lost, none doubled
+        assert all(status == b"ok" and "requests" in body for _, status, body in replies)
+        assert raw.socket.poll(200) == 0  # and nothing more
+        status, body = raw.call("PING", {})
+        assert status == b"ok"
+    server.check_alive()
+
+
+def test_socket_files_are_removed_when_the_server_stops():
+    server = ServerProcess(None, ["--cpu-size", "16MiB", "--log-level", "warning"])
+    server.start()
+    try:
+        sockets = [server.runtime_dir / "server.sock", server.runtime_dir / "fd.sock"]
+        assert all(path.is_socket() for path in sockets)
+        assert server.stop() == 0
+        assert [path.name for path in sockets if path.exists()] == []
+    finally:
+        server.close()
+
+
+def test_refused_requests_count_and_keep_registrations_alive(server):
+    """Any request that names an op is a sign of life, even one refused as a bad request."""
+    with server.client(timeout=10) as worker, server.client(admin=True) as admin, \
+            new_cache(2 * BLOCKS_PER_CHUNK, 3, W2) as cache:
+        registration = worker.register_kv_cache(cache.handles(), model=MODEL, layout="mha",
+                                                block_size=16)
+        worker.rpc.heartbeat_interval = None  # only the refused requests below speak for it
+        instance_id = registration.instance_id
+        counted = admin.stats().requests.get("LOOKUP", 0)
+        refused = 0
+        deadline = time.monotonic() + 2.5  # two and a half worker timeouts
+        while time.monotonic() < deadline:
+            with pytest.raises(BadRequest, match=r"`kv_world_size`: must be in \[1, 1024\]"):
+                worker.rpc.call(LookupRequest(MODEL, 0, []))
+            refused += 1
+            time.sleep(0.2)
+        stats = admin.stats()
+        assert stats.requests["LOOKUP"] == counted + refused
+        assert [i.instance_id for i in stats.instances] == [instance_id]
+        hashes = prompt(40, 2)
+        assert worker.store(registration, [TransferItem.build("r", hashes, chunk_blocks(
+            [0, 1]))]) == [bytes([StoreStatus.STORED] * 2)]
+        assert registration.instance_id == instance_id  # not registered again
+        # Silent, it goes at --worker-timeout.
+        wait_for(lambda: admin.stats().registrations == 0, timeout=5,
+                 what="the silent worker's registration dropped")
+
+
+def test_an_instance_id_sent_as_an_integral_float64_is_accepted(server):
+    """JavaScript's msgpack encoders send integers above 2^32 as float64."""
+    with server.client(timeout=10) as client, new_cache(2 * BLOCKS_PER_CHUNK, 4, W2) as source, \
+            new_cache(2 * BLOCKS_PER_CHUNK, None, W2) as target:
+        sent = client.register_kv_cache(source.handles(), model=MODEL, layout="mha",
+                                        block_size=16)
+        received = client.register_kv_cache(target.handles(), model=MODEL, layout="mha",
+                                            block_size=16)
+        assert sent.instance_id > 2**32 or received.instance_id > 2**32  # random 53-bit ids
+        hashes = prompt(41, 2)
+        assert client.rpc.call(StoreRequest(float(sent.instance_id), [TransferItem.build(
+            "f", hashes, chunk_blocks([0, 1]))])) == StoreReply([bytes([StoreStatus.STORED] * 2)])
+        client.lookup(MODEL, 1, [LookupItem.build("f", hashes, hold=True)])
+        assert client.rpc.call(RetrieveRequest(float(received.instance_id), [TransferItem.build(
+            "f", hashes, chunk_blocks([1, 0]))])) == RetrieveReply([2])
+        assert raw_bytes(target.blocks(chunk_blocks([1, 0]))) == \
+            raw_bytes(source.blocks(chunk_blocks([0, 1])))
+        for wrong in (1.5, float(2**53 + 2), float("nan")):  # not integral, or not exact
+            with pytest.raises(BadRequest, match="`instance_id`: expected int, got float"):
+                client.rpc.call(UnregisterKVCacheRequest(wrong))
+        for registration in (sent, received):
+            client.rpc.call(UnregisterKVCacheRequest(float(registration.instance_id)))
+        assert client.stats().registrations == 0
+
+
+UNDECODABLE = {
+    "a reserved byte": b"\xc1",
+    "nested too deep": b"\x91" * 2000 + b"\xc0",
+    "cut short": b"\x92\x01",
+    "a string cut short": b"\xd9\x05ab",
+    "extra bytes": b"\x80\x80",
+    "not UTF-8": b"\xa2\xff\xfe",
+}
+
+
+def test_undecodable_msgpack_is_refused_with_a_reason(server):
+    with RawClient(server.url) as raw:
+        raw.hello()
+        for label, payload in UNDECODABLE.items():
+            request_id = raw.send("LOOKUP", payload)
+            reply_id, status, body = raw.recv()
+            assert (reply_id, status, body["code"]) == (request_id, b"err", "bad_request"), label
+            match = re.fullmatch(r"payload is not valid msgpack \((\w+): (.*)\)", body["message"])
+            assert match and match[2].strip(), (label, body["message"])
+        # Frames, too: a short request id is answered with id 0.
+        raw.socket.send_multipart([b"\x01", b"PING", b"\x80"])
+        assert raw.recv()[:2] == (0, b"err")
+        assert raw.call("PING", {})[0] == b"ok"
+
+
+def test_a_registration_is_answered_while_the_pool_prefaults():
+    server = ServerProcess(None, ["--cpu-size", "2GiB", "--log-level", "warning"])
+    server.start()
+    try:
+        with server.client(timeout=10) as client, new_cache(2 * BLOCKS_PER_CHUNK, 5, W2) as cache:
+            assert client.stats().prefault_done is False
+            started = time.monotonic()
+            registration = client.register_kv_cache(cache.handles(), model=MODEL, layout="mha",
+                                                    block_size=16)
+            hashes = prompt(42, 1)
+            assert client.store(registration, [TransferItem.build("p", hashes, chunk_blocks(
+                [0]))]) == [bytes([StoreStatus.STORED])]
+            assert time.monotonic() - started < 3.0
+            assert client.stats().prefault_done is False  # it really was still faulting
+            client.unregister(registration)
+        stopping = time.monotonic()
+        assert server.stop() == 0  # mid-prefault too
+        assert time.monotonic() - stopping < 10
+    finally:
+        server.close()
+
+
+def test_bad_frames_from_a_connection_without_session_get_one_reply_each(server):
+    with RawClient(server.url) as raw:
+        for op, payload in (("STATS", {}), ("CLEAR", {}), ("LOOKUP", {
+                "model": MODEL, "kv_world_size": 1, "items": []})):
+            status, body = raw.call(op, payload)
+            assert (status, body["code"]) == (b"err", "unauthenticated"), op
+        raw.socket.send_multipart([rid(7), b"NOPE", b"\x80"])
+        assert raw.recv()[:2] == (7, b"err")
+        assert raw.call("PING", {})[0] == b"ok"  # heartbeats need no session
