@@ -253,11 +253,14 @@ class Dispatcher:
                              f"{MAX_LOOKUP_PROBES}")
         parsed = []
         for i, item in enumerate(req.items):
-            path = f"items[{i}]"
-            holder = _lease_owner(session, item.cache_salt, item.request_id, f"{path}.")
-            parsed.append((holder.cache_salt,
-                           unpack_hashes(item.chunk_hashes, f"{path}.chunk_hashes"),
-                           holder if item.hold else None))
+            path = f"items[{i}]."
+            holder = (_lease_owner(session, item.cache_salt, item.request_id, path)
+                      if item.hold else None)
+            if holder is None:  # the same checks, without a lease owner nobody needs
+                _check_length(item.request_id, MAX_REQUEST_ID_CHARS, path + "request_id")
+                validate_salt(item.cache_salt, path + "cache_salt")
+            parsed.append((item.cache_salt, unpack_hashes(item.chunk_hashes,
+                                                          path + "chunk_hashes"), holder))
         if probes <= LOOKUP_SLICE_PROBES:
             return LookupReply([self.store.lookup(req.model, req.kv_world_size, salt, hashes,
                                                   holder)

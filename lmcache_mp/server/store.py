@@ -113,14 +113,13 @@ class PrefixScan:
 
     def step(self, budget: int) -> int:
         """Probe up to `budget` keys (at least one hash's worth); return how many it used."""
-        store, ranks = self.store, range(self.kv_world_size)
+        store = self.store
         used = 0
         while not self.done and (used == 0 or used + self.kv_world_size <= budget):
-            chunk_hash = self.hashes[self._next]
-            chunks = [store._visible(ChunkKey(self.model, self.kv_world_size, worker,
-                                              self.cache_salt, chunk_hash)) for worker in ranks]
+            chunks = store._probe(self.model, self.kv_world_size, self.cache_salt,
+                                  self.hashes[self._next])
             used += self.kv_world_size
-            if None in chunks:
+            if chunks is None:
                 self.done = True
                 break
             if self.hold_while_scanning:
@@ -206,10 +205,24 @@ class ChunkStore:
 
     def lookup(self, model: str, kv_world_size: int, cache_salt: str,
                hashes: Sequence[bytes], holder: LeaseOwner | None = None) -> int:
-        """Leading chunks stored for every kv worker; with `holder`, lease them to it."""
-        scan = PrefixScan(self, model, kv_world_size, cache_salt, hashes, hold_while_scanning=False)
-        scan.step(len(hashes) * kv_world_size)
-        return scan.finish(holder)
+        """Leading chunks stored for every kv worker; with `holder`, lease them to it. All at
+        once: the dispatcher sends long lookups through a sliced PrefixScan instead."""
+        found: list[Chunk] = []
+        hit = 0
+        for chunk_hash in hashes:
+            chunks = self._probe(model, kv_world_size, cache_salt, chunk_hash)
+            if chunks is None:
+                break
+            found.extend(chunks)
+            hit += 1
+        return self._touch_and_lease(cache_salt, len(hashes), hit, found, holder, held=False)
+
+    def _probe(self, model: str, kv_world_size: int, cache_salt: str, chunk_hash: bytes
+               ) -> list[Chunk] | None:
+        """The visible chunk of every kv worker for one hash, or None if any is missing."""
+        chunks = [self._visible(ChunkKey(model, kv_world_size, worker, cache_salt, chunk_hash))
+                  for worker in range(kv_world_size)]
+        return None if None in chunks else chunks
 
     def _touch_and_lease(self, cache_salt: str, hashes: int, hit: int, found: list[Chunk],
                          holder: LeaseOwner | None, held: bool) -> int:
