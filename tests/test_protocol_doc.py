@@ -51,7 +51,6 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 import types
 import typing

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from .agents import Agent
+from .agents import NOBODY, Agent
 
 
 @pytest.fixture
@@ -23,3 +23,19 @@ def agents() -> Iterator:
         agent.stop()
     for agent in started:
         agent.close()
+
+
+@pytest.fixture(scope="module")
+def outsider(server):
+    """One process as `nobody` (in nogroup) for a module's attacks on its `server`; each
+    test uses its own names in it, and closes its clients."""
+    agent = Agent("outsider", uid=NOBODY)
+    yield agent
+    agent.close()
+
+
+@pytest.fixture
+def admin(server):
+    """An admin client of the module's `server`."""
+    with server.client(admin=True, timeout=20) as client:
+        yield client

@@ -29,8 +29,8 @@ from lmcache_mp.protocol import (
 
 from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, prompt
 from .agents import (
-    NOBODY, W1, Agent, RawClient, Ref, connect, group_server, make, new_cache, open_fds,
-    raw_bytes, register, wait_for,
+    W1, RawClient, Ref, connect, group_server, make, new_cache, open_fds, raw_bytes, register,
+    wait_for,
 )
 
 # The attackers run as nobody, and the server gives nogroup access: both need root.
@@ -45,21 +45,6 @@ def server():
     with group_server("--cpu-size", "1GiB", "--worker-timeout", "1.5",
                       "--lease-timeout", "5") as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def attacker(server):
-    """One process as `nobody` (in nogroup, which may connect) for the module's attacks;
-    each test uses its own names in it, and closes its clients."""
-    agent = Agent("attacker", uid=NOBODY)
-    yield agent
-    agent.close()
-
-
-@pytest.fixture
-def admin(server):
-    with server.client(admin=True, timeout=20) as client:
-        yield client
 
 
 @pytest.fixture
@@ -147,7 +132,7 @@ def shrinkable_fds(size: int) -> dict[str, int]:
 
 
 def offer_shrinkable_memory(state, url: str, fd_socket: str) -> dict:
-    """The attacker: hand the fd channel memory it can shrink, then register it anyway with a
+    """The outsider: hand the fd channel memory it can shrink, then register it anyway with a
     ticket of its own making, then shrink it (as it would have mid-copy)."""
     size = 16 * 2 * 16 * 2 * 64 * 2 * 4  # a W2 cache of 16 blocks, 4 layers
     outcomes = {}
@@ -172,17 +157,17 @@ def offer_shrinkable_memory(state, url: str, fd_socket: str) -> dict:
 
 
 def test_a_registered_segment_cannot_shrink_and_shrinkable_memory_never_gets_a_ticket(
-        server, attacker, worker):
+        server, outsider, worker):
     bystander_round_trip(server, 1)
     # The worker (this process) tries to resize the memfd it registered.
     client, cache, registration = worker
     resized = try_to_resize({"cache": cache}, "cache")
     assert resized == {"shrink to 0": "EPERM", "shrink by a page": "EPERM", "grow": "EPERM",
                        "size": 4 * 2 * 32 * 16 * 2 * 64 * 2}
-    assert attacker.run(connect, "c1", server.url) == "engine"
+    assert outsider.run(connect, "c1", server.url) == "engine"
 
     fd_socket = str(server.runtime_dir / "fd.sock")
-    outcomes = attacker.run(offer_shrinkable_memory, server.url, fd_socket)
+    outcomes = outsider.run(offer_shrinkable_memory, server.url, fd_socket)
     for label in ("/dev/shm file", "/tmp file", "memfd, unsealed",
                   "memfd, sealed against growing only"):
         assert outcomes[label] == (
@@ -198,7 +183,7 @@ def test_a_registered_segment_cannot_shrink_and_shrinkable_memory_never_gets_a_t
     assert client.store(registration, [TransferItem.build("w", hashes, chunk_blocks([0, 1]))]
                         ) == [STORED * 2]
     bystander_round_trip(server, 2)
-    attacker.do("c1", "close")
+    outsider.do("c1", "close")
 
 
 # ---------------------------------------------------------------------------
@@ -316,7 +301,7 @@ def test_a_worker_that_closes_its_segment_or_dies_mid_transfer_harms_nobody(
 # Names and symlinks: the server opens nothing by name any more.
 
 def register_by_name(state, url: str, attempts: dict[str, dict]) -> dict:
-    """The attacker: REGISTER_KV_CACHE with handles that name memory instead of passing it."""
+    """The outsider: REGISTER_KV_CACHE with handles that name memory instead of passing it."""
     outcomes = {}
     with RawClient(url) as raw:
         raw.hello()
@@ -341,7 +326,7 @@ def remove_symlink(state) -> None:
     os.unlink(state["symlink"])
 
 
-def test_names_symlinks_and_made_up_tickets_map_nothing(server, admin, attacker, worker,
+def test_names_symlinks_and_made_up_tickets_map_nothing(server, admin, outsider, worker,
                                                          tmp_path):
     secret = tmp_path / "secret"
     secret.write_bytes(os.urandom(64 * 1024))
@@ -349,7 +334,7 @@ def test_names_symlinks_and_made_up_tickets_map_nothing(server, admin, attacker,
     before = secret.read_bytes(), os.stat(secret)
     victim, victim_cache, registration = worker  # this process, with a registered cache
     victim_segment = victim_cache.name
-    link = attacker.run(plant_symlink, str(secret))
+    link = outsider.run(plant_symlink, str(secret))
     stats_before = admin.stats()
 
     layer = {"offset": 0, "shape": [2, 32, 16, 2, 64], "strides": [65536, 2048, 128, 64, 1],
@@ -368,7 +353,7 @@ def test_names_symlinks_and_made_up_tickets_map_nothing(server, admin, attacker,
         "memfd: the symlink's name as ticket": {"ticket": link.encode()[:TICKET_BYTES],
                                                 "name": link, **layer},
     }
-    outcomes = attacker.run(register_by_name, server.url, attempts)
+    outcomes = outsider.run(register_by_name, server.url, attempts)
     assert outcomes.pop("stats") == []  # it registered nothing
     for label, (status, code, message) in outcomes.items():
         assert (status, code) == (b"err", "bad_request"), (label, message)
@@ -378,7 +363,7 @@ def test_names_symlinks_and_made_up_tickets_map_nothing(server, admin, attacker,
             assert f"expected {TICKET_BYTES} bytes from the fd channel" in message, message
         else:
             assert "unknown or expired ticket" in message, message
-    attacker.run(remove_symlink)
+    outsider.run(remove_symlink)
 
     server.check_alive()
     pid = server.proc.pid
@@ -397,7 +382,7 @@ def test_names_symlinks_and_made_up_tickets_map_nothing(server, admin, attacker,
 
 
 # ---------------------------------------------------------------------------
-# Descriptors the attacker can open, and tickets.
+# Descriptors the outsider can open, and tickets.
 
 def unfit_fds() -> dict[str, int]:
     """Descriptors a user without privileges can open that are not sealed memfds."""
@@ -451,12 +436,12 @@ def reuse_a_ticket(state) -> dict:
     return outcomes
 
 
-def test_unfit_descriptors_are_refused_and_tickets_are_single_use(server, attacker):
+def test_unfit_descriptors_are_refused_and_tickets_are_single_use(server, outsider):
     fd_socket = str(server.runtime_dir / "fd.sock")
     assert stat.S_IMODE(os.stat(fd_socket).st_mode) == 0o660
     pid = server.proc.pid
     fds_before, targets_before = open_fds(pid), set(fd_targets(pid))
-    outcomes = attacker.run(offer_unfit_fds, fd_socket)
+    outcomes = outsider.run(offer_unfit_fds, fd_socket)
     assert outcomes == {
         "/dev/zero": "fd 0 is not a regular file but a character device; send the memfd of "
                      "a lmcache_mp.client.SharedSegment",
@@ -479,14 +464,14 @@ def test_unfit_descriptors_are_refused_and_tickets_are_single_use(server, attack
     assert kept == []
     wait_for(lambda: open_fds(pid) <= fds_before, what="no descriptor kept")
 
-    attacker.run(connect, "c3", server.url)
-    attacker.run(connect, "other", server.url)
-    attacker.run(make, "cache3", 2 * BLOCKS_PER_CHUNK, 5, W2)
-    outcomes = attacker.run(reuse_a_ticket)
+    outsider.run(connect, "c3", server.url)
+    outsider.run(connect, "other", server.url)
+    outsider.run(make, "cache3", 2 * BLOCKS_PER_CHUNK, 5, W2)
+    outcomes = outsider.run(reuse_a_ticket)
     assert outcomes["first"] is True
     for label in ("again", "from another connection"):
         assert "`layers[0].ticket`: unknown or expired ticket" in outcomes[label], label
     server.check_alive()
     for name in ("c3", "other", "cache3"):  # its connections go, and their descriptors
-        attacker.do(name, "close")
+        outsider.do(name, "close")
     wait_for(lambda: open_fds(pid) <= fds_before, what="no descriptor leaked")

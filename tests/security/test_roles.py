@@ -1,7 +1,7 @@
 """Spy and tamper: what one engine may see and do to another's state, what needs the admin
 token, what a tcp:// endpoint asks of a client, and which start-ups the server refuses.
 
-The intruder is a process running as `nobody` in `nogroup`, which the server lets connect
+The outsider is a process running as `nobody` in `nogroup`, which the server lets connect
 (--socket-group): it can read the engine token, not the admin token.
 """
 
@@ -23,7 +23,7 @@ from lmcache_mp.protocol import (
 from ..utils import run_server
 from ..workers import BLOCKS_PER_CHUNK, MLA, MODEL, W2, chunk_blocks, prompt
 from .agents import (
-    NOBODY, Agent, Ref, connect, group_server, make, new_cache, raw_bytes, register,
+    NOBODY, Ref, connect, group_server, make, new_cache, raw_bytes, register,
 )
 
 # The attackers run as nobody, and the server gives nogroup access: both need root.
@@ -37,20 +37,6 @@ CHUNK_BYTES = 512 * 1024  # W2
 def server():
     with group_server("--cpu-size", "64MiB") as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def intruder(server):
-    """One process as nobody for the whole module; each test uses its own names in it."""
-    agent = Agent("intruder", uid=NOBODY)
-    yield agent
-    agent.close()
-
-
-@pytest.fixture
-def admin(server):
-    with server.client(admin=True, timeout=10) as client:
-        yield client
 
 
 def register_here(client: CacheClient, cache):
@@ -77,11 +63,11 @@ def read_file(state, path: str) -> str:
 # ---------------------------------------------------------------------------
 # Spying.
 
-def test_an_engine_sees_no_tenant_and_no_other_engines_registrations(server, admin, intruder):
-    intruder.run(connect, "spy", server.url, engine="engine-b")
-    intruder.run(make, "spy_cache", 2 * BLOCKS_PER_CHUNK, 9, W2)
-    spy_id = intruder.run(register, "spy_reg", "spy", "spy_cache")
-    assert intruder.do("spy", "store", Ref("spy_reg"), [TransferItem.build(
+def test_an_engine_sees_no_tenant_and_no_other_engines_registrations(server, admin, outsider):
+    outsider.run(connect, "spy", server.url, engine="engine-b")
+    outsider.run(make, "spy_cache", 2 * BLOCKS_PER_CHUNK, 9, W2)
+    spy_id = outsider.run(register, "spy_reg", "spy", "spy_cache")
+    assert outsider.do("spy", "store", Ref("spy_reg"), [TransferItem.build(
         "b", prompt(60, 1), chunk_blocks([0]), "tenant-b")]) == [STORED]
     with server.client(engine="engine-a") as engine_a, \
             server.client(engine="engine-a") as engine_a_too, \
@@ -90,7 +76,7 @@ def test_an_engine_sees_no_tenant_and_no_other_engines_registrations(server, adm
         assert engine_a.store(registration, [TransferItem.build(
             "a", prompt(61, 2), chunk_blocks([0, 1]), "tenant-a")]) == [STORED * 2]
 
-        spied = intruder.do("spy", "stats")
+        spied = outsider.do("spy", "stats")
         assert spied.tenants == {} and [i.instance_id for i in spied.instances] == [spy_id]
         assert spied.chunks >= 3  # aggregates only
         for own in (engine_a.stats(), engine_a_too.stats()):  # the engine's, any connection
@@ -106,7 +92,7 @@ def test_an_engine_sees_no_tenant_and_no_other_engines_registrations(server, adm
         item = TransferItem.build("t", prompt(62, 1), chunk_blocks([0]))
         for request in (StoreRequest(victim_id, [item]), RetrieveRequest(victim_id, [item]),
                         UnregisterKVCacheRequest(victim_id)):
-            refusal = intruder.run(call_refused, "spy", request)
+            refusal = outsider.run(call_refused, "spy", request)
             assert refusal.startswith(f"UnknownInstance: no KV cache with instance_id "
                                       f"{victim_id}"), refusal
             with pytest.raises(UnknownInstance):  # not even the same engine's other connection
@@ -114,7 +100,7 @@ def test_an_engine_sees_no_tenant_and_no_other_engines_registrations(server, adm
         assert engine_a.store(registration, [TransferItem.build(
             "a2", prompt(63, 1), chunk_blocks([0]), "tenant-a")]) == [STORED]
         engine_a.unregister(registration)
-    intruder.do("spy", "unregister", Ref("spy_reg"))
+    outsider.do("spy", "unregister", Ref("spy_reg"))
 
 
 # ---------------------------------------------------------------------------
@@ -141,16 +127,16 @@ def try_admin_ops(state, client: str) -> dict[str, str]:
     return outcomes
 
 
-def test_admin_ops_need_the_admin_token(server, admin, intruder):
+def test_admin_ops_need_the_admin_token(server, admin, outsider):
     runtime_dir = server.runtime_dir
-    assert intruder.run(read_file, str(runtime_dir / "token")) == "READ 65 characters"
-    assert intruder.run(read_file, str(runtime_dir / "admin.token")) == "PermissionError"
+    assert outsider.run(read_file, str(runtime_dir / "token")) == "READ 65 characters"
+    assert outsider.run(read_file, str(runtime_dir / "admin.token")) == "PermissionError"
     # Its admin=True client finds no admin token it can read, and is an engine.
-    assert intruder.run(connect, "wannabe", server.url, admin=True) == ROLE_ENGINE
-    assert intruder.run(connect, "engine", server.url,
+    assert outsider.run(connect, "wannabe", server.url, admin=True) == ROLE_ENGINE
+    assert outsider.run(connect, "engine", server.url,
                         token=(runtime_dir / "token").read_text().strip()) == ROLE_ENGINE
     with pytest.raises(Unauthenticated, match="the token is wrong"):
-        intruder.run(connect, "guess", server.url, token="0" * 64)
+        outsider.run(connect, "guess", server.url, token="0" * 64)
 
     with server.client() as engine, new_cache(2 * BLOCKS_PER_CHUNK, 10, W2) as cache:
         registration = register_here(engine, cache)
@@ -158,8 +144,8 @@ def test_admin_ops_need_the_admin_token(server, admin, intruder):
         assert engine.store(registration, [TransferItem.build(
             "q", hashes, chunk_blocks([0, 1]), "tenant-q")]) == [STORED * 2]
         everything_forbidden = {label: "Forbidden" for label in ADMIN_CALLS}
-        assert intruder.run(try_admin_ops, "wannabe") == everything_forbidden
-        assert intruder.run(try_admin_ops, "engine") == everything_forbidden
+        assert outsider.run(try_admin_ops, "wannabe") == everything_forbidden
+        assert outsider.run(try_admin_ops, "engine") == everything_forbidden
         assert try_admin_ops({"c": engine}, "c") == everything_forbidden
         with pytest.raises(Forbidden, match="CLEAR is an admin op"):
             engine.clear()
@@ -180,13 +166,13 @@ def test_admin_ops_need_the_admin_token(server, admin, intruder):
 # ---------------------------------------------------------------------------
 # Holds: only the engine that took one can drop it.
 
-def test_another_engine_cannot_release_a_hold(server, admin, intruder):
+def test_another_engine_cannot_release_a_hold(server, admin, outsider):
     salt = "held"
     admin.quota_set(salt, 4 * CHUNK_BYTES)  # so that new chunks press on the held ones
-    intruder.run(connect, "other_engine", server.url, engine="engine-x")
-    intruder.run(connect, "no_engine", server.url)  # "": an engine of its own
-    intruder.run(make, "x_cache", 4 * BLOCKS_PER_CHUNK, None, W2)
-    intruder.run(register, "x_reg", "other_engine", "x_cache")
+    outsider.run(connect, "other_engine", server.url, engine="engine-x")
+    outsider.run(connect, "no_engine", server.url)  # "": an engine of its own
+    outsider.run(make, "x_cache", 4 * BLOCKS_PER_CHUNK, None, W2)
+    outsider.run(register, "x_reg", "other_engine", "x_cache")
     with server.client(engine="victim") as scheduler, \
             server.client(engine="victim") as worker, \
             server.client(engine="victim") as another_rank, \
@@ -200,10 +186,10 @@ def test_another_engine_cannot_release_a_hold(server, admin, intruder):
         assert admin.stats().leases_held == 1
 
         for client in ("other_engine", "no_engine"):
-            assert intruder.do(client, "release", [LeaseRef("req-1", salt)]) == 0, client
-            assert intruder.do(client, "end_session", "req-1", salt) == 0, client
+            assert outsider.do(client, "release", [LeaseRef("req-1", salt)]) == 0, client
+            assert outsider.do(client, "end_session", "req-1", salt) == 0, client
         # Nor does its own RETRIEVE under the victim's request id release the hold.
-        assert intruder.do("other_engine", "retrieve", Ref("x_reg"), [TransferItem.build(
+        assert outsider.do("other_engine", "retrieve", Ref("x_reg"), [TransferItem.build(
             "req-1", hashes, chunk_blocks(range(4)), salt)]) == [4]
         assert admin.stats().leases_held == 1
         # The hold still protects the chunks: new ones in the salt find no room.
@@ -221,13 +207,13 @@ def test_another_engine_cannot_release_a_hold(server, admin, intruder):
         # The same engine on another connection can release; then the pressure evicts.
         assert scheduler.lookup(MODEL, 1, [LookupItem.build("req-2", hashes, salt,
                                                             hold=True)]) == [4]
-        assert intruder.do("other_engine", "release", [LeaseRef("req-2", salt)]) == 0
+        assert outsider.do("other_engine", "release", [LeaseRef("req-2", salt)]) == 0
         assert another_rank.release([LeaseRef("req-2", salt)]) == 4
         assert admin.stats().leases_held == 0
         assert worker.store(registration, [TransferItem.build(
             "p", pressure, chunk_blocks(range(4, 8)), salt)]) == [STORED * 4]
         worker.unregister(registration)
-    intruder.do("other_engine", "unregister", Ref("x_reg"))
+    outsider.do("other_engine", "unregister", Ref("x_reg"))
     admin.quota_delete(salt)
     admin.clear(salt)
 
@@ -236,21 +222,21 @@ def test_another_engine_cannot_release_a_hold(server, admin, intruder):
 # MLA groups: only the leader's engine can join.
 
 @pytest.mark.slow
-def test_an_mla_follower_without_the_engine_secret_gets_nothing(server, admin, intruder,
+def test_an_mla_follower_without_the_engine_secret_gets_nothing(server, admin, outsider,
                                                                 agents):
     follower = agents("follower")
     num_blocks = 4 * BLOCKS_PER_CHUNK
     for name, agent, engine, seed in (("good", follower, "mla-engine", None),
-                                      ("bad", intruder, "not-the-secret", 77)):
+                                      ("bad", outsider, "not-the-secret", 77)):
         agent.run(connect, name, server.url, engine=engine, mla_follower=True)
         agent.run(make, f"{name}_cache", num_blocks, seed, MLA)
         agent.run(register, f"{name}_reg", name, f"{name}_cache", tp_rank=1, tp_group="tp-0")
-    intruder.run(connect, "bad_no_engine", server.url, mla_follower=True)
-    intruder.run(make, "bad2_cache", num_blocks, 78, MLA)
-    intruder.run(register, "bad2_reg", "bad_no_engine", "bad2_cache", tp_rank=1,
+    outsider.run(connect, "bad_no_engine", server.url, mla_follower=True)
+    outsider.run(make, "bad2_cache", num_blocks, 78, MLA)
+    outsider.run(register, "bad2_reg", "bad_no_engine", "bad2_cache", tp_rank=1,
                  tp_group="tp-0")
-    untouched = {"bad_cache": intruder.run(blocks_of, "bad_cache", num_blocks),
-                 "bad2_cache": intruder.run(blocks_of, "bad2_cache", num_blocks)}
+    untouched = {"bad_cache": outsider.run(blocks_of, "bad_cache", num_blocks),
+                 "bad2_cache": outsider.run(blocks_of, "bad2_cache", num_blocks)}
 
     with server.client(engine="mla-engine") as leader, new_cache(num_blocks, 76, MLA) as cache:
         registration = leader.register_kv_cache(cache.handles(), model=MODEL, layout="mla",
@@ -268,16 +254,16 @@ def test_an_mla_follower_without_the_engine_secret_gets_nothing(server, admin, i
         assert follower.run(blocks_of, "good_cache", num_blocks, chunk_blocks([2, 3])) == sent
         for client, cache_name in (("bad", "bad_cache"), ("bad_no_engine", "bad2_cache")):
             with pytest.raises(RequestTimeout):  # the good one's came at once: so would this
-                intruder.do(client, "wait_for_load", "load", "", 0.5)
-            assert intruder.run(blocks_of, cache_name, num_blocks) == untouched[cache_name]
+                outsider.do(client, "wait_for_load", "load", "", 0.5)
+            assert outsider.run(blocks_of, cache_name, num_blocks) == untouched[cache_name]
         pushed = {i.instance_id: i.loads_pushed for i in admin.stats().instances}
         assert pushed[follower.run(instance_of, "good_reg")] == 1
-        assert pushed[intruder.run(instance_of, "bad_reg")] == 0
-        assert pushed[intruder.run(instance_of, "bad2_reg")] == 0
+        assert pushed[outsider.run(instance_of, "bad_reg")] == 0
+        assert pushed[outsider.run(instance_of, "bad2_reg")] == 0
         leader.unregister(registration)
     follower.do("good", "unregister", Ref("good_reg"))
-    intruder.do("bad", "unregister", Ref("bad_reg"))
-    intruder.do("bad_no_engine", "unregister", Ref("bad2_reg"))
+    outsider.do("bad", "unregister", Ref("bad_reg"))
+    outsider.do("bad_no_engine", "unregister", Ref("bad2_reg"))
 
 
 def blocks_of(state, cache: str, num_blocks: int, block_ids: list[int] | None = None) -> bytes:
