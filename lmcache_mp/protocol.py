@@ -124,11 +124,17 @@ ROLE_ENGINE = "engine"
 ROLE_ADMIN = "admin"
 
 
+def is_valid_salt(salt: str) -> bool:
+    """A cache_salt names a tenant: at most MAX_SALT_CHARS printable ASCII characters
+    without spaces. Clients check with this; the server refuses with validate_salt."""
+    return _CACHE_SALT.fullmatch(salt) is not None
+
+
 def validate_salt(salt: str, path: str = "cache_salt") -> str:
-    """A cache_salt names a tenant: at most 256 printable ASCII characters without spaces."""
-    if not _CACHE_SALT.fullmatch(salt):
-        raise BadRequest(f"`{path}`: cache_salt must be at most {MAX_SALT_CHARS} printable ASCII characters "
-                         f"without spaces, got {salt[:40]!r}")
+    """The salt, or BadRequest (the server's refusal) naming the field."""
+    if not is_valid_salt(salt):
+        raise BadRequest(f"`{path}`: cache_salt must be at most {MAX_SALT_CHARS} printable "
+                         f"ASCII characters without spaces, got {salt[:40]!r}")
     return salt
 
 

@@ -50,8 +50,9 @@ from ..client.scheduler import SchedulerAdapter
 from ..client.shm import SEGMENT_PREFIX, SharedSegment, memfd_handles
 from ..client.tracker import ChunkLayout, RequestTracker, StepPlan
 from ..client.worker import WorkerAdapter
-from ..errors import BadRequest, LMCacheMPError
-from ..protocol import RegisterKVCacheRequest, TensorHandle, TransferItem, validate_salt
+from ..errors import LMCacheMPError
+from ..protocol import (MAX_REQUEST_ID_CHARS, RegisterKVCacheRequest, TensorHandle, TransferItem,
+                        is_valid_salt)
 from ..runtime import default_url
 
 if TYPE_CHECKING:
@@ -67,7 +68,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 VLLM_VERSION = "0.33.0"  # the version this connector was written and tested for
-MAX_REQUEST_ID_CHARS = 512  # the server's limit; longer ids are not cached
 MIN_ENGINE_SECRET_CHARS = 16  # a shorter engine_secret could be guessed by other engines
 
 
@@ -182,10 +182,9 @@ def _server_salt(cache_salt: str | None) -> str:
     """vLLM's cache_salt as the server takes it: a salt the protocol refuses (longer than 256
     characters, spaces, non-ASCII) becomes a digest of itself, so tenants stay apart."""
     salt = cache_salt or ""
-    try:
-        return validate_salt(salt)
-    except BadRequest:
-        return "sha256:" + hashlib.sha256(salt.encode()).hexdigest()
+    if is_valid_salt(salt):
+        return salt
+    return "sha256:" + hashlib.sha256(salt.encode()).hexdigest()
 
 
 # -- what the scheduler tells the workers ----------------------------------------------------
