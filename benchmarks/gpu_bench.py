@@ -11,7 +11,8 @@ same run on the same GPU. Target: W1 at 85% of the raw bandwidth or more.
 
 Results go to stdout and, when $OUT is set, to $OUT/gpu_bench.json. Exit status: 0 when
 every byte matched and W1 met its target, 1 on wrong bytes or an error, 2 when W1 missed
-its target.
+its target. The workers are daemons: a failure in any phase (or a worker that dies, or
+sends nothing within --timeout seconds) ends the run at once with the reason.
 """
 
 from __future__ import annotations
@@ -230,8 +231,8 @@ def follower(workload: Workload, access: Access, chunks: int, conn) -> bool:
 
 
 def worker_main(role: str, access: Access, chunks: int, conn) -> None:
-    torch.cuda.set_device(0)
     try:
+        torch.cuda.set_device(0)
         if role == "worker-1":
             w1 = leader(W1, access, chunks, conn, tp_rank=None)
             conn.send(asdict(w1))
@@ -240,13 +241,48 @@ def worker_main(role: str, access: Access, chunks: int, conn) -> None:
             assert conn.recv() == "registered"
             conn.send(follower(W3, access, chunks, conn))
     except BaseException as exc:
-        conn.send(f"{role} failed: {type(exc).__name__}: {exc}")
+        conn.send((FAILED, f"{role} failed: {type(exc).__name__}: {exc}"))
         raise
+
+
+FAILED = "failed"  # (FAILED, reason): what a worker sends instead of its next message
+
+
+def receive(conn, process, role: str, deadline: float):
+    """The next message from a worker; SystemExit with the reason when it failed, died
+    without a word, or sent nothing by `deadline` (time.monotonic())."""
+    while not conn.poll(0.5):
+        if not process.is_alive() and not conn.poll(0):
+            raise SystemExit(f"{role} exited with code {process.exitcode} before it answered")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{role} did not answer in time")
+    try:
+        message = conn.recv()
+    except EOFError:
+        raise SystemExit(f"{role} closed its pipe (exit code {process.exitcode})") from None
+    if isinstance(message, tuple) and message[:1] == (FAILED,):
+        raise SystemExit(message[1])
+    return message
+
+
+def stop(workers: list) -> None:
+    """Every worker gone: a few seconds to exit, then terminate, then kill."""
+    for process in workers:
+        process.join(5)
+    for process in workers:
+        if process.is_alive():
+            process.terminate()
+            process.join(5)
+        if process.is_alive():
+            process.kill()
+            process.join(5)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=48, help="chunks stored and retrieved")
+    parser.add_argument("--timeout", type=float, default=150.0,
+                        help="seconds the workers have for all their phases")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure", file=sys.stderr)
@@ -259,24 +295,23 @@ def main() -> int:
             prefault_s = server.wait_prefault(client)  # the pool is pinned by then
         access = Access(server.url, server.token(), secrets.token_hex(16))
         pipes = [context.Pipe() for _ in range(2)]
-        # Worker 1 talks to the parent, and to worker 2 (for W3) through the parent.
-        workers = [context.Process(target=worker_main, args=(role, access, args.chunks, child))
+        # Worker 1 talks to the parent, and to worker 2 (for W3) through the parent. Daemons,
+        # stopped in the `finally`: a failure anywhere ends the run at once, with its reason.
+        workers = [context.Process(target=worker_main, args=(role, access, args.chunks, child),
+                                   name=role, daemon=True)
                    for role, (_, child) in zip(("worker-1", "worker-2"), pipes)]
-        for process in workers:
-            process.start()
-        one, two = pipes[0][0], pipes[1][0]
-        w1 = one.recv()
-        if isinstance(w1, str):
-            raise SystemExit(w1)
-        two.send(one.recv())  # "registered": W3 leader is up
-        one.send(two.recv())  # "follower registered"
-        w3 = one.recv()
-        follower_match = two.recv()
-        for process in workers:
-            process.join(60)
-        for message in (w3, follower_match):
-            if isinstance(message, str):
-                raise SystemExit(message)
+        deadline = time.monotonic() + args.timeout
+        try:
+            for process in workers:
+                process.start()
+            (one, two), (first, second) = (pipes[0][0], pipes[1][0]), workers
+            w1 = receive(one, first, "worker-1", deadline)
+            two.send(receive(one, first, "worker-1", deadline))  # "registered": W3 leader is up
+            one.send(receive(two, second, "worker-2", deadline))  # "follower registered"
+            w3 = receive(one, first, "worker-1", deadline)
+            follower_match = receive(two, second, "worker-2", deadline)
+        finally:
+            stop(workers)
     results = [Result(**w1), Result(**{**w3, "follower_bytes_match": follower_match})]
     print(f"pool pinned and pre-faulted in {prefault_s:.1f} s; {args.chunks} chunks per phase, "
           f"{BATCH} per request, all requests in flight")

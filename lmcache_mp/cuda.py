@@ -90,12 +90,13 @@ class IpcAllocation:
             cupy.cuda.runtime.ipcCloseMemHandle(self.pointer)
 
 
-class _DeviceMemory:
-    """Raw device memory as __cuda_array_interface__, so that torch can view it without a copy."""
-
-    def __init__(self, pointer: int, size: int):
-        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1",
-                                         "data": (pointer, False), "version": 2}
+def device_bytes(cupy: Any, pointer: int, size: int, device: int) -> torch.Tensor:
+    """`size` bytes of device memory at `pointer` on `device`, as a uint8 tensor, without a
+    copy: a cupy array over memory it does not own, handed to torch through DLPack (which,
+    unlike __cuda_array_interface__ and torch.as_tensor, needs no NumPy on any torch)."""
+    memory = cupy.cuda.UnownedMemory(pointer, size, None, device)
+    array = cupy.ndarray((size,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+    return torch.from_dlpack(array)  # the tensor keeps the array, and so the memory object
 
 
 def open_allocation(handle: bytes, device: int) -> IpcAllocation:
@@ -106,7 +107,7 @@ def open_allocation(handle: bytes, device: int) -> IpcAllocation:
             handle, cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
         try:
             base, size = address_range(pointer)
-            data = torch.as_tensor(_DeviceMemory(base, size), device=f"cuda:{device}")
+            data = device_bytes(cupy, base, size, device)
         except BaseException:
             cupy.cuda.runtime.ipcCloseMemHandle(pointer)
             raise

@@ -42,6 +42,14 @@ _PER_BLOCK_SCATTER_BYTES = 256 * 1024
 DTYPES = {name: getattr(torch, name) for name in (
     "float16", "bfloat16", "float32", "float64", "uint8", "int8",
     "float8_e4m3fn", "float8_e5m2")}
+# Copies move bytes, never values: through an integer view of the same item size, so that
+# every dtype takes the same kernels (CUDA has no index_copy_ for float8, for one).
+RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def raw(tensor: torch.Tensor) -> torch.Tensor:
+    """The same memory, shape and strides, as integers of the same item size."""
+    return tensor.view(RAW_DTYPES[tensor.element_size()])
 
 
 @dataclass(frozen=True)
@@ -121,14 +129,15 @@ class KVCacheInstance:
 
     def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the given blocks of every layer into `out` (a chunk-shaped tensor on the
-        cache's device); `block_ids` may be on the CPU."""
+        cache's device); `block_ids` may be on the CPU. Bytes move, as integers."""
         dim = self.geometry.block_dim
+        out = raw(out)
         block_ids = block_ids.to(out.device, non_blocking=True)
         if self.stacked is not None:
-            torch.index_select(self.stacked, dim + 1, block_ids, out=out)
+            torch.index_select(raw(self.stacked), dim + 1, block_ids, out=out)
         else:
             for layer, dest in zip(self.layers, out):
-                torch.index_select(layer, dim, block_ids, out=dest)
+                torch.index_select(raw(layer), dim, block_ids, out=dest)
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor, has_skips: bool = False
                 ) -> None:
@@ -143,24 +152,24 @@ class KVCacheInstance:
     def scatter_blocks(self, block_ids: torch.Tensor, src: torch.Tensor,
                        positions: torch.Tensor | None) -> None:
         """Copy blocks `positions` of a chunk-shaped tensor (None: all of them) into blocks
-        `block_ids` of every layer; the index tensors may be on any device."""
+        `block_ids` of every layer; the index tensors may be on any device. Bytes move, as
+        integers."""
         dim = self.geometry.block_dim
         home = self.layers[0].device
+        src = raw(src)
         if src.device != home:  # a chunk in the GPU tier, read into a cache in CPU memory
             src = src.to(home)
         if positions is not None:
             src = src.index_select(dim + 1, positions.to(src.device, non_blocking=True))
         block_ids = block_ids.to(src.device, non_blocking=True)
-        targets = [(self.stacked, src, dim + 1)] if self.stacked is not None else [
-            (layer, chunk_layer, dim) for layer, chunk_layer in zip(self.layers, src)]
+        targets = [(raw(self.stacked), src, dim + 1)] if self.stacked is not None else [
+            (raw(layer), chunk_layer, dim) for layer, chunk_layer in zip(self.layers, src)]
         per_block = (not src.is_cuda  # one kernel per layer is far cheaper on a GPU
                      and self.geometry.block_bytes >= _PER_BLOCK_SCATTER_BYTES)
         for target, source, block_dim in targets:
             if per_block:  # index_copy_ runs at half the speed of copy_ on large blocks
                 for position, block in enumerate(block_ids.tolist()):
                     target.select(block_dim, block).copy_(source.select(block_dim, position))
-            elif target.element_size() == 1:  # torch has no index_copy_ for float8 on the CPU
-                target.view(torch.uint8).index_copy_(block_dim, block_ids, source.view(torch.uint8))
             else:
                 target.index_copy_(block_dim, block_ids, source)
 

@@ -25,12 +25,15 @@ import torch
 
 from ..protocol import SKIP_BLOCK
 from .device import Device
-from .registry import DTYPES, Geometry, KVCacheInstance
+from .registry import RAW_DTYPES, Geometry, KVCacheInstance, raw
 
 logger = logging.getLogger(__name__)
 
-_FIRST_POLL_S = 50e-6
-_MAX_POLL_S = 500e-6
+# At least a millisecond: uvloop rounds timer delays to whole milliseconds, so a shorter
+# one becomes call_soon, and the loop thread would spin on cudaEventQuery (a core, and the
+# GIL the copy threads need). A copy found done costs at most _MAX_POLL_S of latency.
+_FIRST_POLL_S = 1e-3
+_MAX_POLL_S = 4e-3
 _STALLED_POLL_S = 1.0
 
 GatherJob = tuple[torch.Tensor, torch.Tensor]  # (block ids on the CPU, pool chunk)
@@ -55,7 +58,7 @@ class Lane:
     """One registered worker's stream, its staging chunk, and the event its STOREs wait on."""
 
     stream: Any
-    staging: torch.Tensor  # one chunk, chunk-shaped, on the worker's device
+    staging: torch.Tensor  # one chunk, chunk-shaped, on the worker's device, as registry.raw
     store_event: Any | None
     lock: threading.Lock = field(default_factory=threading.Lock)  # one request queues at a time
 
@@ -90,7 +93,9 @@ class StreamCopier:
     def new_lane(self, device: torch.device, geometry: Geometry, store_event: bytes) -> Lane:
         """A registration's stream and staging chunk on `device`; `store_event` may be b""."""
         event = self.device.open_event(device, store_event) if store_event else None
-        staging = torch.empty(geometry.chunk_shape, dtype=DTYPES[geometry.dtype], device=device)
+        # Bytes, as integers of the cache's item size: the copies never look at the values.
+        staging = torch.empty(geometry.chunk_shape, dtype=RAW_DTYPES[geometry.itemsize],
+                              device=device)
         return Lane(self.device.new_stream(device), staging, event)
 
     async def store(self, instance: KVCacheInstance, jobs: Sequence[GatherJob],
@@ -123,7 +128,7 @@ class StreamCopier:
     def _gather(instance: KVCacheInstance, block_ids: torch.Tensor, chunk: torch.Tensor) -> None:
         staging = instance.lane.staging
         instance.gather(block_ids, staging)
-        chunk.copy_(staging, non_blocking=True)
+        raw(chunk).copy_(staging, non_blocking=True)
 
     async def retrieve(self, targets: Sequence[KVCacheInstance], jobs: Sequence[ScatterJob]
                        ) -> list[list[BaseException | None]]:
@@ -164,7 +169,7 @@ class StreamCopier:
     def _scatter(leader: KVCacheInstance, block_ids: torch.Tensor, chunk: torch.Tensor,
                  positions: torch.Tensor | None) -> None:
         staging = leader.lane.staging
-        staging.copy_(chunk, non_blocking=True)
+        staging.copy_(raw(chunk), non_blocking=True)
         leader.scatter_blocks(block_ids, staging, positions)
 
     def _fan_out(self, leader: KVCacheInstance, follower: KVCacheInstance,

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from lmcache_mp.cuda import normalize_uuid
 from lmcache_mp.errors import BadRequest, InternalError
@@ -37,7 +38,7 @@ from lmcache_mp.server.copy_engine import CopyEngine
 from lmcache_mp.server.cuda_ipc import CudaIpcSupport, SharedAllocations
 from lmcache_mp.server.dispatcher import Dispatcher
 from lmcache_mp.server.pool import CpuPool, DevicePool
-from lmcache_mp.server.registry import Registry
+from lmcache_mp.server.registry import DTYPES, Registry
 from lmcache_mp.server.store import ChunkStore
 from lmcache_mp.server.streams import StreamCopier
 
@@ -141,20 +142,22 @@ class Rig:
         return handle
 
     def register(self, layout: str, tag: int, seed: int | None, tp_rank: int = 0,
-                 store_event: bytes = b"") -> tuple[int, list[torch.Tensor]]:
+                 store_event: bytes = b"", dtype: str = "float16"
+                 ) -> tuple[int, list[torch.Tensor]]:
         """Layers back to back after a 4 KiB gap, so offsets are not 0; returns the views."""
         if layout == "mha":
             shape = [2, BLOCKS, BLOCK, HEADS, HEAD_DIM]
         else:
             shape = [BLOCKS, BLOCK, 64]
-        layer = torch.empty(shape, dtype=torch.float16)
-        handle = self.allocation(tag, 4096 + LAYERS * layer.numel() * 2, seed)
-        handles = [CudaIpcHandle(handle, 4096 + i * layer.numel() * 2, "GPU-" + UUID.upper(),
-                                 list(shape), list(layer.stride()), "float16")
+        layer = torch.empty(shape, dtype=DTYPES[dtype])
+        nbytes = layer.numel() * layer.element_size()
+        handle = self.allocation(tag, 4096 + LAYERS * nbytes, seed)
+        handles = [CudaIpcHandle(handle, 4096 + i * nbytes, "GPU-" + UUID.upper(),
+                                 list(shape), list(layer.stride()), dtype)
                    for i in range(LAYERS)]
         reply = self.dispatcher.handle(CLIENT, "REGISTER_KV_CACHE", RegisterKVCacheRequest(
             "m", 1, 0, layout, BLOCK, handles, tp_rank, "g", store_event))
-        typed = self.memory[handle][4096:].view(torch.float16)
+        typed = self.memory[handle][4096:].view(DTYPES[dtype])
         views = [typed[i * layer.numel():(i + 1) * layer.numel()].view(shape)
                  for i in range(LAYERS)]
         return reply.instance_id, views
@@ -167,7 +170,7 @@ class Rig:
 def blocks(views: list[torch.Tensor], ids: list[int], dim: int) -> torch.Tensor:
     """The blocks' bytes (random bytes hold NaNs, which never compare equal as floats)."""
     index = torch.tensor(ids)
-    return torch.stack([v.index_select(dim, index) for v in views]).view(torch.uint8)
+    return torch.stack([v.view(torch.uint8).index_select(dim, index) for v in views])
 
 
 async def until(condition, timeout: float = 5.0) -> None:
@@ -328,3 +331,99 @@ def test_registering_the_same_memory_twice_opens_it_once_and_closes_it_after_bot
     assert [entry[0] for entry in rig.log] == ["open"] and len(rig.shared) == 1
     rig.registry.unregister(second)
     assert [entry[0] for entry in rig.log] == ["open", "close"] and len(rig.shared) == 0
+
+
+async def released(rig: Rig, request) -> object:
+    """The dispatcher's reply to `request`, its device work released as it is queued."""
+    task = asyncio.ensure_future(request)
+    while not task.done():
+        rig.device.release()
+        await asyncio.sleep(0.001)
+    return task.result()
+
+
+@pytest.mark.parametrize("layout", ["mha", "mla"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_dtype_round_trips_through_the_stream_copier(dtype, layout):
+    rig = Rig()
+    source_id, source = rig.register(layout, 1, seed=7, dtype=dtype)
+    target_id, target = rig.register(layout, 2, seed=None, dtype=dtype)
+    assert all(not i.lane.staging.dtype.is_floating_point for i in rig.registry.instances())
+    hashes = prompt(4, 2)
+    read = list(range(16, 48))
+    written = list(range(63, 31, -1))
+    written[5] = SKIP_BLOCK
+
+    async def scenario():
+        stored = await released(rig, rig.dispatcher.handle(CLIENT, "STORE", StoreRequest(
+            source_id, [TransferItem.build("s", hashes, read)])))
+        assert stored.results == [bytes([StoreStatus.STORED] * 2)]
+        return await released(rig, rig.dispatcher.handle(CLIENT, "RETRIEVE", RetrieveRequest(
+            target_id, [TransferItem.build("r", hashes, written)])))
+    assert asyncio.run(scenario()).retrieved == [2]
+    dim = 1 if layout == "mha" else 0
+    kept = [i for i, block in enumerate(written) if block != SKIP_BLOCK]
+    assert torch.equal(blocks(target, [written[i] for i in kept], dim),
+                       blocks(source, [read[i] for i in kept], dim))
+    assert bool((blocks(target, [58], dim) == 0).all())  # SKIP_BLOCK's block: untouched
+    rig.copier.shutdown()
+
+
+class CopyDtypes(TorchFunctionMode):
+    """The dtypes of the tensors that index_select, index_copy_ and copy_ are called with."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[torch.dtype] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in ("index_select", "index_copy_", "copy_"):
+            self.seen |= {t.dtype for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gathers_and_scatters_move_integers_only(dtype):
+    """CUDA has no index_copy_ for float8 (nor, before recent torch, index_select): every
+    copy of either path, the CPU copy engine's and the stream copier's, moves integers."""
+    rig = Rig()
+    rig.register("mha", 1, seed=3, dtype=dtype)
+    (instance,) = rig.registry.instances()
+    chunk = torch.zeros(instance.geometry.chunk_shape, dtype=DTYPES[dtype])
+    ids = torch.arange(16, 32)
+    with_skips = ids.clone()
+    with_skips[2] = SKIP_BLOCK
+    with CopyDtypes() as cpu_path:
+        instance.gather(ids, chunk)
+        instance.scatter(with_skips, chunk, has_skips=True)
+    with CopyDtypes() as gpu_path:
+        StreamCopier._gather(instance, ids, chunk)
+        StreamCopier._scatter(instance, ids[3:], chunk, torch.arange(3, 16))
+    for seen in (cpu_path.seen, gpu_path.seen):
+        assert seen and not any(d.is_floating_point for d in seen), seen
+
+
+def test_the_loop_sleeps_while_the_device_copies():
+    """uvloop rounds timer delays to whole milliseconds: a sub-millisecond poll of the
+    events would become call_soon, and the loop thread would spin for the whole copy."""
+    uvloop = pytest.importorskip("uvloop")
+    rig = Rig()
+    instance_id, _ = rig.register("mha", 1, seed=3)
+    hashes = prompt(5, 2)
+
+    async def scenario():
+        task = asyncio.ensure_future(rig.dispatcher.handle(CLIENT, "STORE", StoreRequest(
+            instance_id, [TransferItem.build("r", hashes, list(range(32)))])))
+        await until(lambda: rig.device.events)
+        cpu, wall = time.thread_time(), time.monotonic()
+        await asyncio.sleep(0.5)  # the copy is pending: the loop polls its event meanwhile
+        cpu, wall = time.thread_time() - cpu, time.monotonic() - wall
+        assert not task.done()
+        rig.device.release()
+        await asyncio.wait_for(task, 5)
+        return cpu / wall
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        busy = runner.run(scenario())
+    rig.copier.shutdown()
+    assert busy < 0.2, f"the loop thread was busy {busy:.0%} of the time"
