@@ -11,25 +11,12 @@ import torch
 from lmcache_mp.client import SKIP_BLOCK, CacheClient, SharedKVCache, StoreStatus, TransferItem
 from lmcache_mp.server.registry import DTYPES
 
-from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, prompt
+from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
 
 NUM_BLOCKS = 4 * BLOCKS_PER_CHUNK
 # (layout, layers, heads, head_dim): small blocks take index_copy_, big ones (256 KiB of a
 # block across layers at one byte an item) the server's per-block copy_.
 SHAPES = {"mha": ("mha", 2, 2, 16), "mla": ("mla", 3, 1, 48), "big": ("mha", 4, 8, 128)}
-
-
-def random_cache(layout: str, layers: int, heads: int, head_dim: int, dtype: torch.dtype,
-                 seed: int | None) -> SharedKVCache:
-    cache = SharedKVCache(layout, layers, NUM_BLOCKS, 16, heads, head_dim, dtype)
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    for layer in cache.layers:
-        raw = layer.view(torch.uint8)
-        if generator is None:
-            raw.zero_()
-        else:
-            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
-    return cache
 
 
 def bytes_of(cache: SharedKVCache, block_ids: list[int]) -> torch.Tensor:
@@ -52,8 +39,10 @@ def test_every_dtype_round_trips_byte_exact(server, dtype, shape):
     source, target = chunk_blocks([0, 1]), chunk_blocks([3, 2])
     held = target[1]
     target[1] = SKIP_BLOCK  # the engine holds it already: left alone
-    args = (layout, layers, heads, head_dim, DTYPES[dtype])
-    with (random_cache(*args, seed=tag) as mine, random_cache(*args, seed=None) as theirs,
+    cache_shape = dict(layout=layout, num_layers=layers, block_size=16, heads=heads,
+                       head_dim=head_dim, dtype=DTYPES[dtype])
+    with (make_cache(NUM_BLOCKS, tag, cache_shape) as mine,
+          make_cache(NUM_BLOCKS, None, cache_shape) as theirs,
           CacheClient(server.url, timeout=30) as client):
         registrations = [client.register_kv_cache(cache.handles(), model=MODEL, layout=layout,
                                                   block_size=16) for cache in (mine, theirs)]
