@@ -417,6 +417,7 @@ class StatsReply:
     gpu_bytes_used: int = 0  # the GPU tier's share of bytes_used
     cpu_seconds: float = 0.0  # the server process's user + system CPU time since start
     peak_rss_bytes: int = 0  # the server process's peak resident set size
+    pinned_bytes: int = 0  # bytes of the CPU pool pinned for GPU copies so far
 
 
 @dataclass

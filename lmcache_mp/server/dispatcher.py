@@ -515,7 +515,8 @@ class Dispatcher:
                        for i in self.registry.instances() if admin or i.engine == session.engine],
             gpu_capacity_bytes=self.gpu_pool.capacity if self.gpu_pool is not None else 0,
             gpu_bytes_used=self.gpu_pool.allocator.used if self.gpu_pool is not None else 0,
-            cpu_seconds=rusage.ru_utime + rusage.ru_stime, peak_rss_bytes=rusage.ru_maxrss * 1024)
+            cpu_seconds=rusage.ru_utime + rusage.ru_stime, peak_rss_bytes=rusage.ru_maxrss * 1024,
+            pinned_bytes=self.pool.pinned_bytes)
 
     # -- quotas ----------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -17,6 +18,9 @@ logger = logging.getLogger(__name__)
 ALIGNMENT = 4096
 _POPULATE_STEP = 64 * 1024**2
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; faults pages in writable without changing them
+# The most one cudaHostRegister call pins: single registrations of hundreds of GiB are
+# refused on real nodes, so the CPU pool is pinned piece by piece (a multiple of ALIGNMENT).
+PIN_PIECE_BYTES = 64 * 1024**3
 
 
 _libc = ctypes.CDLL(None, use_errno=True)  # ctypes drops the GIL for the call
@@ -30,19 +34,22 @@ def _base_address(mapping: mmap.mmap) -> int:
         del view  # its buffer export would keep the mapping from closing
 
 
-def populate(mapping: mmap.mmap, stop: Callable[[], bool]) -> bool:
-    """Fault every page of `mapping` in, leaving its contents alone; False if the kernel can't.
+def populate(mapping: mmap.mmap, stop: Callable[[], bool], start: int = 0,
+             length: int | None = None) -> bool:
+    """Fault every page of `mapping` (or of its bytes [start, start + length)) in, leaving
+    their contents alone; False if the kernel can't.
 
     A copy into pages this process has not touched yet runs at a fraction of full speed.
     madvise goes through ctypes, which releases the GIL, in steps: the event loop keeps
     answering (registrations included) while gigabytes fault in.
     """
     base = _base_address(mapping)
-    for start in range(0, len(mapping), _POPULATE_STEP):
+    end = len(mapping) if length is None else min(len(mapping), start + length)
+    for step in range(start, end, _POPULATE_STEP):
         if stop():
             return True
-        length = min(_POPULATE_STEP, len(mapping) - start)
-        if _libc.madvise(ctypes.c_void_p(base + start), ctypes.c_size_t(length),
+        size = min(_POPULATE_STEP, end - step)
+        if _libc.madvise(ctypes.c_void_p(base + step), ctypes.c_size_t(size),
                          _MADV_POPULATE_WRITE) != 0:
             logger.warning("could not pre-fault memory (%s): first copies will be slower",
                            os.strerror(ctypes.get_errno()))
@@ -107,21 +114,44 @@ class ExtentAllocator:
         return max(self._lengths, default=0)
 
 
+class Pinner(Protocol):
+    """Pins host memory for DMA (cudaHostRegister); injectable so that pinning is testable
+    without CUDA. Both raise RuntimeError on failure."""
+
+    def register(self, address: int, length: int) -> None: ...
+
+    def unregister(self, address: int) -> None: ...
+
+
+class CudaPinner:
+    """The Pinner of a server with CUDA: torch's cudart bindings."""
+
+    def register(self, address: int, length: int) -> None:
+        # flags 0: cudaHostRegisterDefault. check_error raises torch.cuda.CudaError, a RuntimeError.
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, length, 0))
+
+    def unregister(self, address: int) -> None:
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(address))
+
+
 class CpuPool:
     """The byte buffer behind every stored chunk, and its allocator.
 
     Pages are faulted in by a background thread at start-up; since that leaves contents
-    alone, stores may land in the pool while it runs. With `pin` (a server with CUDA) the
-    same thread then pins the buffer (cudaHostRegister), so that GPU copies to and from
-    it run as DMA without blocking; copies before that are correct, only slower.
+    alone, stores may land in the pool while it runs. With a `pinner` (a server with CUDA,
+    `CudaPinner`) the same thread pins the buffer in pieces of at most PIN_PIECE_BYTES, so
+    that GPU copies to and from it run as DMA without blocking; copies into memory not
+    pinned yet (or never, if a piece is refused) are correct, only slower. `pinned_bytes`
+    says how much is pinned so far.
     """
 
-    def __init__(self, capacity: int, pin: bool = False):
+    def __init__(self, capacity: int, pinner: Pinner | None = None):
         self.allocator = ExtentAllocator(capacity)
         self._mapping = mmap.mmap(-1, self.allocator.capacity)
         self.buffer = torch.frombuffer(self._mapping, dtype=torch.uint8)
-        self._pin = pin
-        self.pinned = False
+        self._pinner = pinner
+        self._pieces: list[int] = []  # addresses of the registered pieces, for close()
+        self._pinned_bytes = 0
         self.prefault_done = threading.Event()
         self._stop_prefault = threading.Event()
         self._prefault_thread: threading.Thread | None = None
@@ -130,28 +160,59 @@ class CpuPool:
     def capacity(self) -> int:
         return self.allocator.capacity
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the pool registered for DMA so far (from the start of the buffer)."""
+        return self._pinned_bytes
+
+    @property
+    def pinned(self) -> bool:
+        """The whole pool is pinned."""
+        return self._pinned_bytes == self.capacity > 0
+
     def start_prefault(self) -> None:
         self._prefault_thread = threading.Thread(target=self._prefault, name="pool-prefault",
                                                  daemon=True)
         self._prefault_thread.start()
 
     def _prefault(self) -> None:
-        if populate(self._mapping, self._stop_prefault.is_set):
-            logger.info("CPU pool of %d bytes pre-faulted", self.capacity)
-        if self._pin and not self._stop_prefault.is_set():
-            self._register_pinned()
+        # Each piece is pinned right after it is pre-faulted, not after the whole pool: the
+        # front of the pool (where the allocator places chunks first) becomes DMA-capable
+        # minutes sooner on a large pool, registering pages already faulted in costs only
+        # the page-table walk, and STATS pinned_bytes moves steadily. A failed pre-fault
+        # (old kernel) does not stop pinning: cudaHostRegister faults pages in itself.
+        piece = max(ALIGNMENT, PIN_PIECE_BYTES - PIN_PIECE_BYTES % ALIGNMENT)
+        stop = self._stop_prefault.is_set
+        faulting, pinning = True, self._pinner is not None
+        for start in range(0, self.capacity, piece):
+            if stop():
+                break
+            length = min(piece, self.capacity - start)
+            if faulting:
+                faulting = populate(self._mapping, stop, start, length)  # warns if it can't
+            if stop():
+                break
+            if pinning:
+                pinning = self._pin_piece(start, length)
+        else:
+            if faulting:
+                logger.info("CPU pool of %d bytes pre-faulted", self.capacity)
+            if self.pinned:
+                logger.info("CPU pool of %d bytes pinned for GPU copies", self.capacity)
         self.prefault_done.set()
 
-    def _register_pinned(self) -> None:
-        cudart = torch.cuda.cudart()
+    def _pin_piece(self, start: int, length: int) -> bool:
+        address = self.buffer.data_ptr() + start
         try:
-            torch.cuda.check_error(cudart.cudaHostRegister(self.buffer.data_ptr(), self.capacity, 0))
+            self._pinner.register(address, length)
         except RuntimeError as exc:  # torch.cuda.CudaError among them
-            logger.warning("could not pin the CPU pool (%s): GPU copies will be synchronous "
-                           "and slower", exc)
-            return
-        self.pinned = True
-        logger.info("CPU pool of %d bytes pinned for GPU copies", self.capacity)
+            logger.warning("could not pin the CPU pool beyond %d of %d bytes (%s): GPU copies "
+                           "to and from the rest will be synchronous and slower",
+                           self._pinned_bytes, self.capacity, exc)
+            return False
+        self._pieces.append(address)
+        self._pinned_bytes += length
+        return True
 
     def stop_prefault(self) -> None:
         self._stop_prefault.set()
@@ -159,11 +220,15 @@ class CpuPool:
             self._prefault_thread.join()
 
     def close(self) -> None:
-        """At shutdown, once no copy runs: stop pre-faulting, unpin."""
+        """At shutdown, once no copy runs: stop pre-faulting, unpin every registered piece."""
         self.stop_prefault()
-        if self.pinned:
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr()))
-            self.pinned = False
+        while self._pieces:
+            address = self._pieces.pop()
+            try:
+                self._pinner.unregister(address)
+            except RuntimeError as exc:
+                logger.warning("could not unpin a piece of the CPU pool (%s)", exc)
+        self._pinned_bytes = 0
 
     def view(self, offset: int, num_bytes: int) -> torch.Tensor:
         return self.buffer[offset:offset + num_bytes]

@@ -30,7 +30,7 @@ from .cuda_ipc import CudaIpcSupport, SharedAllocations
 from .device import CudaDevice
 from .dispatcher import Dispatcher
 from .fd_channel import FdChannel
-from .pool import CpuPool, DevicePool
+from .pool import CpuPool, CudaPinner, DevicePool
 from .quotas import QuotaError
 from .registry import Registry
 from .store import ChunkStore
@@ -140,7 +140,7 @@ class Server:
         # Parallelism comes from the copy threads; torch's own pool would oversubscribe the cores.
         torch.set_num_threads(1)
         has_cuda = torch.cuda.is_available()
-        self._pool = CpuPool(config.cpu_size, pin=has_cuda)
+        self._pool = CpuPool(config.cpu_size, CudaPinner() if has_cuda else None)
         gpu_pool = DevicePool(config.gpu_size, torch.device("cuda", 0)) if config.gpu_size else None
         gpu_allocator = gpu_pool.allocator if gpu_pool is not None else None
         capacity = self._pool.capacity + (gpu_pool.capacity if gpu_pool is not None else 0)

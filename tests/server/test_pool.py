@@ -1,7 +1,10 @@
+import logging
 import random
+import threading
 
 import pytest
 
+from lmcache_mp.server import pool as pool_module
 from lmcache_mp.server.pool import ALIGNMENT, CpuPool, ExtentAllocator
 
 
@@ -59,3 +62,107 @@ def test_pool_views_are_disjoint_memory():
     second.fill_(2)
     assert int(first.sum()) == ALIGNMENT and int(second.sum()) == 2 * ALIGNMENT
     pool.stop_prefault()
+
+
+class FakePinner:
+    """Records registrations; refuses the piece at `fail_at` (an offset into the pool)."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.fail_at = fail_at
+        self.base: int | None = None
+        self.registered: list[tuple[int, int]] = []
+        self.unregistered: list[int] = []
+        self.on_register = lambda: None
+
+    def register(self, address: int, length: int) -> None:
+        if self.fail_at is not None and address - self.base == self.fail_at:
+            raise RuntimeError("cudaErrorMemoryAllocation: out of memory")
+        self.registered.append((address, length))
+        self.on_register()
+
+    def unregister(self, address: int) -> None:
+        self.unregistered.append(address)
+
+
+def _pinned_pool(monkeypatch, capacity: int, pinner: FakePinner, piece: int) -> CpuPool:
+    monkeypatch.setattr(pool_module, "PIN_PIECE_BYTES", piece)
+    pool = CpuPool(capacity, pinner)
+    pinner.base = pool.buffer.data_ptr()
+    return pool
+
+
+def test_pool_is_pinned_in_pieces_and_unpinned_on_close(monkeypatch):
+    pinner = FakePinner()
+    pool = _pinned_pool(monkeypatch, 10 * ALIGNMENT, pinner, 4 * ALIGNMENT)
+    assert pool.pinned_bytes == 0
+    pool.start_prefault()
+    assert pool.prefault_done.wait(10)
+    base = pool.buffer.data_ptr()
+    assert pinner.registered == [(base, 4 * ALIGNMENT), (base + 4 * ALIGNMENT, 4 * ALIGNMENT),
+                                 (base + 8 * ALIGNMENT, 2 * ALIGNMENT)]
+    assert pool.pinned_bytes == pool.capacity and pool.pinned
+    pool.close()
+    assert sorted(pinner.unregistered) == [address for address, _ in pinner.registered]
+    assert pool.pinned_bytes == 0
+
+
+def test_pieces_fall_on_extent_boundaries(monkeypatch):
+    pinner = FakePinner()
+    pool = _pinned_pool(monkeypatch, 7 * ALIGNMENT, pinner, 3 * ALIGNMENT - 100)
+    pool.start_prefault()
+    assert pool.prefault_done.wait(10)
+    assert [length for _, length in pinner.registered] == [2 * ALIGNMENT] * 3 + [ALIGNMENT]
+    assert all((address - pinner.base) % ALIGNMENT == 0 for address, _ in pinner.registered)
+    assert pool.pinned_bytes == pool.capacity
+    pool.close()
+
+
+def test_refused_piece_stops_pinning_with_one_warning(monkeypatch, caplog):
+    pinner = FakePinner(fail_at=4 * ALIGNMENT)
+    pool = _pinned_pool(monkeypatch, 12 * ALIGNMENT, pinner, 2 * ALIGNMENT)
+    with caplog.at_level(logging.WARNING, logger="lmcache_mp.server.pool"):
+        pool.start_prefault()
+        assert pool.prefault_done.wait(10)
+    base = pool.buffer.data_ptr()
+    assert pinner.registered == [(base, 2 * ALIGNMENT), (base + 2 * ALIGNMENT, 2 * ALIGNMENT)]
+    assert pool.pinned_bytes == 4 * ALIGNMENT and not pool.pinned
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "cudaErrorMemoryAllocation" in warnings[0].getMessage()
+    pool.view(10 * ALIGNMENT, ALIGNMENT).fill_(3)  # the pageable rest stays usable
+    assert int(pool.view(10 * ALIGNMENT, ALIGNMENT).sum()) == 3 * ALIGNMENT
+    pool.close()
+    assert sorted(pinner.unregistered) == [base, base + 2 * ALIGNMENT]
+
+
+def test_stop_prefault_mid_way_stops_pinning(monkeypatch):
+    pinner = FakePinner()
+    pool = _pinned_pool(monkeypatch, 8 * ALIGNMENT, pinner, 2 * ALIGNMENT)
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold_first_piece():
+        pinner.on_register = lambda: None
+        entered.set()
+        assert gate.wait(10)
+
+    pinner.on_register = hold_first_piece
+    pool.start_prefault()
+    assert entered.wait(10)
+    stopper = threading.Thread(target=pool.stop_prefault)
+    stopper.start()
+    while not pool._stop_prefault.is_set():  # stop_prefault has asked; let the piece finish
+        threading.Event().wait(0.001)
+    gate.set()
+    stopper.join(10)
+    assert not stopper.is_alive()
+    assert pinner.registered == [(pinner.base, 2 * ALIGNMENT)]
+    assert pool.pinned_bytes == 2 * ALIGNMENT
+    pool.close()
+    assert pinner.unregistered == [pinner.base]
+
+
+def test_pool_without_pinner_pins_nothing():
+    pool = CpuPool(4 * ALIGNMENT)
+    pool.start_prefault()
+    assert pool.prefault_done.wait(10)
+    assert pool.pinned_bytes == 0 and not pool.pinned
+    pool.close()
