@@ -1,7 +1,9 @@
 """On a GPU: KV caches registered by CUDA IPC with a real server, copied byte for byte.
 
 This process is the worker (its caches live on cuda:0); the server is a subprocess that
-maps them through cuda_ipc handles and copies with its own streams.
+maps them through cuda_ipc handles and copies with its own streams. The tests share one
+server (module-scoped: a CUDA server takes seconds to start), except the GPU tier's,
+which needs its own flags and an empty pool.
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ pytestmark = [
 BLOCK = 16
 PER_CHUNK = CHUNK_SIZE // BLOCK
 NUM_BLOCKS = 8 * PER_CHUNK
+
+
+@pytest.fixture(scope="module")
+def server():
+    """One server for the module's tests; it must exit 0 when the module is done."""
+    with run_server() as shared:
+        yield shared
 
 
 def random_layers(num_layers: int, shape: list[int], dtype: torch.dtype, seed: int | None,
@@ -75,13 +84,14 @@ def test_handles_name_the_allocation_and_the_offset():
 
 
 @pytest.mark.parametrize("one_allocation", [False, True], ids=["per-layer", "one-allocation"])
-def test_store_and_retrieve_through_cuda_ipc_byte_for_byte(one_allocation):
+def test_store_and_retrieve_through_cuda_ipc_byte_for_byte(server, one_allocation):
     shape = [2, NUM_BLOCKS, BLOCK, 2, 64]
     source = random_layers(4, shape, torch.float16, 7, one_allocation)
     target = random_layers(4, shape, torch.float16, None, one_allocation)
     event = StoreEvent(source[0].device)
     hashes = prompt(600 + one_allocation, 3)
-    with run_server() as server, CacheClient(server.url, timeout=60) as client:
+    with CacheClient(server.url, timeout=60) as client:
+        registered = client.stats().registrations  # other tests' on the shared server
         mine = client.register_kv_cache(cuda_ipc_handles(source), model=MODEL, layout="mha",
                                         block_size=BLOCK, store_event=event.handle)
         theirs = client.register_kv_cache(cuda_ipc_handles(target), model=MODEL, layout="mha",
@@ -105,17 +115,17 @@ def test_store_and_retrieve_through_cuda_ipc_byte_for_byte(one_allocation):
         # A worker that restarts (or re-registers) maps the same memory again.
         again = client.register_kv_cache(cuda_ipc_handles(source), model=MODEL, layout="mha",
                                          block_size=BLOCK, store_event=event.handle)
-        assert client.stats().registrations == 1
+        assert client.stats().registrations == registered + 1
         client.unregister(again)
 
 
-def test_an_mla_leader_fills_its_follower_on_the_gpu():
+def test_an_mla_leader_fills_its_follower_on_the_gpu(server):
     shape = [NUM_BLOCKS, BLOCK, 576]
     leader = random_layers(2, shape, torch.bfloat16, 11, one_allocation=False)
     follower = random_layers(2, shape, torch.bfloat16, None, one_allocation=False)
     hashes = prompt(700, 2)
     engine = secrets.token_hex(16)  # one engine: an MLA group has ranks of one engine only
-    with run_server() as server, CacheClient(server.url, timeout=60, engine=engine) as lead, \
+    with CacheClient(server.url, timeout=60, engine=engine) as lead, \
             CacheClient(server.url, timeout=60, mla_follower=True, engine=engine) as follow:
         event = StoreEvent(leader[0].device)
         mine = lead.register_kv_cache(cuda_ipc_handles(leader), model=MODEL, layout="mla",
