@@ -374,6 +374,7 @@ class SchedulerSide:
         self.adapter = SchedulerAdapter(self.client, _model_name(config, vllm_config),
                                         _parallel(vllm_config, 0), config.chunk_size)
         self.trackers: dict[str, RequestTracker] = {}
+        _warn_if_loads_fail_requests(vllm_config)
         self._allocated_for_load: list[str] = []  # loads to put in the next metadata
         self._loading: set[str] = set()  # a load was sent; the workers have not reported it
         self._stored: set[str] = set()  # stores were sent since the request's last lookup
@@ -385,10 +386,14 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         """Scheduler, each step a waiting request is tried: sends its LOOKUP once (holding
-        what it finds), then answers from the reply; a new lookup restarts the tracker."""
+        what it finds), then answers from the reply. vLLM may ask many times before it
+        admits the request: the reply and its hold are kept, and every call answers from
+        them without sending anything, until update_state_after_alloc consumes them."""
         tracker = self._tracker(request)
         if tracker is None:
             return 0, False
+        partial = num_computed_tokens % self.layout.block_size
+        num_computed_tokens -= partial  # vLLM 0.33 passes whole blocks
         if not tracker.chunk_hashes:  # shorter than a chunk: no lookup
             tracker.record_lookup(num_vllm_hit_tokens=num_computed_tokens,
                                   num_lmcache_hit_chunks=0)
@@ -396,15 +401,16 @@ class SchedulerSide:
         hit_tokens = self.adapter.lookup(request.request_id, tracker.token_ids,
                                          tracker.cache_salt)
         if hit_tokens is None:
+            # If vLLM admits the request anyway (taking none of our tokens, e.g. a request
+            # that skips prefix reads), update_state_after_alloc finds it a miss.
+            tracker.record_lookup(num_vllm_hit_tokens=num_computed_tokens,
+                                  num_lmcache_hit_chunks=0)
             return None, False
-        hit_chunks = hit_tokens // self.layout.chunk_size
-        partial = num_computed_tokens % self.layout.block_size
-        if partial:  # vLLM 0.33 passes whole blocks; never load into a block it half holds
-            if hit_chunks:
-                self.adapter.release(request.request_id, tracker.cache_salt)
-            num_computed_tokens, hit_chunks = num_computed_tokens - partial, 0
+        # Never load into a block vLLM half holds; the hold goes in update_state_after_alloc.
+        hit_chunks = 0 if partial else hit_tokens // self.layout.chunk_size
         to_load = tracker.record_lookup(num_vllm_hit_tokens=num_computed_tokens,
                                         num_lmcache_hit_chunks=hit_chunks)
+        tracker.holds_lease = hit_tokens > 0  # until update_state_after_alloc
         self._stored.discard(request.request_id)
         self._no_store.discard(request.request_id)
         return to_load, to_load > 0
@@ -438,6 +444,15 @@ class SchedulerSide:
         # The second call, once a load has landed, only brings the rest of the blocks.
         first = tracker.awaiting_first_step and request.request_id not in self._allocated_for_load
         taken = None
+        if first and num_external_tokens == 0 and (
+                tracker.holds_lease or self.adapter.in_flight(request.request_id)):
+            # vLLM takes none of our hit (a request with prompt_logprobs skips prefix reads;
+            # another connector loads; vLLM's own hit covers ours): no RETRIEVE will consume
+            # the hold, so release it now, or when the LOOKUP still in flight is answered.
+            self.adapter.release(request.request_id, tracker.cache_salt)
+            tracker.holds_lease = False
+        if first:
+            self.adapter.forget(request.request_id)  # a later lookup (preemption) asks anew
         if first and num_external_tokens != tracker.num_tokens_to_load:
             taken = self._take_what_vllm_took(tracker, num_external_tokens)
         tracker.allocate(groups[0][len(tracker.allocated_block_ids):])
@@ -471,6 +486,7 @@ class SchedulerSide:
         """Scheduler, end of every schedule(): the loads of requests allocated for one, the
         stores of every scheduled request (RequestTracker.plan_step), the holds to drop."""
         meta, self._next = self._next, StepMetadata()
+        self.adapter.poll()  # holds of lookups dropped in flight, answered since
         for request_id in self._allocated_for_load:
             tracker = self.trackers.get(request_id)
             if tracker is None:  # finished before its load was planned; handled there
@@ -559,6 +575,19 @@ class SchedulerSide:
     def shutdown(self) -> None:
         """Scheduler, once, at engine shutdown."""
         self.client.close()
+
+
+def _warn_if_loads_fail_requests(vllm_config: VllmConfig) -> None:
+    """At start-up: vLLM 0.33's default kv_load_failure_policy "fail" fails a request whose
+    load fails, where this cache would have it recomputed."""
+    kv_transfer = vllm_config.kv_transfer_config
+    if kv_transfer is not None and getattr(kv_transfer, "kv_load_failure_policy",
+                                           None) == "fail":
+        logger.warning(
+            "vLLM's kv_load_failure_policy is \"fail\" (vLLM's default): a load from "
+            "lmcache-mp-server that fails (the server is gone, a chunk was evicted) will fail "
+            "the request instead of recomputing it. Add \"kv_load_failure_policy\": "
+            "\"recompute\" to --kv-transfer-config")
 
 
 # -- the worker processes --------------------------------------------------------------------

@@ -161,3 +161,23 @@ def test_an_unreachable_server_degrades_to_misses_skips_and_load_errors():
                                                         chunk_blocks([0, 1, 2]))])
                 while not adapter.get_finished()[0]:
                     time.sleep(0.01)
+
+
+def test_a_lookup_is_sent_once_and_its_answer_kept_until_forgotten():
+    """vLLM asks about a waiting request every step: one LOOKUP, the same answer after it."""
+    with run_server() as server, CacheClient(server.url) as client, \
+            server.client(admin=True) as admin:
+        scheduler = SchedulerAdapter(client, MODEL, ParallelStrategy(False, 1, 0, 1))
+        prompt = tokens(8)
+        before = admin.stats().requests.get("LOOKUP", 0)
+        answers = []
+        for _ in range(20):
+            answers.append(scheduler.lookup("w", prompt, None))
+            time.sleep(0.005)
+        first = next(i for i, answer in enumerate(answers) if answer is not None)
+        assert answers[first:] == [0] * (20 - first)
+        assert admin.stats().requests.get("LOOKUP", 0) - before == 1
+        scheduler.forget("w")  # consumed: a later lookup (after a preemption) asks again
+        assert lookup(scheduler, "w", prompt) == 0
+        assert admin.stats().requests.get("LOOKUP", 0) - before == 2
+        scheduler.end_session("w", None)

@@ -791,3 +791,122 @@ def test_without_a_url_the_connector_finds_the_server_at_its_default_endpoint(
     finally:
         worker.shutdown()
         scheduler.shutdown()
+
+
+# -- lookups: kept until allocation, released when vLLM takes none, the failure policy ------
+
+def lookups_served(server) -> int:
+    return stats(server).requests.get("LOOKUP", 0)
+
+
+def test_a_waiting_request_keeps_its_answer_and_hold_and_sends_one_lookup(server):
+    """vLLM asks get_num_new_matched_tokens every step a request waits for blocks: each
+    call must give the same answer from one LOOKUP (a None in between would let later
+    requests overtake it), until update_state_after_alloc consumes it."""
+    scheduler, worker = one_rank_connectors(server.url)
+    try:
+        tokens = prompt(21, 2 * 256 + 9)
+        write_chunks(scheduler, worker, "writer", tokens, list(range(33)))
+        wait_for_leases(server, 0)
+        before = lookups_served(server)
+        request = Request("waiting", tokens, SamplingParams(max_tokens=1), None)
+        answers = []
+        for _ in range(30):
+            answers.append(scheduler.get_num_new_matched_tokens(request, 0))
+            time.sleep(0.005)
+        known = [answer for answer in answers if answer[0] is not None]
+        assert known and set(known) == {(512, True)}
+        first = answers.index(known[0])
+        assert answers[first:] == [(512, True)] * (30 - first)  # never None again
+        assert lookups_served(server) - before == 1
+        assert stats(server).leases_held == 1
+        # Allocated and loaded: the next lookup of the request (after a preemption) is new.
+        scheduler.update_state_after_alloc(request, blocks_of(list(range(40, 73))), 512)
+        meta = scheduler.build_connector_meta(scheduler_output())
+        assert [load.request_id for load in meta.loads] == ["waiting"]
+        step_until_reported([worker], scheduler, meta, 1, "waiting")
+        wait_for_leases(server, 0)  # the RETRIEVE consumed the hold
+        request.status = RequestStatus.FINISHED_STOPPED
+        scheduler.update_connector_output(KVConnectorOutput(finished_recving={"waiting"}))
+        scheduler.request_finished(request, [])
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
+@pytest.mark.parametrize("answered", [True, False])
+def test_vllm_taking_none_of_our_hit_releases_the_hold_at_once(server, answered):
+    """update_state_after_alloc with 0 external tokens (prompt_logprobs skips prefix reads)
+    releases the lookup's hold now, also one whose LOOKUP is still in flight, not when the
+    request ends or the lease times out (30 s here)."""
+    scheduler, worker = one_rank_connectors(server.url)
+    try:
+        tokens = prompt(22 + answered, 2 * 256 + 9)
+        write_chunks(scheduler, worker, "writer", tokens, list(range(33)))
+        wait_for_leases(server, 0)
+        before = lookups_served(server)
+        request = Request("no-reads", tokens, SamplingParams(max_tokens=1), None)
+        if answered:
+            assert lookup(scheduler, request) == (512, True)
+            assert stats(server).leases_held == 1
+        else:  # vLLM admits a request that skips prefix reads even while we answer None
+            assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+        blocks = list(range(40, 73))
+        scheduler.update_state_after_alloc(request, blocks_of(blocks), 0)
+        meta = scheduler.build_connector_meta(
+            scheduler_output(new=[(request, blocks)], num_scheduled={"no-reads": len(tokens)}))
+        assert not meta.loads
+        worker_step([worker], meta)
+        deadline = time.monotonic() + 5
+        while lookups_served(server) == before or stats(server).leases_held:
+            assert time.monotonic() < deadline, stats(server).leases_held
+            time.sleep(0.005)
+            scheduler.build_connector_meta(scheduler_output())  # the next steps
+        assert lookups_served(server) - before == 1
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
+def test_a_prompt_logprobs_request_holds_nothing_while_it_runs(engines, server):
+    """vLLM's real scheduler admits a request with prompt_logprobs taking 0 tokens from us:
+    its hold goes while it still runs."""
+    tokens = prompt(24, 2 * 256 + 9)
+    writer = engines()
+    writer.add("w", tokens)
+    writer.run_until_idle()
+    engine = engines()
+    request = Request("logprobs", tokens, SamplingParams(max_tokens=200, prompt_logprobs=1),
+                      None, block_hasher=engine.block_hasher)
+    assert request.skip_reading_prefix_cache
+    engine.scheduler.add_request(request)
+    before = lookups_served(server)
+    for _ in range(100):
+        engine.step()
+        if lookups_served(server) > before and stats(server).leases_held == 0:
+            break
+        time.sleep(0.005)
+    assert "logprobs" in engine.scheduler.requests  # still running
+    assert (lookups_served(server) - before, stats(server).leases_held) == (1, 0)
+    assert engine.first_computed["logprobs"] == 0
+    engine.scheduler.finish_requests("logprobs", RequestStatus.FINISHED_ABORTED)
+    engine.run_until_idle()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_fail_policy_for_loads_is_warned_about_at_start_up(server, caplog, policy):
+    config = hand_config(server.url)
+    config.kv_transfer_config.kv_load_failure_policy = policy
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    with caplog.at_level("WARNING", logger="lmcache_mp"):
+        scheduler = LMCacheMPServerConnector(config, KVConnectorRole.SCHEDULER,
+                                             kv_cache_config(spec))
+    scheduler.shutdown()
+    warnings_seen = [r.getMessage() for r in caplog.records
+                     if r.levelname == "WARNING" and "kv_load_failure_policy" in r.getMessage()]
+    if policy == "fail":
+        assert len(warnings_seen) == 1
+        assert '"kv_load_failure_policy": "recompute"' in warnings_seen[0]
+        assert "fail the request" in warnings_seen[0]
+    else:
+        assert warnings_seen == []
