@@ -84,11 +84,15 @@ def _leading_successes(errors, count: int) -> int:
     return outcomes.index(False) if False in outcomes else count
 
 
+def _checked_salt(cache_salt: str, request_id: str, prefix: str) -> str:
+    """An item's salt, once it and the item's request_id are within the protocol's rules."""
+    _check_length(request_id, MAX_REQUEST_ID_CHARS, f"{prefix}request_id")
+    return validate_salt(cache_salt, f"{prefix}cache_salt")
+
+
 def _lease_owner(session: Session, cache_salt: str, request_id: str, prefix: str = ""
                  ) -> LeaseOwner:
-    _check_length(request_id, MAX_REQUEST_ID_CHARS, f"{prefix}request_id")
-    return LeaseOwner(session.engine, validate_salt(cache_salt, f"{prefix}cache_salt"),
-                      request_id)
+    return LeaseOwner(session.engine, _checked_salt(cache_salt, request_id, prefix), request_id)
 
 
 def _check_length(value: str, limit: int, path: str) -> None:
@@ -116,8 +120,8 @@ class _Transfer:
         # One tensor op per check, not a Python loop per block: thousands of chunks stay cheap.
         ids = (torch.frombuffer(bytearray(item.block_ids), dtype=torch.int32).to(torch.int64)
                if count else torch.empty(0, dtype=torch.int64))
-        skipped = ids == SKIP_BLOCK if allow_skip else torch.zeros_like(ids, dtype=torch.bool)
-        written = ids[~skipped]
+        skipped = ids == SKIP_BLOCK if allow_skip else None
+        written = ids[~skipped] if skipped is not None else ids
         if written.numel() and not (0 <= int(written.min()) and
                                     int(written.max()) < instance.num_blocks):
             skip = f" (or {SKIP_BLOCK} to leave a block alone)" if allow_skip else ""
@@ -127,8 +131,8 @@ class _Transfer:
                               salt, h) for h in hashes]
         self.block_ids = ids.view(len(hashes), per_chunk) if count else ids
         # Per chunk: whether some block is SKIP_BLOCK (decided here, off the copy path).
-        self.skips = (skipped.view(len(hashes), per_chunk).any(1).tolist() if count
-                      else [])
+        self.skips = (skipped.view(len(hashes), per_chunk).any(1).tolist()
+                      if skipped is not None and count else [])
 
 
 class Dispatcher:
@@ -254,13 +258,11 @@ class Dispatcher:
         parsed = []
         for i, item in enumerate(req.items):
             path = f"items[{i}]."
-            holder = (_lease_owner(session, item.cache_salt, item.request_id, path)
-                      if item.hold else None)
-            if holder is None:  # the same checks, without a lease owner nobody needs
-                _check_length(item.request_id, MAX_REQUEST_ID_CHARS, path + "request_id")
-                validate_salt(item.cache_salt, path + "cache_salt")
-            parsed.append((item.cache_salt, unpack_hashes(item.chunk_hashes,
-                                                          path + "chunk_hashes"), holder))
+            salt = _checked_salt(item.cache_salt, item.request_id, path)
+            # Only a hold needs a lease owner: plain lookups, the common case, build none.
+            holder = LeaseOwner(session.engine, salt, item.request_id) if item.hold else None
+            parsed.append((salt, unpack_hashes(item.chunk_hashes, path + "chunk_hashes"),
+                           holder))
         if probes <= LOOKUP_SLICE_PROBES:
             return LookupReply([self.store.lookup(req.model, req.kv_world_size, salt, hashes,
                                                   holder)

@@ -278,6 +278,9 @@ class Server:
                 self._keep(client, backlog, frames)
             except zmq.ZMQError as exc:  # EHOSTUNREACH: the client is gone; its loss only
                 logger.debug("dropping a reply to a client that left: %s", exc)
+        self._drain_if_pending()
+
+    def _drain_if_pending(self) -> None:
         # A send can consume the FD's edge for messages that arrived meanwhile.
         if self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             asyncio.get_running_loop().call_soon(self._drain)
@@ -319,8 +322,7 @@ class Server:
         if self._backlog:
             self._backlog_retry = asyncio.get_running_loop().call_later(
                 _BACKLOG_RETRY_S, self._flush_backlogs)
-        if self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            asyncio.get_running_loop().call_soon(self._drain)
+        self._drain_if_pending()
 
     async def _housekeeping_loop(self) -> None:
         dispatcher = self.dispatcher
