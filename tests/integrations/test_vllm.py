@@ -58,8 +58,9 @@ with warnings.catch_warnings():
 
 from lmcache_mp.client import SharedKVCache
 from lmcache_mp.integrations.vllm import (
-    ConnectorConfig, LMCacheMPServerConnector, StepMetadata, _as_layout,
+    ConnectorConfig, LMCacheMPServerConnector, StepMetadata,
 )
+from lmcache_mp.integrations.vllm.layout import as_server_layout
 from lmcache_mp.protocol import CudaIpcHandle, MemfdHandle
 
 from ..utils import ipc_url, run_server
@@ -583,7 +584,7 @@ def test_vllm_layers_become_views_of_the_same_bytes_in_the_servers_layout(vllm_s
     for handle in (MemfdHandle(b"", 64, list(layer.shape), list(layer.stride()), "float32", "x"),
                    CudaIpcHandle(b"\x00" * 64, 64, "0" * 32, list(layer.shape),
                                  list(layer.stride()), "float32")):
-        mapped = _as_layout(handle, "mha", BLOCK)
+        mapped = as_server_layout(handle, "mha", BLOCK)
         assert type(mapped) is type(handle) and mapped.offset == 64
         view = layer.as_strided(mapped.shape, mapped.strides)
         assert torch.equal(view, to_server(layer))

@@ -1,0 +1,145 @@
+"""The connector's options (kv_connector_extra_config) and what it derives from vLLM's config."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from ...client.parallel import ParallelStrategy
+from ...protocol import is_valid_salt
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+MIN_ENGINE_SECRET_CHARS = 16  # a shorter engine_secret could be guessed by other engines
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """The connector's options: the keys of kv_connector_extra_config, all optional."""
+
+    # the server, as given to lmcache-mp-server --url; None: $LMCACHE_MP_URL, else this
+    # user's ipc:// socket in the runtime directory (the server's default endpoint)
+    url: str | None = None
+    timeout: float = 5.0  # seconds a worker's registration or other call may take
+    lookup_timeout: float = 1.0  # seconds a new request may wait for its lookup: then a miss
+    load_timeout: float = 30.0  # seconds a store or load may take: then skipped or recomputed
+    chunk_size: int = 256  # tokens per chunk: must equal the server's --chunk-size
+    model: str = ""  # the model's name in cache keys; "" takes vLLM's model (path or name)
+    # the secret this engine's scheduler and workers share on the server (holds, MLA
+    # groups); "" derives one from vLLM's per-engine random values (engine_secret)
+    engine_secret: str = ""
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        """Typed and checked options; an unknown key is an error (a typo would be silent)."""
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown key(s) {unknown}; "
+                             f"known: {sorted(known)}")
+        values: dict[str, Any] = {}
+        for name, value in extra.items():
+            default = known[name].default
+            if default is None and value is None:  # an optional value, left unset
+                continue
+            kind = str if default is None else type(default)
+            if kind is str:
+                ok, expected = isinstance(value, str), "a string"
+            else:
+                ok = (isinstance(value, (int, float) if kind is float else int)
+                      and not isinstance(value, bool) and value > 0)
+                expected = "a positive number" if kind is float else "a positive integer"
+            if not ok:
+                raise ValueError(f"kv_connector_extra_config[{name!r}]: expected {expected}, "
+                                 f"got {value!r}")
+            values[name] = kind(value)
+        secret = values.get("engine_secret", "")
+        if secret and len(secret) < MIN_ENGINE_SECRET_CHARS:
+            raise ValueError(f"kv_connector_extra_config['engine_secret']: at least "
+                             f"{MIN_ENGINE_SECRET_CHARS} characters (other engines on the node "
+                             f"must not guess it), got {len(secret)}")
+        return cls(**values)
+
+
+def model_name(config: ConnectorConfig, vllm_config: VllmConfig) -> str:
+    if config.model:
+        return config.model
+    if vllm_config.model_config is None:
+        raise ValueError("no model: vllm_config has no model_config; set "
+                         "kv_connector_extra_config['model']")
+    return vllm_config.model_config.model
+
+
+def engine_secret(config: ConnectorConfig, vllm_config: VllmConfig) -> str:
+    """The `engine=` secret of this engine's CacheClients, the same in its scheduler and in
+    every worker, and different in every other engine and data-parallel rank.
+
+    vLLM 0.33 gives each engine two values that its scheduler and its workers both see in
+    vllm_config (the workers receive the engine core's config): kv_transfer_config.engine_id,
+    a uuid4 made when the config is (vLLM suffixes it with `_dp<rank>` per data-parallel
+    rank, and syncs it from TP rank 0), and instance_id, the nanosecond clock at which
+    VllmConfig was made. Neither is meant as a secret (engine_id is told to the peers of
+    NIXL-style connectors, and an operator may set it), so kv_connector_extra_config key
+    `engine_secret` takes one of the operator's instead. The data-parallel rank is mixed in
+    either way: every DP rank is an engine of its own, with its own scheduler.
+    """
+    dp_rank = vllm_config.parallel_config.data_parallel_rank
+    if config.engine_secret:
+        source = f"engine_secret\0{config.engine_secret}"
+    else:
+        kv_transfer = vllm_config.kv_transfer_config
+        engine_id = kv_transfer.engine_id if kv_transfer is not None else None
+        if not engine_id or not vllm_config.instance_id:
+            raise ValueError("vllm_config has no kv_transfer_config.engine_id or instance_id "
+                             "to derive the engine secret from: set "
+                             "kv_connector_extra_config['engine_secret']")
+        source = f"vllm\0{engine_id}\0{vllm_config.instance_id}"
+    return hashlib.sha256(f"lmcache-mp engine secret\0{source}\0dp{dp_rank}".encode()
+                          ).hexdigest()
+
+
+def uses_mla(vllm_config: VllmConfig) -> bool:
+    model_config = vllm_config.model_config
+    return bool(model_config is not None and model_config.use_mla)
+
+
+def parallel_strategy(vllm_config: VllmConfig, rank: int) -> ParallelStrategy:
+    """This process's place in vLLM's TP × PP layout (rank 0 for the scheduler)."""
+    p = vllm_config.parallel_config
+    pcp = getattr(p, "prefill_context_parallel_size", 1)
+    dcp = getattr(p, "decode_context_parallel_size", 1)
+    if pcp != 1 or dcp != 1:
+        raise ValueError(f"lmcache-mp supports tensor and pipeline parallelism only; context "
+                         f"parallelism (prefill {pcp}, decode {dcp}) splits a request's KV "
+                         f"across ranks in a way it does not know")
+    return ParallelStrategy(uses_mla(vllm_config), p.tensor_parallel_size
+                            * p.pipeline_parallel_size, rank, p.tensor_parallel_size,
+                            p.pipeline_parallel_size)
+
+
+def server_salt(cache_salt: str | None) -> str:
+    """vLLM's cache_salt as the server takes it: a salt the protocol refuses (longer than 256
+    characters, spaces, non-ASCII) becomes a digest of itself, so tenants stay apart."""
+    salt = cache_salt or ""
+    if is_valid_salt(salt):
+        return salt
+    return "sha256:" + hashlib.sha256(salt.encode()).hexdigest()
+
+
+def warn_if_loads_fail_requests(vllm_config: VllmConfig) -> None:
+    """At start-up: vLLM 0.33's default kv_load_failure_policy "fail" fails a request whose
+    load fails, where this cache would have it recomputed."""
+    kv_transfer = vllm_config.kv_transfer_config
+    if kv_transfer is not None and getattr(kv_transfer, "kv_load_failure_policy",
+                                           None) == "fail":
+        logger.warning(
+            "vLLM's kv_load_failure_policy is \"fail\" (vLLM's default): a load from "
+            "lmcache-mp-server that fails (the server is gone, a chunk was evicted) will fail "
+            "the request instead of recomputing it. Add \"kv_load_failure_policy\": "
+            "\"recompute\" to --kv-transfer-config")

@@ -1,0 +1,159 @@
+"""The front class vLLM builds: LMCacheMPServerConnector hands each hook to its role's side."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults,
+)
+
+from .config import ConnectorConfig
+from .metadata import StepMetadata
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class LMCacheMPServerConnector(KVConnectorBase_V1):
+    """vLLM's KV connector for lmcache-mp-server; vLLM builds one per process and role.
+
+    Every hook says which process calls it and when. Scheduler hooks run on the engine
+    core's scheduling thread, once per step or per request, and never wait on the server.
+    Worker hooks run in each worker process around every forward pass; only
+    register_kv_caches (once, at start-up) and handle_preemptions (only while a preempted
+    request's store is still being read) wait, each for a bounded time.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None):
+        """Both processes, once, when vLLM builds the connector for its role."""
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = ConnectorConfig.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(config, vllm_config)
+        else:
+            self._worker = WorkerSide(config, vllm_config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Scheduler: a best-effort cache; a store lost to preemption is only a later miss."""
+        return False
+
+    def _on_scheduler(self, hook: str) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError(f"{hook} is a scheduler hook; this connector serves a worker")
+        return self._scheduler
+
+    def _on_worker(self, hook: str) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError(f"{hook} is a worker hook; this connector serves the scheduler")
+        return self._worker
+
+    # -- scheduler process -----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """Scheduler, each step, for each waiting request vLLM tries to admit; never blocks.
+        (None, False) while the lookup is in flight: vLLM asks again next step."""
+        return self._on_scheduler("get_num_new_matched_tokens").get_num_new_matched_tokens(
+            request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        """Scheduler, after vLLM gave an admitted request its blocks; twice for a request
+        that loads (for the load, then for the rest of the prompt)."""
+        self._on_scheduler("update_state_after_alloc").update_state_after_alloc(
+            request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepMetadata:
+        """Scheduler, once at the end of every schedule() call: this step's StepMetadata."""
+        return self._on_scheduler("build_connector_meta").build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Scheduler, once per step, with what the workers reported (all ranks aggregated)."""
+        self._on_scheduler("update_connector_output").update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """Scheduler, once per request that ends (done, aborted), before vLLM frees its
+        blocks; True keeps them until the workers report the request in finished_sending."""
+        return self._on_scheduler("request_finished").request_finished(request), None
+
+    def has_pending_block_frees(self) -> bool:
+        """Scheduler, when it runs out of blocks, before preempting: True while finished
+        requests' blocks wait for their stores (a step or two), so vLLM waits instead."""
+        return bool(self._on_scheduler("has_pending_block_frees").freeing)
+
+    # -- worker processes ------------------------------------------------------------------
+
+    def get_mem_pool_context(self) -> contextlib.AbstractContextManager | None:
+        """Worker, once, around vLLM's KV cache allocation: on CPU, puts it in shared memory."""
+        return self._on_worker("get_mem_pool_context").mem_pool_context()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Worker, once, after vLLM allocated its KV cache; waits for the server (bounded by
+        `timeout`) and raises if the cache cannot be registered."""
+        self._on_worker("register_kv_caches").register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Worker, every step, before the forward pass that may reuse preempted blocks."""
+        assert isinstance(kv_connector_metadata, StepMetadata)
+        self._on_worker("handle_preemptions").handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Worker, every step, around the forward pass (after it, as our loads are async)."""
+        self._on_worker("start_load_kv").start_loads(self._step_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Worker, in each attention layer: nothing to wait for, as no forward reads a load."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        """Worker, in each attention layer: nothing; whole chunks are stored in wait_for_save."""
+
+    def wait_for_save(self) -> None:
+        """Worker, every step, after the forward pass: sends the step's stores; returns at once."""
+        self._on_worker("wait_for_save").start_stores(self._step_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """Worker, every step (through get_transfer_results): (sending done, loading done)."""
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Worker, every step, after wait_for_save; never blocks."""
+        meta = self._connector_metadata if isinstance(self._connector_metadata,
+                                                      StepMetadata) else None
+        sending, recving = self._on_worker("get_transfer_results").finished(meta)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Worker, every step: blocks whose load failed, which vLLM recomputes."""
+        return self._on_worker("get_block_ids_with_load_errors").load_errors()
+
+    def shutdown(self) -> None:
+        """Either process, once, when vLLM shuts down."""
+        for side in (self._scheduler, self._worker):
+            if side is not None:
+                side.shutdown()
+
+    def _step_metadata(self) -> StepMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepMetadata), type(meta)
+        return meta

@@ -1,0 +1,36 @@
+"""What the scheduler tells the workers each step: StepMetadata and its LoadSpecs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from ...protocol import TransferItem
+
+
+# -- what the scheduler tells the workers ----------------------------------------------------
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """One request's load: workers copy `item`'s chunks into its blocks and report the request
+    in finished_recving when they have landed. With item None nothing is read: the request
+    is reported at once (vLLM still waits for it). `failed_block_ids` are blocks vLLM
+    expects filled that no chunk covers: workers report them as load errors."""
+
+    request_id: str
+    item: TransferItem | None
+    failed_block_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class StepMetadata(KVConnectorMetadata):
+    """Built by the scheduler once per step (build_connector_meta), read by every worker."""
+
+    loads: list[LoadSpec] = field(default_factory=list)  # start in start_load_kv
+    stores: list[TransferItem] = field(default_factory=list)  # start in wait_for_save
+    # finished requests whose blocks vLLM frees only once every worker has reported them
+    # in finished_sending, after their stores were read
+    await_stores: list[str] = field(default_factory=list)
+    # requests preempted this step: their blocks may be reused by this step's forward pass
+    preempted: list[str] = field(default_factory=list)

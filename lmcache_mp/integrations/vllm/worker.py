@@ -1,0 +1,196 @@
+"""The connector's worker role on one rank: its KV cache's registration and its transfers."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...client.api import CacheClient
+from ...client.cuda import StoreEvent, cuda_ipc_handles
+from ...client.shm import SharedSegment, memfd_handles
+from ...client.tracker import ChunkLayout
+from ...client.worker import WorkerAdapter
+from ...errors import LMCacheMPError
+from ...protocol import RegisterKVCacheRequest
+from ...runtime import default_url
+from .allocation import SharedMemoryAllocation
+from .config import ConnectorConfig, engine_secret, model_name, parallel_strategy
+from .layout import as_server_layout
+from .metadata import StepMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    """The connector's worker role on one rank: its KV cache and its transfers in flight."""
+
+    def __init__(self, config: ConnectorConfig, vllm_config: VllmConfig):
+        self.config = config
+        self.block_size = vllm_config.cache_config.block_size
+        ChunkLayout(self.block_size, config.chunk_size)  # refuses a block size that does not fit
+        self.model = model_name(config, vllm_config)
+        parallel_config = vllm_config.parallel_config
+        self.parallel = parallel_strategy(vllm_config, parallel_config.rank)
+        self.tp_group = (f"{vllm_config.kv_transfer_config.engine_id}"
+                         f"/dp{parallel_config.data_parallel_rank}/pp{self.parallel.pp_rank}")
+        self.url = config.url or default_url()
+        self.client = CacheClient(self.url, timeout=config.timeout,
+                                  client_name=f"vllm-worker-{parallel_config.rank}",
+                                  mla_follower=not self.parallel.sends_transfers,
+                                  engine=engine_secret(config, vllm_config))
+        self.adapter = WorkerAdapter(self.client, self.model, self.parallel, config.load_timeout)
+        self._segments: list[SharedSegment] = []  # the memfds we allocated the KV cache in
+        self._store_event: StoreEvent | None = None  # a KV cache on a GPU: STOREs wait on it
+        self._pending_stores: set[str] = set()  # sent; the adapter has not reported them
+        self._awaiting_stores: set[str] = set()  # finished: report once their stores are read
+        self._loads_done: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def mem_pool_context(self) -> contextlib.AbstractContextManager | None:
+        """On CPU, vLLM's KV cache allocation (one torch.zeros of the whole cache) goes into
+        a SharedSegment (a sealed memfd) that the server can map once register_kv_caches
+        has passed it the descriptor; elsewhere vLLM allocates as usual."""
+        from vllm.platforms import current_platform
+        if current_platform.device_type != "cpu":
+            return None
+        return SharedMemoryAllocation(self._segments)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Worker, once at start-up: finds each layer's handle (cuda_ipc for a cache on a
+        GPU, memfd on the CPU: the CacheClient passes the segments' descriptors to the
+        server), checks the server's chunk size and registers the cache; raises if any of
+        that fails."""
+        layout = "mla" if self.parallel.use_mla else "mha"
+        tensors: list[torch.Tensor] = []
+        seen: set[tuple[int, tuple[int, ...]]] = set()
+        for tensor in kv_caches.values():  # layers that share a cache share its tensor
+            key = (tensor.data_ptr(), tuple(tensor.shape))
+            if key not in seen:
+                seen.add(key)
+                tensors.append(tensor)
+        if not tensors:
+            raise ValueError("register_kv_caches: vLLM gave no KV cache tensors")
+        devices = {t.device.type for t in tensors}
+        if devices == {"cuda"}:
+            # The server maps the cache by CUDA IPC; its STORE copies wait on this event,
+            # recorded after each forward pass (start_stores).
+            handles = [as_server_layout(handle, layout, self.block_size)
+                       for handle in cuda_ipc_handles(tensors)]
+            self._store_event = StoreEvent(tensors[0].device)
+        elif devices == {"cpu"}:
+            try:
+                handles = [as_server_layout(handle, layout, self.block_size)
+                           for handle, _ in memfd_handles(tensors)]
+            except ValueError as exc:
+                raise ValueError(
+                    f"lmcache-mp cannot register vLLM's KV cache: {exc}. On CPU the server "
+                    f"maps the cache only through a sealed memfd this worker passes it: let "
+                    f"vLLM allocate it through this connector (get_mem_pool_context), or pass "
+                    f"tensors that lie in a SharedKVCache or another "
+                    f"lmcache_mp.client.SharedSegment") from None
+        else:
+            raise ValueError(f"lmcache-mp registers KV caches on CUDA devices or in CPU shared "
+                             f"memory, all on one of them; these are on {sorted(devices)}")
+        request = RegisterKVCacheRequest(
+            self.model, self.parallel.kv_world_size, self.parallel.kv_worker_id, layout,
+            self.block_size, handles, self.parallel.tp_rank, self.tp_group,
+            self._store_event.handle if self._store_event is not None else b"")
+        try:
+            hello = self.client.hello()
+            if hello.chunk_size != self.config.chunk_size:
+                raise ValueError(f"the server at {self.url} stores chunks of "
+                                 f"{hello.chunk_size} tokens, the connector's chunk_size is "
+                                 f"{self.config.chunk_size}: make them equal")
+            registration = self.client.register(request)
+        except LMCacheMPError as exc:
+            raise RuntimeError(f"cannot register the KV cache with lmcache-mp-server at "
+                               f"{self.url} (is it running?): {exc}") from exc
+        self.adapter.registration = registration
+        logger.info("rank %d registered %d %s layers of %d blocks with %s as instance %d",
+                    self.parallel.worker_id, len(handles), layout, registration.num_blocks,
+                    self.url, registration.instance_id)
+
+    # -- every step --------------------------------------------------------------------------
+
+    def handle_preemptions(self, meta: StepMetadata) -> None:
+        """A preempted request's blocks go back to vLLM's pool at once and this step may
+        overwrite them: wait (at most load_timeout) until its stores have been read."""
+        waiting = self._pending_stores.intersection(meta.preempted)
+        deadline = time.monotonic() + self.config.load_timeout
+        while waiting and time.monotonic() < deadline:
+            time.sleep(0.0005)
+            self._collect()
+            waiting &= self._pending_stores
+        if waiting:
+            logger.warning("stores of preempted requests %s still in flight after %.1f s",
+                           sorted(waiting), self.config.load_timeout)
+
+    def start_loads(self, meta: StepMetadata) -> None:
+        """Worker, every step (start_load_kv): one RETRIEVE for the step's loads. On a GPU
+        the server answers (and tells MLA followers) only once its device copies into the
+        blocks have finished, so a load reported in finished_recving can be read on any
+        stream: nothing more to wait on."""
+        items = [load.item for load in meta.loads if load.item is not None]
+        if items:
+            self._require_registration()
+            self.adapter.start_load(items)
+        for load in meta.loads:
+            self._load_errors.update(load.failed_block_ids)
+            if load.item is None:
+                self._loads_done.add(load.request_id)
+
+    def start_stores(self, meta: StepMetadata) -> None:
+        """Worker, every step after the forward pass (wait_for_save): one STORE."""
+        if meta.stores:
+            self._require_registration()
+            if self._store_event is not None:  # the server reads once this pass has written
+                self._store_event.record()
+            self.adapter.start_store(meta.stores)
+            self._pending_stores.update(item.request_id for item in meta.stores)
+
+    def finished(self, meta: StepMetadata | None) -> tuple[set[str], set[str]]:
+        """Worker, every step (get_transfer_results): (finished requests whose stores have
+        all been read, requests whose loads landed or failed)."""
+        if meta is not None:
+            self._awaiting_stores.update(meta.await_stores)
+        self._collect()
+        sending = {r for r in self._awaiting_stores if r not in self._pending_stores}
+        self._awaiting_stores -= sending
+        recving, self._loads_done = self._loads_done, set()
+        return sending, recving
+
+    def _collect(self) -> None:
+        stores, loads = self.adapter.get_finished()
+        self._pending_stores -= stores
+        self._loads_done |= loads
+
+    def load_errors(self) -> set[int]:
+        """Worker, every step: blocks of failed loads since the last call."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors | self.adapter.get_block_ids_with_load_errors()
+
+    def _require_registration(self) -> None:
+        if self.adapter.registration is None:
+            raise RuntimeError("the KV cache is not registered: vLLM must call "
+                               "register_kv_caches before the first step")
+
+    def shutdown(self) -> None:
+        """Worker, once, at shutdown: unregisters and closes the KV cache's segments (their
+        memory goes once vLLM's tensors over them are gone)."""
+        registration = self.adapter.registration
+        if registration is not None:
+            with contextlib.suppress(LMCacheMPError):
+                self.client.unregister(registration)
+        self.client.close()
+        for segment in self._segments:
+            segment.close()
+        self._segments = []
