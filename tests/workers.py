@@ -19,7 +19,7 @@ import torch
 from lmcache_mp.client import CacheClient, LookupItem, SharedKVCache, TransferItem, chunk_hashes
 from lmcache_mp.protocol import StoreRequest
 
-# W2 from DESIGN.md: MHA, 4 layers, 2 kv heads x 64, float16, block 16, chunk 256 (512 KiB).
+# W2 (docs/benchmarks.md): MHA, 4 layers, 2 kv heads x 64, float16, block 16, chunk 256 (512 KiB).
 W2 = dict(layout="mha", num_layers=4, block_size=16, heads=2, head_dim=64, dtype=torch.float16)
 CHUNK_SIZE = 256
 BLOCKS_PER_CHUNK = CHUNK_SIZE // W2["block_size"]
@@ -130,7 +130,7 @@ def retrieve_worker(job: Job, conn) -> None:
         client.unregister(registration)
 
 
-# A W3-like MLA cache (DESIGN.md), with 4 layers instead of 32 to keep tests quick.
+# A W3-like MLA cache (docs/benchmarks.md), with 4 layers instead of 32 to keep tests quick.
 MLA = dict(layout="mla", num_layers=4, block_size=16, heads=1, head_dim=576,
            dtype=torch.bfloat16)
 

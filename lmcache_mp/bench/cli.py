@@ -25,7 +25,7 @@ the same chunks. Progress goes to stderr, the table to stdout.
 
 workloads:
   W1, W2, W3    new prompts, then the same prompts again: STORE, then RETRIEVE of the
-                same bytes (shapes in DESIGN.md: W1 32 MiB chunks, W2 512 KiB, W3 MLA 9 MiB)
+                same bytes (shapes in docs/benchmarks.md: W1 32 MiB chunks, W2 512 KiB, W3 MLA 9 MiB)
   chat          multi-turn conversations over shared documents with Zipf popularity:
                 realistic prefix sharing; hit rate against an unbounded cache's
   multi-tenant  two steady tenants and a flooder, without and with a quota on the

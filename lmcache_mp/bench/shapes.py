@@ -1,4 +1,4 @@
-"""The KV-cache shapes every benchmark uses (DESIGN.md, "Benchmark workloads")."""
+"""The KV-cache shapes every benchmark uses (docs/benchmarks.md, "Benchmark workloads")."""
 
 from __future__ import annotations
 
