@@ -22,6 +22,7 @@ import json
 import multiprocessing
 import os
 import secrets
+import subprocess
 import sys
 import time
 import uuid
@@ -278,6 +279,20 @@ def stop(workers: list) -> None:
             process.join(5)
 
 
+def process_gpu_mib(pid: int) -> int | str:
+    """The GPU memory nvidia-smi reports for process `pid` (MiB, summed over GPUs), or why
+    it cannot tell (no nvidia-smi, or a PID namespace that hides the process)."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                 "--format=csv,noheader,nounits"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unavailable ({type(exc).__name__})"
+    used = [int(mib) for line in listed.splitlines()
+            for app, mib in [line.split(",")] if int(app) == pid]
+    return sum(used) if used else "unavailable (process not listed)"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=48, help="chunks stored and retrieved")
@@ -310,6 +325,9 @@ def main() -> int:
             one.send(receive(two, second, "worker-2", deadline))  # "follower registered"
             w3 = receive(one, first, "worker-1", deadline)
             follower_match = receive(two, second, "worker-2", deadline)
+            # docs/gpu.md: its CUDA context, and what torch's allocator keeps of the staging
+            # chunks (2 per registration) after the workers have unregistered.
+            server_mib = process_gpu_mib(server.proc.pid)
         finally:
             stop(workers)
     results = [Result(**w1), Result(**{**w3, "follower_bytes_match": follower_match})]
@@ -327,11 +345,15 @@ def main() -> int:
     exact = all(r.bytes_match for r in results) and results[1].follower_bytes_match
     met = min(results[0].store_ratio, results[0].retrieve_ratio) >= TARGET
     print(f"W1 target ({TARGET:.0%} of raw): {'met' if met else 'MISSED'}")
+    staging_mib = 2 * (W1.chunk_bytes + 2 * W3.chunk_bytes) / 2**20
+    print(f"server GPU memory after the run: {server_mib} MiB: its CUDA context, and torch's "
+          f"cache of the staging chunks (at most {staging_mib:.0f} MiB)")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "gpu_bench.json"), "w") as out:
             json.dump({"results": [dict(asdict(r), store_ratio=r.store_ratio,
                                         retrieve_ratio=r.retrieve_ratio) for r in results],
                        "target": TARGET, "target_met": met, "bytes_exact": exact,
+                       "server_gpu_mib": server_mib, "staging_mib": staging_mib,
                        "device": torch.cuda.get_device_name(0)}, out, indent=2)
     return 0 if exact and met else (1 if not exact else 2)
 

@@ -73,6 +73,8 @@ for r in data["results"]:
           f"({r['retrieve_ratio']:.0%} of raw H2D {r['raw_h2d_gbps']:.1f})")
 print(f"bench    bytes {'exact' if data['bytes_exact'] else 'WRONG'}; W1 target "
       f"{data['target']:.0%}: {'met' if data['target_met'] else 'MISSED'}; {data['device']}")
+print(f"bench    server GPU memory {data['server_gpu_mib']} MiB (staging at most "
+      f"{data['staging_mib']:.0f} MiB; the rest is its CUDA context)")
 EOF
     fi
     echo "total    $((SECONDS - START)) s; exit status $status; logs in $OUT"

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 _HEX32 = re.compile(r"[0-9a-f]{32}")
+# cuda.h's CUpointer_attribute: 1 if cudaIpcGetMemHandle can export the pointer's allocation.
+_IS_LEGACY_CUDA_IPC_CAPABLE = 10
 
 
 def normalize_uuid(text: str) -> str:
@@ -46,6 +48,8 @@ def _libcuda() -> ctypes.CDLL:
     lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
                                             ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
     lib.cuMemGetAddressRange_v2.restype = ctypes.c_int
+    lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+    lib.cuPointerGetAttribute.restype = ctypes.c_int
     return lib
 
 
@@ -57,6 +61,19 @@ def address_range(pointer: int) -> tuple[int, int]:
     if result != 0:
         raise RuntimeError(f"cuMemGetAddressRange({pointer:#x}) failed with CUresult {result}")
     return base.value, size.value
+
+
+def legacy_ipc_capable(pointer: int) -> bool:
+    """Whether cudaIpcGetMemHandle can export the allocation that holds `pointer`: true for
+    cudaMalloc memory, false for cuMem (VMM) mappings and stream-ordered pools. The caller
+    has made the pointer's device current."""
+    capable = ctypes.c_uint(0)  # the driver writes a boolean into its first byte or all four
+    result = _libcuda().cuPointerGetAttribute(ctypes.byref(capable), _IS_LEGACY_CUDA_IPC_CAPABLE,
+                                              pointer)
+    if result != 0:
+        raise RuntimeError(f"cuPointerGetAttribute({pointer:#x}, IS_LEGACY_CUDA_IPC_CAPABLE) "
+                           f"failed with CUresult {result}")
+    return bool(capable.value)
 
 
 def _cupy() -> Any:

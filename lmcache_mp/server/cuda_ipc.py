@@ -100,8 +100,11 @@ def open_allocations(handles: list[CudaIpcHandle], support: CudaIpcSupport
             except Exception as exc:  # noqa: BLE001 (cupy and the driver raise their own types)
                 raise BadRequest(f"`{path}.ipc_handle`: cannot open it on GPU {index} "
                                  f"({type(exc).__name__}: {exc}); the worker must run on this "
-                                 f"machine, and CUDA IPC must be allowed between the two "
-                                 f"processes") from None
+                                 f"machine, CUDA IPC must be allowed between the two processes, "
+                                 f"and the handle must come from cudaIpcGetMemHandle of "
+                                 f"cudaMalloc memory, not from a cuMem or pool allocator "
+                                 f"(expandable_segments, cudaMallocAsync, vLLM's sleep mode), "
+                                 f"which lmcache_mp.client.cuda.cuda_ipc_handles refuses") from None
             devices = {a.data.device for a in opened.values()}
             if len(devices) > 1:
                 raise BadRequest(f"`{path}.device_uuid`: the layers of one KV cache must be on "

@@ -29,6 +29,10 @@ class Device(Protocol):
     def query(self, event: Any) -> bool:
         """Whether `event` has completed; never blocks."""
 
+    def used_on(self, tensor: torch.Tensor, stream: Any) -> None:
+        """`tensor`, allocated on another stream, is used by work queued on `stream`: its
+        memory must not be reused before that work has finished."""
+
     def open_event(self, device: torch.device, handle: bytes) -> Any:
         """Another process's interprocess event, from its cudaIpcEventHandle_t."""
 
@@ -52,6 +56,9 @@ class CudaDevice:
 
     def query(self, event: torch.cuda.Event) -> bool:
         return event.query()
+
+    def used_on(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        tensor.record_stream(stream)
 
     def open_event(self, device: torch.device, handle: bytes) -> torch.cuda.Event:
         return torch.cuda.Event.from_ipc_handle(device, handle)

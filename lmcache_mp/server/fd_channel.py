@@ -8,6 +8,11 @@ no file, so no worker can point the server at someone else's memory. Every descr
 channel receives is either ticketed or closed at once; a ticket's descriptor then belongs
 to whoever take()s it, or is closed when the ticket expires.
 
+A connection may instead ask for a watch and stay open: the registry watch()es it, and is
+told when the worker at the other end hangs up (the kernel closes it when the process
+exits, however it dies), so a dead worker's memory is unmapped at once rather than after
+its heartbeats lapse.
+
 All of it runs on the server's event loop from non-blocking sockets; nothing here waits.
 """
 
@@ -29,8 +34,14 @@ from dataclasses import dataclass
 
 import msgpack
 
-from ..fdpass import FD_CHANNEL_MAGIC
-from ..protocol import MAX_FDS_PER_MESSAGE, MAX_PENDING_TICKETS, TICKET_BYTES, TICKET_TTL_S
+from ..fdpass import FD_CHANNEL_MAGIC, WATCH_MAGIC
+from ..protocol import (
+    MAX_FDS_PER_MESSAGE,
+    MAX_PENDING_TICKETS,
+    MAX_REGISTRATIONS,
+    TICKET_BYTES,
+    TICKET_TTL_S,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +82,15 @@ class _Connection:
         self.timer: asyncio.TimerHandle | None = None
 
 
+@dataclass(eq=False)
+class _Watch:
+    """A watch connection held open by its worker, and what to call when it hangs up."""
+
+    conn: _Connection
+    expires: float | None  # on the channel's clock, until a registration names it
+    hangups: list[Callable[[], None]]
+
+
 class FdChannel:
     """The server's unix socket for descriptors; Server starts it, the registry take()s from it.
 
@@ -89,6 +109,7 @@ class FdChannel:
         self._accept_retry: asyncio.TimerHandle | None = None
         self._connections: dict[int, _Connection] = {}
         self._tickets: dict[bytes, PassedFd] = {}
+        self._watches: dict[bytes, _Watch] = {}
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Bind and listen at `path`, then serve from `loop`. Raises OSError if `path` is
@@ -125,14 +146,36 @@ class FdChannel:
             return None
         return passed
 
+    def watch(self, token: bytes, on_hangup: Callable[[], None]) -> Callable[[], None] | None:
+        """Call `on_hangup` once the watch `token` hangs up (the worker exited or closed it).
+        Returns what stops this watching, which closes the connection when nobody else
+        watches it; None for a watch that is unknown, expired or already hung up."""
+        watch = self._watches.get(token)
+        if watch is None:
+            return None
+        watch.expires = None
+        watch.hangups.append(on_hangup)
+
+        def stop() -> None:
+            if on_hangup in watch.hangups:
+                watch.hangups.remove(on_hangup)
+            if not watch.hangups and self._watches.get(token) is watch:
+                self._end_watch(token)
+        return stop
+
     def expire(self) -> int:
-        """Close the descriptors of tickets past TICKET_TTL_S; the server's housekeeping calls
-        it every 0.5 s. Returns how many there were."""
+        """Close the descriptors of tickets past TICKET_TTL_S, and watches no registration
+        named within it; the server's housekeeping calls it every 0.5 s. Returns how many
+        there were."""
         now = self._clock()
         stale = [ticket for ticket, passed in self._tickets.items() if passed.expires <= now]
         for ticket in stale:
             os.close(self._tickets.pop(ticket).fd)
-        return len(stale)
+        unused = [token for token, watch in self._watches.items()
+                  if watch.expires is not None and watch.expires <= now]
+        for token in unused:
+            self._end_watch(token)
+        return len(stale) + len(unused)
 
     def close(self) -> None:
         """Stop serving: close every connection and unused descriptor, and remove the socket."""
@@ -146,6 +189,8 @@ class FdChannel:
             self._accept_retry = None
         for conn in list(self._connections.values()):
             self._close_connection(conn)
+        for token in list(self._watches):
+            self._end_watch(token)
         _close_all([passed.fd for passed in self._tickets.values()])
         self._tickets.clear()
 
@@ -203,6 +248,9 @@ class FdChannel:
         if not data and not fds and not flags:  # the peer hung up
             self._close_connection(conn)
             return
+        if data == WATCH_MAGIC and not fds and not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            self._start_watch(conn)
+            return
         tickets = None
         try:
             tickets = self._issue(conn, data, fds, flags)
@@ -244,13 +292,64 @@ class FdChannel:
         self._tickets.update(issued)
         return list(issued)
 
-    def _close_connection(self, conn: _Connection) -> None:
+    def _start_watch(self, conn: _Connection) -> None:
+        """Answer a watch request with its token and keep the connection, now read only
+        to learn that it hung up."""
+        self._close_connection(conn, keep_socket=True)
+        if len(self._watches) >= MAX_REGISTRATIONS:
+            self.expire()
+        if len(self._watches) >= MAX_REGISTRATIONS:
+            answer: dict[str, object] = {"error": f"the server holds {MAX_REGISTRATIONS} watches "
+                                                  f"already (MAX_REGISTRATIONS)"}
+        else:
+            token = secrets.token_bytes(TICKET_BYTES)
+            answer = {"watch": token}
+        try:
+            conn.sock.send(msgpack.packb(answer))
+        except OSError as exc:
+            logger.debug("fd channel: replying to pid %d failed: %s", conn.pid, exc)
+            conn.sock.close()
+            return
+        if "error" in answer:
+            conn.sock.close()
+            return
+        self._watches[token] = _Watch(conn, self._clock() + TICKET_TTL_S, [])
+        self._loop.add_reader(conn.fileno, self._watch_event, token)
+
+    def _watch_event(self, token: bytes) -> None:
+        """The watch is readable: its peer hung up, or sent something, which no watch does."""
+        watch = self._watches.get(token)
+        if watch is None:
+            return
+        try:
+            if watch.conn.sock.recv(1):
+                logger.debug("fd channel: pid %d wrote on its watch; closing it", watch.conn.pid)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            pass  # reset: hung up all the same
+        for hangup in self._end_watch(token):
+            try:
+                hangup()
+            except Exception:  # noqa: BLE001 (one failed clean-up must not skip the others)
+                logger.exception("fd channel: acting on the hang-up of pid %d's watch failed",
+                                 watch.conn.pid)
+
+    def _end_watch(self, token: bytes) -> list[Callable[[], None]]:
+        """Close a watch; returns who was watching it."""
+        watch = self._watches.pop(token)
+        self._loop.remove_reader(watch.conn.fileno)
+        watch.conn.sock.close()
+        return list(watch.hangups)
+
+    def _close_connection(self, conn: _Connection, keep_socket: bool = False) -> None:
         if self._connections.get(conn.fileno) is not conn:
             return
         del self._connections[conn.fileno]
         self._loop.remove_reader(conn.fileno)
         conn.timer.cancel()
-        conn.sock.close()
+        if not keep_socket:
+            conn.sock.close()
 
     # -- the socket file -------------------------------------------------------------------
 

@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 LAYOUTS = {"mha": 5, "mla": 3}  # tensor rank of one layer
 TakeFd = Callable[[bytes], Any]  # fd_channel.FdChannel.take
+# fd_channel.FdChannel.watch: (token, on_hangup) -> how to stop watching, or None
+Watch = Callable[[bytes, Callable[[], None]], Callable[[], None] | None]
 # Above this many bytes per block (all layers), one copy_ per block beats index_copy_.
 _PER_BLOCK_SCATTER_BYTES = 256 * 1024
 
@@ -113,6 +115,7 @@ class KVCacheInstance:
     lane: Any = None  # its streams.Lane when it lives on a GPU: copies go through the stream copier
     copies_in_flight: int = 0
     closed: bool = False
+    stop_watching: Callable[[], None] | None = None  # lets go of its fd channel watch
     stores: int = 0  # STORE requests it sent
     retrieves: int = 0  # RETRIEVE requests it sent
     loads_pushed: int = 0  # LOAD_DONE notices sent to it as an MLA follower
@@ -301,13 +304,16 @@ class Registry:
     """Every registered KV cache by instance id, and the clients that own them."""
 
     def __init__(self, chunk_size: int, clock: Callable[[], float],
-                 take_fd: TakeFd, cuda_ipc: CudaIpcSupport | None = None):
+                 take_fd: TakeFd, cuda_ipc: CudaIpcSupport | None = None,
+                 watch: Watch | None = None):
         """`take_fd(ticket)`: the fd channel's descriptor for a memfd handle's ticket, or None;
-        `cuda_ipc`: how to map cuda_ipc handles; None on a server without CUDA."""
+        `cuda_ipc`: how to map cuda_ipc handles; None on a server without CUDA;
+        `watch`: the fd channel's watches, which end a registration when its worker hangs up."""
         self.chunk_size = chunk_size
         self.clock = clock
         self.take_fd = take_fd
         self.cuda_ipc = cuda_ipc
+        self.watch = watch
         self._instances: dict[int, KVCacheInstance] = {}
 
     def __len__(self) -> int:
@@ -329,6 +335,7 @@ class Registry:
         dtype = DTYPES[geometry.dtype]
         mappings: dict[bytes, mmap.mmap] = {}
         allocations: dict[bytes, Allocation] = {}
+        stop_watching = None
         try:
             if req.layers[0].kind == MemfdHandle.KIND:
                 for i, handle in enumerate(req.layers):
@@ -347,6 +354,8 @@ class Registry:
                          else "its CUDA allocation")
                 _check(end <= size, f"`layers[{i}]`: tensor ends at byte {end} but {where} "
                        f"holds {size} bytes")
+            instance_id = self._new_id()
+            stop_watching = self._watch(req.watch, instance_id) if req.watch else None
             # Views only once nothing can fail: a segment with views cannot be closed.
             buffers = ({name: torch.frombuffer(m, dtype=torch.uint8) for name, m in mappings.items()}
                        if mappings else {key: a.data for key, a in allocations.items()})
@@ -363,18 +372,20 @@ class Registry:
                     raise BadRequest(f"`store_event`: cannot set up GPU copies for this cache "
                                      f"({exc})") from None
         except BaseException:  # only cuda_ipc can fail after the views exist: they hold no mmap
+            if stop_watching is not None:
+                stop_watching()
             for mapping in mappings.values():
                 mapping.close()
             for allocation in allocations.values():
                 allocation.close()
             raise
         instance = KVCacheInstance(
-            instance_id=self._new_id(), owner=owner, engine=engine, model=req.model,
+            instance_id=instance_id, owner=owner, engine=engine, model=req.model,
             kv_world_size=req.kv_world_size, kv_worker_id=req.kv_worker_id, tp_rank=req.tp_rank,
             tp_group=req.tp_group,
             num_blocks=num_blocks, geometry=geometry, layers=layers, stacked=stacked,
             mappings=list(mappings.values()), last_seen=self.clock(),
-            allocations=list(allocations.values()), lane=lane)
+            allocations=list(allocations.values()), lane=lane, stop_watching=stop_watching)
         self._instances[instance.instance_id] = instance
         instance.start_populating()
         logger.info("registered instance %d: model %s, kv worker %d/%d, %d layers on %s, "
@@ -383,6 +394,22 @@ class Registry:
                     num_blocks, geometry.chunk_bytes,
                     "" if stacked is not None else " (per-layer copies)")
         return instance
+
+    def _watch(self, token: bytes, instance_id: int) -> Callable[[], None]:
+        """Drop the registration as soon as the worker's watch connection hangs up."""
+        _check(self.watch is not None, "`watch`: this server takes no watches")
+        _check(len(token) == TICKET_BYTES, f"`watch`: expected {TICKET_BYTES} bytes from the "
+               f"fd channel, got {len(token)}")
+
+        def hung_up() -> None:
+            if instance_id in self._instances:
+                logger.info("instance %d: its worker hung up its watch (it exited); "
+                               "dropping its registration", instance_id)
+                self.unregister(instance_id)
+        stop = self.watch(token, hung_up)
+        _check(stop is not None, "`watch`: unknown, expired or closed watch: open one on the "
+               "fd channel (HELLO's fd_socket) and register within a minute, keeping it open")
+        return stop
 
     def _new_id(self) -> int:
         # Random, so that an id a client kept from before a server restart names nothing.
@@ -411,6 +438,8 @@ class Registry:
     def unregister(self, instance_id: int) -> None:
         instance = self._instances.pop(instance_id)
         instance.closed = True
+        if instance.stop_watching is not None:
+            instance.stop_watching()
         if instance.copies_in_flight == 0:
             instance.unmap()
         logger.info("unregistered instance %d", instance_id)

@@ -152,7 +152,8 @@ class Server:
             self._copier = StreamCopier(CudaDevice(), config.copy_threads, _GPU_COPY_TIMEOUT_S)
             cuda_ipc = CudaIpcSupport(SharedAllocations(cuda.open_allocation).open,
                                       cuda.device_index, self._copier.new_lane)
-        registry = Registry(config.chunk_size, time.monotonic, self._fd_channel.take, cuda_ipc)
+        registry = Registry(config.chunk_size, time.monotonic, self._fd_channel.take, cuda_ipc,
+                            self._fd_channel.watch)
         self._copy_engine = CopyEngine(config.copy_threads)
         self.dispatcher = Dispatcher(config, store, self._pool, registry, self._copy_engine,
                                      self._sessions, self._fd_channel.path, push=self._push,
@@ -338,7 +339,7 @@ class Server:
             self._sessions.expire(busy=dispatcher.registry.owns_any)
             expired = self._fd_channel.expire()
             if expired:
-                logger.info("%d fd channel tickets expired unused", expired)
+                logger.info("%d fd channel tickets or watches expired unused", expired)
 
     def _refuse(self, frames: list[bytes]) -> None:
         self._send_error(frames[0], protocol.request_id_of(frames[1:]),

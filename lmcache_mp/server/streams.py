@@ -1,12 +1,20 @@
-"""GPU copies: a stream per registered worker; work is queued off the loop, completion polled on it.
+"""GPU copies: two streams per registered worker; work is queued off the loop, completion polled on it.
 
-A STORE queues, on its worker's stream: a wait on the worker's interprocess event, the
-copies out of GPU-tier chunks being demoted from the bytes it is about to write, then per
-chunk a gather of its blocks into a staging chunk on the GPU and one copy of that into
-the (pinned) pool chunk or the GPU tier; then an event. A RETRIEVE queues per chunk the copy of the
-pool chunk into the staging chunk and a scatter into the blocks, and for an MLA leader
-a device-to-device copy into each follower's staging chunk and a scatter there, on the
-follower's stream. The loop polls the events, so the dispatcher commits a STORE, and
+Each registration has a compute stream (gathers, scatters) and a copy stream (DMA between
+its staging chunks and the pool), and two staging chunks on its GPU, used in turn, so that
+the kernel of one chunk overlaps the DMA of the one before. A STORE queues, on the compute
+stream: a wait on the worker's interprocess event, the copies out of GPU-tier chunks being
+demoted from the bytes it is about to write, then per chunk a gather of its blocks into a
+staging chunk; on the copy stream, after that gather, one copy of the staging chunk into
+the (pinned) pool chunk or the GPU tier. A RETRIEVE queues per chunk the copy of the pool
+chunk into a staging chunk on the copy stream, and after it, on the compute stream, the
+scatter into the blocks, and for an MLA leader a device-to-device copy into each
+follower's staging chunk and a scatter there, on the follower's stream.
+
+Events order the two streams, and one rule keeps a staging chunk from being overwritten
+while it is still read: whatever touches a staging chunk first waits for the event
+recorded after the last work that touched it (Lane.free), and records a new one. The loop
+polls the final events of every stream involved, so the dispatcher commits a STORE, and
 answers a RETRIEVE, only once the device has finished: the loop never blocks, and
 queueing (a few µs per kernel) runs on a thread of its own.
 """
@@ -14,9 +22,10 @@ queueing (a few µs per kernel) runs on a thread of its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +33,7 @@ from typing import Any
 import torch
 
 from ..protocol import SKIP_BLOCK
+from .copy_engine import expired
 from .device import Device
 from .registry import RAW_DTYPES, Geometry, KVCacheInstance, raw
 
@@ -53,14 +63,27 @@ class DeviceStalled(Exception):
         self.settled.add_done_callback(lambda future: None if future.cancelled() else cleanup())
 
 
+STAGING_CHUNKS = 2  # per registration: one is filled while the other's DMA runs
+
+
 @dataclass(eq=False)
 class Lane:
-    """One registered worker's stream, its staging chunk, and the event its STOREs wait on."""
+    """One registered worker's streams, its staging chunks, and the event its STOREs wait on."""
 
-    stream: Any
-    staging: torch.Tensor  # one chunk, chunk-shaped, on the worker's device, as registry.raw
+    stream: Any  # gathers and scatters
+    copy_stream: Any  # DMA between the staging chunks and the pool
+    staging: list[torch.Tensor]  # chunk-shaped, on the worker's device, as registry.raw
     store_event: Any | None
+    # Per staging chunk, the event after the last work queued on it (None: never used);
+    # like `turn`, changed only under `lock`.
+    free: list[Any | None] = field(default_factory=lambda: [None] * STAGING_CHUNKS)
+    turn: int = 0  # the staging chunk the next chunk goes through
     lock: threading.Lock = field(default_factory=threading.Lock)  # one request queues at a time
+
+    def next_staging(self) -> int:
+        index = self.turn
+        self.turn = (index + 1) % len(self.staging)
+        return index
 
 
 def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -91,57 +114,80 @@ class StreamCopier:
         self._stalled: set[asyncio.Task] = set()
 
     def new_lane(self, device: torch.device, geometry: Geometry, store_event: bytes) -> Lane:
-        """A registration's stream and staging chunk on `device`; `store_event` may be b""."""
+        """A registration's streams and staging chunks on `device`; `store_event` may be b""."""
         event = self.device.open_event(device, store_event) if store_event else None
         # Bytes, as integers of the cache's item size: the copies never look at the values.
-        staging = torch.empty(geometry.chunk_shape, dtype=RAW_DTYPES[geometry.itemsize],
-                              device=device)
-        return Lane(self.device.new_stream(device), staging, event)
+        staging = [torch.empty(geometry.chunk_shape, dtype=RAW_DTYPES[geometry.itemsize],
+                               device=device) for _ in range(STAGING_CHUNKS)]
+        return Lane(self.device.new_stream(device), self.device.new_stream(device), staging,
+                    event)
 
     async def store(self, instance: KVCacheInstance, jobs: Sequence[GatherJob],
-                    moves: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
-                    ) -> list[BaseException | None]:
+                    moves: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+                    deadline: float | None = None) -> list[BaseException | None]:
         """Copy each job's blocks into its pool chunk, after the `moves` (destination,
         source): GPU-tier chunks being demoted out of the bytes these jobs write. Per move,
-        then per job: None or what it raised. Returns once the device has finished; raises
-        DeviceStalled after the timeout."""
+        then per job: None or what it raised (DeadlinePassed: not queued by `deadline`).
+        Returns once the device has finished; raises DeviceStalled after the timeout."""
         loop = asyncio.get_running_loop()
-        errors, event = await loop.run_in_executor(self._executor, self._queue_store, instance,
-                                                   jobs, moves)
-        await self._settle([event])
+        errors, events = await loop.run_in_executor(self._executor, self._queue_store, instance,
+                                                    jobs, moves, deadline)
+        await self._settle(events)
         return errors
 
     def _queue_store(self, instance: KVCacheInstance, jobs: Sequence[GatherJob],
-                     moves: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+                     moves: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                     deadline: float | None):
         device, lane = self.device, instance.lane
         with lane.lock, device.use(lane.stream):
             if lane.store_event is not None:
                 device.wait(lane.stream, lane.store_event)
             errors = [_attempt(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True))
                       for dst, src in moves]
-            ids = _to_device([ids for ids, _ in jobs], lane.staging.device)
-            errors += [_attempt(lambda ids=ids, chunk=chunk: self._gather(instance, ids, chunk))
-                       for ids, (_, chunk) in zip(ids, jobs)]
-            return errors, device.record(lane.stream)
+            ids = _to_device([ids for ids, _ in jobs], lane.staging[0].device)
+            errors += [expired(deadline) or _attempt(
+                lambda ids=ids, chunk=chunk: self._gather(instance, ids, chunk))
+                for ids, (_, chunk) in zip(ids, jobs)]
+            return errors, [device.record(lane.stream), device.record(lane.copy_stream)]
 
-    @staticmethod
-    def _gather(instance: KVCacheInstance, block_ids: torch.Tensor, chunk: torch.Tensor) -> None:
-        staging = instance.lane.staging
-        instance.gather(block_ids, staging)
-        raw(chunk).copy_(staging, non_blocking=True)
+    def _gather(self, instance: KVCacheInstance, block_ids: torch.Tensor,
+                chunk: torch.Tensor) -> None:
+        """On the compute stream, once the next staging chunk's last DMA is done, gather into
+        it; on the copy stream, once the gather is done, DMA it into `chunk`."""
+        device, lane = self.device, instance.lane
+        index = lane.next_staging()
+        staging = lane.staging[index]
+        with self._claim(lane, index, lane.stream):
+            instance.gather(block_ids, staging)
+        with device.use(lane.copy_stream), self._claim(lane, index, lane.copy_stream):
+            raw(chunk).copy_(staging, non_blocking=True)
 
-    async def retrieve(self, targets: Sequence[KVCacheInstance], jobs: Sequence[ScatterJob]
-                       ) -> list[list[BaseException | None]]:
+    @contextlib.contextmanager
+    def _claim(self, lane: Lane, index: int, stream: Any) -> Iterator[None]:
+        """Work queued on `stream` within it, on staging chunk `index`, starts after the last
+        work queued on that chunk, and becomes the last: also when it fails halfway, since
+        part of it may be queued."""
+        if lane.free[index] is not None:
+            self.device.wait(stream, lane.free[index])
+        try:
+            yield
+        finally:
+            lane.free[index] = self.device.record(stream)
+
+    async def retrieve(self, targets: Sequence[KVCacheInstance], jobs: Sequence[ScatterJob],
+                       deadline: float | None = None) -> list[list[BaseException | None]]:
         """Copy each job's pool chunk into its blocks of every target (an MLA leader first,
-        then its followers); per target, per job, None or what it raised. Returns once the
-        device has finished; raises DeviceStalled after the timeout."""
+        then its followers); per target, per job, None or what it raised (DeadlinePassed:
+        not queued by `deadline`). Returns once the device has finished; raises
+        DeviceStalled after the timeout."""
         loop = asyncio.get_running_loop()
         errors, events = await loop.run_in_executor(self._executor, self._queue_retrieve,
-                                                    targets, jobs)
+                                                    targets, jobs, deadline)
         await self._settle(events)
         return errors
 
-    def _queue_retrieve(self, targets: Sequence[KVCacheInstance], jobs: Sequence[ScatterJob]):
+    def _queue_retrieve(self, targets: Sequence[KVCacheInstance], jobs: Sequence[ScatterJob],
+                        deadline: float | None):
         device, leader = self.device, targets[0]
         lane = leader.lane
         errors: list[list[BaseException | None]] = [[] for _ in targets]
@@ -152,38 +198,47 @@ class StreamCopier:
                    for (ids, _, _), where in zip(jobs, positions)]
         with lane.lock, device.use(lane.stream):
             indices = _to_device(written + [p for p in positions if p is not None],
-                                 lane.staging.device)
+                                 lane.staging[0].device)
             block_ids, found = indices[:len(jobs)], iter(indices[len(jobs):])
             where_on_device = [None if p is None else next(found) for p in positions]
             for (_, chunk, _), ids, where in zip(jobs, block_ids, where_on_device):
-                error = _attempt(lambda ids=ids, chunk=chunk, where=where:
-                                 self._scatter(leader, ids, chunk, where))
+                index = lane.next_staging()
+                error = expired(deadline) or _attempt(
+                    lambda index=index, ids=ids, chunk=chunk, where=where:
+                    self._scatter(leader, index, ids, chunk, where))
                 errors[0].append(error)
                 for k, follower in enumerate(targets[1:], 1):
                     errors[k].append(error or _attempt(
-                        lambda ids=ids, where=where, follower=follower:
-                        self._fan_out(leader, follower, ids, where)))
-            return errors, [device.record(target.lane.stream) for target in targets]
+                        lambda index=index, ids=ids, where=where, follower=follower:
+                        self._fan_out(leader, index, follower, ids, where)))
+            return errors, [device.record(lane.copy_stream),
+                            *(device.record(target.lane.stream) for target in targets)]
 
-    @staticmethod
-    def _scatter(leader: KVCacheInstance, block_ids: torch.Tensor, chunk: torch.Tensor,
-                 positions: torch.Tensor | None) -> None:
-        staging = leader.lane.staging
-        staging.copy_(raw(chunk), non_blocking=True)
-        leader.scatter_blocks(block_ids, staging, positions)
+    def _scatter(self, leader: KVCacheInstance, index: int, block_ids: torch.Tensor,
+                 chunk: torch.Tensor, positions: torch.Tensor | None) -> None:
+        """On the copy stream, once staging chunk `index` is free, DMA `chunk` into it; on
+        the compute stream, once that is done, scatter it into the blocks."""
+        lane = leader.lane
+        staging = lane.staging[index]
+        with self.device.use(lane.copy_stream), self._claim(lane, index, lane.copy_stream):
+            staging.copy_(raw(chunk), non_blocking=True)
+        with self._claim(lane, index, lane.stream):
+            leader.scatter_blocks(block_ids, staging, positions)
 
-    def _fan_out(self, leader: KVCacheInstance, follower: KVCacheInstance,
+    def _fan_out(self, leader: KVCacheInstance, index: int, follower: KVCacheInstance,
                  block_ids: torch.Tensor, positions: torch.Tensor | None) -> None:
-        """Device to device: the leader's staging chunk into a follower's blocks, ordered
-        after the leader's copy, and before the leader's staging chunk is reused."""
+        """Device to device, on the follower's stream: the leader's staging chunk `index`
+        into a follower's blocks, ordered after the leader's work on it and before its
+        reuse. A follower's staging chunk is only ever used here, on its stream."""
         device, mine, theirs = self.device, leader.lane, follower.lane
-        ready = device.record(mine.stream)
-        with device.use(theirs.stream):
-            device.wait(theirs.stream, ready)
-            theirs.staging.copy_(mine.staging, non_blocking=True)
-            follower.scatter_blocks(block_ids, theirs.staging, positions)
-            done = device.record(theirs.stream)
-        device.wait(mine.stream, done)
+        mine_staging, their_staging = mine.staging[index], theirs.staging[0]
+        with device.use(theirs.stream), self._claim(mine, index, theirs.stream):
+            # Made on the leader's stream: the allocator must not reuse them before this ends.
+            for tensor in (block_ids, positions):
+                if tensor is not None:
+                    device.used_on(tensor, theirs.stream)
+            their_staging.copy_(mine_staging, non_blocking=True)
+            follower.scatter_blocks(block_ids, their_staging, positions)
 
     async def _settle(self, events: list[Any]) -> None:
         """Poll until every event has completed, backing off up to _MAX_POLL_S."""

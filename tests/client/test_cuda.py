@@ -6,7 +6,9 @@ import torch
 from lmcache_mp.client.cuda import (
     Allocation,
     Placement,
+    allocator_settings,
     cuda_ipc_handles,
+    export_refusal,
     place_tensors,
 )
 from lmcache_mp.cuda import normalize_uuid
@@ -73,3 +75,35 @@ def test_uuids_are_normalized():
     assert normalize_uuid(torch_form.replace("-", "")) == torch_form
     with pytest.raises(ValueError, match="not a GPU UUID"):
         normalize_uuid("GPU-0")
+
+
+def test_allocator_settings_are_read_from_either_variable_case_blind():
+    assert allocator_settings({}) == {}
+    assert allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True, "
+                                                          "max_split_size_mb:128"}) == {
+        "expandable_segments": "true", "max_split_size_mb": "128"}
+    assert allocator_settings({"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}) == {
+        "backend": "cudamallocasync"}
+    assert allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": "backend:native",
+                               "PYTORCH_ALLOC_CONF": "expandable_segments:true"}) == {
+        "backend": "native", "expandable_segments": "true"}
+
+
+@pytest.mark.parametrize("conf, words", [
+    ("expandable_segments:True", "start the worker without it (unset it, or set "
+                                 "expandable_segments:False)"),
+    ("backend:cudaMallocAsync", "sets backend:cudaMallocAsync"),
+    ("", "--enable-sleep-mode"),
+    ("expandable_segments:False", "--enable-sleep-mode"),  # off: not the cause
+])
+def test_memory_cuda_ipc_cannot_share_is_refused_with_what_to_change(conf, words):
+    settings = allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": conf})
+    refusal = export_refusal(3, False, settings)
+    assert refusal.startswith("tensor 3 lies in GPU memory that CUDA IPC cannot share")
+    assert words in refusal
+
+
+def test_cudamalloc_memory_passes_whatever_the_settings():
+    for conf in ("", "expandable_segments:True", "backend:cudaMallocAsync"):
+        assert export_refusal(0, True, allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": conf})
+                              ) is None

@@ -9,7 +9,9 @@ which needs its own flags and an empty pool.
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 import secrets
+import time
 
 import pytest
 import torch
@@ -168,3 +170,35 @@ def test_a_gpu_tier_keeps_chunks_in_hbm_and_demotes_under_pressure():
                                ) == [4]
         assert torch.equal(blocks(target, chunk_ids([4, 5, 6, 7]), 1),
                            blocks(source, chunk_ids([0, 1, 2, 3]), 1))
+
+
+def _registered_worker(url: str, conn) -> None:
+    """A GPU worker that registers its cache by CUDA IPC, says so, and waits to be killed."""
+    layers = random_layers(2, [2, NUM_BLOCKS, BLOCK, 2, 64], torch.float16, 3,
+                           one_allocation=False)
+    client = CacheClient(url, timeout=60)
+    client.register_kv_cache(cuda_ipc_handles(layers), model=MODEL, layout="mha",
+                             block_size=BLOCK)
+    conn.send("registered")
+    conn.recv()
+
+
+def test_a_killed_gpu_worker_is_unregistered_at_once(server):
+    context = multiprocessing.get_context("spawn")  # never fork a process that used CUDA
+    conn, child = context.Pipe()
+    worker = context.Process(target=_registered_worker, args=(server.url, child), daemon=True)
+    with CacheClient(server.url, timeout=60) as client:
+        registered = client.stats().registrations
+        worker.start()
+        try:
+            assert conn.poll(50) and conn.recv() == "registered"
+            assert client.stats().registrations == registered + 1
+        finally:
+            worker.kill()
+            worker.join()
+        killed = time.monotonic()
+        # The server closes the IPC allocation when the watch hangs up, not at its
+        # --worker-timeout (30 s by default).
+        while client.stats().registrations != registered:
+            assert time.monotonic() - killed < 10, "the dead worker's registration stayed"
+            time.sleep(0.05)

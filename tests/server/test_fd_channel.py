@@ -17,11 +17,22 @@ import msgpack
 import pytest
 import uvloop
 
+from lmcache_mp.client import CacheClient
 from lmcache_mp.client.shm import SharedSegment
 from lmcache_mp.errors import BadRequest, RequestTimeout, ServerUnavailable
-from lmcache_mp.fdpass import FD_CHANNEL_MAGIC, send_fds
+from lmcache_mp.fdpass import FD_CHANNEL_MAGIC, open_watch, send_fds
 from lmcache_mp.protocol import MAX_FDS_PER_MESSAGE, TICKET_BYTES, TICKET_TTL_S
 from lmcache_mp.server.fd_channel import MAX_CONNECTIONS, REQUEST_TIMEOUT_S, FdChannel
+
+from ..utils import run_server
+from ..workers import (
+    BLOCKS_PER_CHUNK,
+    Job,
+    WorkerProcess,
+    abandoned_store_worker,
+    chunk_blocks,
+    prompt,
+)
 
 
 class FakeClock:
@@ -244,6 +255,81 @@ def test_close_releases_every_descriptor_and_the_socket_file(served):
     with SharedSegment(4096) as segment, \
             pytest.raises(ServerUnavailable, match="must run on this machine"):
         send_fds(served.channel.path, [segment.fd], timeout=1.0)
+
+
+def _until(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.01)
+
+
+def test_a_watch_reports_its_hangup_once_and_stopping_closes_it(served):
+    before = served.open_fds()
+    first, second = open_watch(served.channel.path, 5.0), open_watch(served.channel.path, 5.0)
+    assert len(first.token) == TICKET_BYTES and first.token != second.token
+    assert served.open_fds() == before + 4  # both ends of both, held open
+    hung_up: list[str] = []
+    stops = [served.call(served.channel.watch, first.token, lambda: hung_up.append("a")),
+             served.call(served.channel.watch, first.token, lambda: hung_up.append("b"))]
+    stop_second = served.call(served.channel.watch, second.token, lambda: hung_up.append("c"))
+    assert None not in stops and stop_second is not None
+    assert served.call(served.channel.watch, b"\0" * TICKET_BYTES, hung_up.append) is None
+    # Nobody watching any more: the server closes it (and calls nobody).
+    served.call(stop_second)
+    assert served.open_fds() == before + 3 and hung_up == []
+    # The worker hangs up: everyone still watching hears it, once; the token is gone.
+    served.call(stops[0])
+    first.close()
+    _until(lambda: hung_up == ["b"])
+    assert served.open_fds() == before + 1  # second's own end
+    served.call(stops[1])  # stopping after the hangup is harmless
+    assert served.call(served.channel.watch, first.token, hung_up.append) is None
+    second.close()
+    assert hung_up == ["b"] and served.open_fds() == before
+
+
+def test_a_watch_nobody_names_expires_and_one_that_writes_is_closed(served):
+    before = served.open_fds()
+    idle = open_watch(served.channel.path, 5.0)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as chatty:
+        chatty.connect(served.channel.path)
+        chatty.send(b"lmcache-mp-watch/1")  # the wire format, by hand
+        token = msgpack.unpackb(chatty.recv(4096))["watch"]
+        hung_up: list[str] = []
+        assert served.call(served.channel.watch, token, lambda: hung_up.append("chatty"))
+        served.clock.now += TICKET_TTL_S
+        assert served.call(served.channel.expire) == 1  # the idle one; a named one stays
+        assert served.call(served.channel.watch, idle.token, hung_up.append) is None
+        chatty.send(b"hello")  # a watch says nothing; one that does is closed like a hangup
+        _until(lambda: hung_up == ["chatty"])
+        chatty.settimeout(1.0)
+        assert chatty.recv(16) == b""
+    idle.close()
+    assert served.open_fds() == before
+
+
+def test_a_killed_worker_is_unregistered_and_unmapped_at_once_not_at_its_timeout():
+    with run_server("--worker-timeout", "60") as server, \
+            CacheClient(server.url, admin=True) as admin:
+        job = Job(server.url, 4 * BLOCKS_PER_CHUNK, 5, prompt(40, 4), chunk_blocks(range(4)))
+        with WorkerProcess(abandoned_store_worker, job) as worker:
+            segment = worker.receive()
+            assert admin.stats().registrations == 1
+            assert f"/memfd:{segment}" in _maps(server.proc.pid)
+            worker.process.kill()
+            worker.process.join()
+            killed = time.monotonic()
+        # Its STORE may still be copying: the mapping goes once that has finished.
+        _until(lambda: admin.stats().registrations == 0, timeout=10)
+        _until(lambda: f"/memfd:{segment}" not in _maps(server.proc.pid), timeout=10)
+        assert time.monotonic() - killed < 30  # half the worker timeout: not by silence
+        assert admin.stats().pending_stores == 0
+
+
+def _maps(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as maps:
+        return maps.read()
 
 
 def test_the_socket_file_is_private_and_only_a_stale_socket_is_replaced(served, tmp_path):

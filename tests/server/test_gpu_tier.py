@@ -63,9 +63,11 @@ def test_chunks_fill_the_gpu_tier_then_the_oldest_moves_to_the_cpu_pool():
     async def demote():
         # The tier is full: the least recently used GPU chunk (the request's later one,
         # committed first) moves out to make room, and is invisible until its bytes have.
+        before = len(rig.device.events)
         task = asyncio.ensure_future(rig.dispatcher.handle(CLIENT, "STORE", StoreRequest(
             instance_id, [TransferItem.build("w2", second, list(range(32, 48)))])))
-        await until(lambda: len(rig.device.events) == 2)
+        # One chunk: an event after its gather and after its DMA, then each stream's last.
+        await until(lambda: len(rig.device.events) == before + 2 + 2)
         assert tiers(rig, first) == [GPU_TIER, CPU_TIER]
         assert rig.hits(first) == 1 and rig.store.num_chunks == 2
         rig.store.check_invariants()

@@ -83,6 +83,9 @@ class FakeDevice:
     def query(self, event):
         return event.done
 
+    def used_on(self, tensor, stream):
+        pass
+
     def open_event(self, device, handle):
         self.opened.append(handle)
         return FakeEvent(done=True)
@@ -103,16 +106,17 @@ class FakeAllocation:
 class Rig:
     """A dispatcher over the real store, pool, registry and StreamCopier, on a FakeDevice."""
 
-    def __init__(self, timeout: float = 30.0, cpu_bytes: int = 16 * 1024**2, gpu_bytes: int = 0):
+    def __init__(self, timeout: float = 30.0, cpu_bytes: int = 16 * 1024**2, gpu_bytes: int = 0,
+                 device: FakeDevice | None = None, copier: type = StreamCopier):
         """`gpu_bytes`: a GPU tier of that size (in CPU memory, on the fake device)."""
-        self.device = FakeDevice()
+        self.device = device or FakeDevice()
         self.log: list = []
         self.memory: dict[bytes, torch.Tensor] = {}  # "IPC handle" -> the worker's allocation
         self.pool = CpuPool(cpu_bytes)
         self.gpu_pool = DevicePool(gpu_bytes, torch.device("cpu")) if gpu_bytes else None
         self.store = ChunkStore(self.pool.allocator, 60.0, gpu_allocator=self.gpu_pool.allocator
                                 if self.gpu_pool is not None else None)
-        self.copier = StreamCopier(self.device, 1, timeout)
+        self.copier = copier(self.device, 1, timeout)
         self.shared = SharedAllocations(self.open_allocation)
         support = CudaIpcSupport(self.shared.open,
                                  lambda uuid: 0 if normalize_uuid(uuid) == UUID else None,
@@ -194,11 +198,15 @@ def test_a_store_waits_for_the_worker_event_and_commits_only_when_the_device_is_
     async def scenario():
         task = asyncio.ensure_future(rig.dispatcher.handle(CLIENT, "STORE", StoreRequest(
             instance_id, [TransferItem.build("r", hashes, source)])))
-        await until(lambda: rig.device.events)  # queued; the device has not finished
+        # Queued (2 chunks: 2 events each, then each stream's last); the device is not done.
+        await until(lambda: len(rig.device.events) == 2 * 2 + 2)
         await asyncio.sleep(0.01)
         assert not task.done()
         assert rig.hits(hashes) == 0 and rig.store.pending == 2
-        assert rig.device.waits == [(instance.lane.stream, instance.lane.store_event)]
+        lane = instance.lane
+        # The gathers wait for the worker's event; each DMA, on the copy stream, for its gather.
+        assert rig.device.waits[0] == (lane.stream, lane.store_event)
+        assert [stream for stream, _ in rig.device.waits[1:]] == [lane.copy_stream] * 2
         rig.device.release()
         reply = await asyncio.wait_for(task, 5)
         assert reply.results == [bytes([StoreStatus.STORED] * 2)]
@@ -211,10 +219,12 @@ def test_a_store_waits_for_the_worker_event_and_commits_only_when_the_device_is_
     targets[3] = SKIP_BLOCK
 
     async def retrieve():
+        before = len(rig.device.events)
         pending = rig.dispatcher.handle(CLIENT, "RETRIEVE", RetrieveRequest(
             target_id, [TransferItem.build("r", hashes, targets)]))
         task = asyncio.ensure_future(pending)
-        await until(lambda: len(rig.device.events) == 2)
+        # Per chunk one event per stream, then the final one of each stream.
+        await until(lambda: len(rig.device.events) == before + 2 * 2 + 2)
         rig.device.release()
         return await asyncio.wait_for(task, 5)
     assert asyncio.run(retrieve()).retrieved == [2]
@@ -234,12 +244,14 @@ def test_an_mla_leader_fills_its_followers_device_to_device():
     async def scenario():
         store = asyncio.ensure_future(rig.dispatcher.handle(CLIENT, "STORE", StoreRequest(
             leader_id, [TransferItem.build("w", hashes, list(range(16)))])))
-        await until(lambda: rig.device.events)
+        await until(lambda: len(rig.device.events) == 4)  # all queued
         rig.device.release()
         await asyncio.wait_for(store, 5)
         retrieve = asyncio.ensure_future(rig.dispatcher.handle(CLIENT, "RETRIEVE", RetrieveRequest(
             leader_id, [TransferItem.build("g", hashes, list(range(32, 48)))])))
-        await until(lambda: len(rig.device.events) == 5)  # 2 streams, and 2 cross-stream events
+        # The STORE's 2 per chunk and 2 final ones, then the RETRIEVE's: one for the DMA, one
+        # for the leader's scatter, one for the follower's, and the final ones of 3 streams.
+        await until(lambda: len(rig.device.events) == 4 + 6)
         await asyncio.sleep(0.01)
         assert not retrieve.done() and not rig.pushed  # nobody is told before the device is done
         rig.device.release()
@@ -251,9 +263,11 @@ def test_an_mla_leader_fills_its_followers_device_to_device():
     ((_, notice),) = rig.pushed
     assert isinstance(notice, LoadDone) and notice.instance_id == follower_id
     assert notice.items[0].retrieved == 1
-    # The follower's stream waited for the leader's copy, and the leader's for the follower's.
-    streams = {i.instance_id: i.lane.stream for i in rig.registry.instances()}
-    assert [stream for stream, _ in rig.device.waits] == [streams[follower_id], streams[leader_id]]
+    # The STORE's DMA waited for its gather; then the leader's scatter for the DMA, and the
+    # follower's copy for the leader's scatter.
+    lanes = {i.instance_id: i.lane for i in rig.registry.instances()}
+    assert [stream for stream, _ in rig.device.waits] == [
+        lanes[leader_id].copy_stream, lanes[leader_id].stream, lanes[follower_id].stream]
 
 
 def test_a_stalled_device_fails_the_request_and_frees_nothing_until_it_finishes():
@@ -318,6 +332,25 @@ def test_bad_cuda_ipc_registrations_are_refused_and_close_what_they_opened():
     assert len(rig.registry) == 0
 
 
+def test_a_handle_the_driver_cannot_open_gets_a_bad_request_that_names_the_causes():
+    rig = Rig()
+    handle = rig.allocation(9, 4096, seed=None)
+
+    def refuse(handle: bytes, index: int):
+        raise RuntimeError("cudaErrorInvalidValue: invalid argument")  # what cupy raises
+    rig.shared = SharedAllocations(refuse)
+    rig.registry.cuda_ipc = CudaIpcSupport(rig.shared.open, lambda uuid: 0, rig.copier.new_lane)
+    request = RegisterKVCacheRequest("m", 1, 0, "mla", BLOCK, [CudaIpcHandle(
+        handle, 0, UUID, [4, BLOCK, 8], [BLOCK * 8, 8, 1], "float16")])
+    with pytest.raises(BadRequest) as error:
+        rig.dispatcher.handle(CLIENT, "REGISTER_KV_CACHE", request)
+    words = str(error.value)
+    assert words.startswith("`layers[0].ipc_handle`: cannot open it on GPU 0 (RuntimeError: "
+                            "cudaErrorInvalidValue: invalid argument)"), words
+    assert "expandable_segments, cudaMallocAsync, vLLM's sleep mode" in words
+    assert len(rig.registry) == 0 and len(rig.shared) == 0
+
+
 def test_registering_the_same_memory_twice_opens_it_once_and_closes_it_after_both():
     rig = Rig()
     first, _ = rig.register("mla", 4, seed=1)
@@ -348,7 +381,8 @@ def test_every_dtype_round_trips_through_the_stream_copier(dtype, layout):
     rig = Rig()
     source_id, source = rig.register(layout, 1, seed=7, dtype=dtype)
     target_id, target = rig.register(layout, 2, seed=None, dtype=dtype)
-    assert all(not i.lane.staging.dtype.is_floating_point for i in rig.registry.instances())
+    assert all(not staging.dtype.is_floating_point for i in rig.registry.instances()
+               for staging in i.lane.staging)
     hashes = prompt(4, 2)
     read = list(range(16, 48))
     written = list(range(63, 31, -1))
@@ -398,8 +432,8 @@ def test_gathers_and_scatters_move_integers_only(dtype):
         instance.gather(ids, chunk)
         instance.scatter(with_skips, chunk, has_skips=True)
     with CopyDtypes() as gpu_path:
-        StreamCopier._gather(instance, ids, chunk)
-        StreamCopier._scatter(instance, ids[3:], chunk, torch.arange(3, 16))
+        rig.copier._gather(instance, ids, chunk)
+        rig.copier._scatter(instance, 0, ids[3:], chunk, torch.arange(3, 16))
     for seen in (cpu_path.seen, gpu_path.seen):
         assert seen and not any(d.is_floating_point for d in seen), seen
 
@@ -427,3 +461,132 @@ def test_the_loop_sleeps_while_the_device_copies():
         busy = runner.run(scenario())
     rig.copier.shutdown()
     assert busy < 0.2, f"the loop thread was busy {busy:.0%} of the time"
+
+
+class OrderedDevice(FakeDevice):
+    """A FakeDevice that knows what a GPU would run in which order: each stream keeps a
+    vector clock; record() takes a stream's clock, wait() merges it into another's. Every
+    copy that touches a staging chunk is logged with the clock of the stream it was queued
+    on, so a test can tell which copies the events order and which may overlap."""
+
+    def __init__(self):
+        super().__init__()
+        self.current = None
+        self.clocks: dict[str, dict[str, int]] = {}
+        self.log: list[tuple[str, int, dict[str, int], str, bool]] = []
+
+    @contextlib.contextmanager
+    def use(self, stream):
+        previous, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def record(self, stream):
+        event = super().record(stream)
+        event.clock = dict(self.clocks.setdefault(stream, {}))
+        return event
+
+    def wait(self, stream, event):
+        super().wait(stream, event)
+        clock = self.clocks.setdefault(stream, {})
+        for other, tick in getattr(event, "clock", {}).items():
+            clock[other] = max(clock.get(other, 0), tick)
+
+    def touch(self, buffer: str, writes: bool) -> None:
+        clock = self.clocks.setdefault(self.current, {})
+        clock[self.current] = clock.get(self.current, 0) + 1
+        self.log.append((self.current, clock[self.current], dict(clock), buffer, writes))
+
+    def ordered(self, first, then) -> bool:
+        """Whether the device runs log entry `then` only after `first` has finished."""
+        return then[2].get(first[0], 0) >= first[1]
+
+    def races(self) -> list:
+        """Pairs of accesses to one staging chunk, one a write, that nothing orders."""
+        return [(a, b) for i, a in enumerate(self.log) for b in self.log[i + 1:]
+                if a[3] == b[3] and (a[4] or b[4]) and not self.ordered(a, b)]
+
+
+class StagingAccesses(TorchFunctionMode):
+    """Tells the device which staging chunk each copy reads or writes."""
+
+    def __init__(self, device: OrderedDevice, staging: dict[int, str]):
+        super().__init__()
+        self.device, self.staging = device, staging
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in ("index_select", "index_copy_", "copy_"):
+            written = kwargs.get("out") if name == "index_select" else args[0]
+            for tensor in (*args, *kwargs.values()):
+                if isinstance(tensor, torch.Tensor):
+                    buffer = self.staging.get(tensor.untyped_storage().data_ptr())
+                    if buffer is not None:
+                        self.device.touch(buffer, tensor is written)
+        return func(*args, **kwargs)
+
+
+class Careless(StreamCopier):
+    """Double-buffered without the rule: a staging chunk's next use waits for nothing."""
+
+    @contextlib.contextmanager
+    def _claim(self, lane, index, stream):
+        yield
+
+
+def _staging_traffic(copier: type) -> OrderedDevice:
+    """An MLA leader and its follower on an OrderedDevice: a STORE of 4 chunks, a RETRIEVE
+    of them (fanned out to the follower), and another STORE."""
+    device = OrderedDevice()
+    rig = Rig(device=device, copier=copier)
+    leader_id, _ = rig.register("mla", 1, seed=5)
+    rig.register("mla", 2, seed=None, tp_rank=1)
+    staging = {buffer.untyped_storage().data_ptr(): f"{i.instance_id}/{k}"
+               for i in rig.registry.instances() for k, buffer in enumerate(i.lane.staging)}
+    hashes = prompt(9, 4)
+
+    async def run(request):
+        op = type(request).__name__.removesuffix("Request").upper()
+        task = asyncio.ensure_future(rig.dispatcher.handle(CLIENT, op, request))
+        while not task.done():
+            device.release()
+            await asyncio.sleep(0.001)
+        return task.result()
+
+    # Torch function modes are per thread: watch the copier's (one) queueing thread.
+    accesses = StagingAccesses(device, staging)
+    rig.copier._executor.submit(accesses.__enter__).result()
+
+    async def scenario():
+        stored = await run(StoreRequest(leader_id, [TransferItem.build(
+            "w", hashes, list(range(64)))]))
+        assert stored.results == [bytes([StoreStatus.STORED] * 4)]
+        retrieved = await run(RetrieveRequest(leader_id, [TransferItem.build(
+            "g", hashes, list(range(63, -1, -1)))]))
+        assert retrieved.retrieved == [4]
+        await run(StoreRequest(leader_id, [TransferItem.build(
+            "w2", prompt(10, 2), list(range(32)))]))
+    asyncio.run(scenario())
+    rig.copier._executor.submit(accesses.__exit__, None, None, None).result()
+    rig.copier.shutdown()
+    return device
+
+
+def test_a_staging_chunk_is_never_reused_before_its_copy_completes_and_gathers_overlap_dmas():
+    device = _staging_traffic(StreamCopier)
+    assert len(device.log) > 30 and device.races() == []
+    # Double buffering: the gather of each chunk of a STORE may run while the DMA of the
+    # chunk before it does (nothing orders them), on two streams.
+    leader = device.log[0][3].split("/")[0]
+    gathers = [e for e in device.log if e[4] and e[3].startswith(leader)][:4]
+    dmas = [e for e in device.log if not e[4] and e[3].startswith(leader)][:4]
+    assert {e[0] for e in gathers}.isdisjoint({e[0] for e in dmas})
+    assert [e[3] for e in gathers] == [f"{leader}/{k % 2}" for k in range(4)]
+    assert not any(device.ordered(dma, gather) for dma, gather in zip(dmas, gathers[1:]))
+
+
+def test_the_staging_check_finds_a_copier_that_reuses_a_chunk_too_soon():
+    assert _staging_traffic(Careless).races() != []
