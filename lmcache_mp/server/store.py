@@ -5,13 +5,18 @@ Chunks live in the CPU tier, or, with a GPU tier, in HBM: a store from a cache o
 tier's GPU goes there, and when it is full the least recently used GPU chunk of the same
 size is demoted to the CPU tier (its bytes copied out before the new chunk takes its
 place). Quotas and usage count both tiers.
+
+What remains of a prompt is always a prefix of it: a stored chunk knows the stored chunk
+before it in its prompt (its parent, named by the STORE); only chunks that no stored chunk
+follows are evicted, so a prompt loses its later chunks first whichever STOREs brought
+them; and a chunk whose parent goes anyway (CLEAR, a failed copy) goes too.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -48,11 +53,25 @@ class Chunk:
     holds: int = 0  # leases plus reads in flight; a held chunk is never evicted
     tier: int = CPU_TIER  # which pool `offset` is in
     moving: bool = False  # being demoted: committed, but invisible until its bytes are copied
+    stamp: int = 0  # when it was last used: the least recent evictable chunk goes first
+    # The stored chunk before it in its prompt (None: the prompt's first, as far as its
+    # STORE said) and the stored chunks (pending ones too) that it comes before.
+    parent: Chunk | None = None
+    successors: set[Chunk] | None = None
+    # Its parent went (CLEAR, a failed copy) while it was held, pending or moving: it goes
+    # too, once that ends (not an eviction: evictions never take a chunk with successors).
+    orphaned: bool = False
 
     @property
     def footprint(self) -> int:
         """Pool bytes it takes, alignment included: what quotas count."""
         return aligned(self.nbytes)
+
+    @property
+    def evictable(self) -> bool:
+        """In its tier's eviction policy: committed, in place, unheld, and no stored chunk
+        comes after it (else the prompt would keep chunks no lookup reaches)."""
+        return self.committed and not self.holds and not self.moving and not self.successors
 
 
 @dataclass
@@ -160,8 +179,8 @@ class ChunkStore:
         self.tenants: dict[str, TenantUsage] = {}
         self._departed = TenantUsage()
         self._chunks: dict[ChunkKey, Chunk] = {}
-        stamps = itertools.count()  # one recency order across both tiers
-        self._policies = {tier: TenantLRUPolicy(stamps) for tier in self.allocators}
+        self._stamps = itertools.count(1)  # one recency order across both tiers
+        self._policies = {tier: TenantLRUPolicy() for tier in self.allocators}
         self._leases: dict[LeaseOwner, Lease] = {}
         self._pending = 0
 
@@ -233,13 +252,9 @@ class ChunkStore:
         usage.misses += hashes - hit
         if held:
             if holder is None:
-                self.unhold(found)  # re-adds them most recent first: as a touch would
+                self.unhold(found)  # refreshes them: as a touch would
         else:
-            # Later chunks become older than earlier ones, so eviction trims prefixes from the end.
-            for chunk in reversed(found):
-                policy = self._policies[chunk.tier]
-                if (cache_salt, chunk.key) in policy:
-                    policy.touch(cache_salt, chunk.key)
+            self._use(found)
         if holder is not None:
             self.release(holder)
             if found:
@@ -252,30 +267,47 @@ class ChunkStore:
 
     # -- store: reserve, then commit or abort -------------------------------------------
 
-    def reserve(self, key: ChunkKey, nbytes: int, geometry: Hashable, on_gpu: bool = False
-                ) -> Reservation:
+    def reserve(self, key: ChunkKey, nbytes: int, geometry: Hashable, on_gpu: bool = False,
+                parent: ChunkKey | None = None) -> Reservation:
         """Place a pending chunk, evicting within the salt's cap and above others' reservations;
-        `on_gpu`: in the GPU tier if there is one and room can be made, else in the CPU tier."""
+        `on_gpu`: in the GPU tier if there is one and room can be made, else in the CPU tier.
+        `parent`: the key of the prompt's chunk before it (None for a prompt's first chunk);
+        a chunk whose parent is not stored could never be found: it is NO_PREFIX."""
         if key in self._chunks:
             return Reservation(StoreStatus.ALREADY_STORED)
+        parent_chunk = None
+        if parent is not None:
+            parent_chunk = self._chunks.get(parent)
+            if parent_chunk is None or parent_chunk.orphaned:
+                return Reservation(StoreStatus.NO_PREFIX)
+            self._hold(parent_chunk)  # no eviction that makes room for its child takes it
         size = aligned(nbytes)
+        status, tier, offset, demotion = StoreStatus.STORED, CPU_TIER, None, None
         if not self._fit_under_cap(key.cache_salt, size):
-            self._refuse(key.cache_salt)
-            return Reservation(StoreStatus.OVER_QUOTA)
-        tier, offset, demotion = CPU_TIER, None, None
-        if on_gpu and GPU_TIER in self.allocators:
-            offset, demotion = self._allocate_gpu(size)
-            tier = GPU_TIER
+            status = StoreStatus.OVER_QUOTA
+        else:
+            if on_gpu and GPU_TIER in self.allocators:
+                offset, demotion = self._allocate_gpu(size)
+                tier = GPU_TIER
+            if offset is None:
+                tier, offset = CPU_TIER, self._allocate(size)
+            if offset is None:
+                status = StoreStatus.NO_SPACE
         if offset is None:
-            tier, offset = CPU_TIER, self._allocate(size)
-        if offset is None:
+            if parent_chunk is not None:
+                parent_chunk.holds -= 1
+                self._settle(parent_chunk)
             self._refuse(key.cache_salt)
-            return Reservation(StoreStatus.NO_SPACE)
-        usage = self._tenant(key.cache_salt)
-        chunk = Chunk(key, offset, nbytes, geometry, tier=tier)
+            return Reservation(status)
+        chunk = Chunk(key, offset, nbytes, geometry, tier=tier, parent=parent_chunk)
+        if parent_chunk is not None:
+            if parent_chunk.successors is None:
+                parent_chunk.successors = set()
+            parent_chunk.successors.add(chunk)  # from now on, it keeps the parent instead
+            parent_chunk.holds -= 1
         self._chunks[key] = chunk
         self._pending += 1
-        usage.bytes_used += size
+        self._tenant(key.cache_salt).bytes_used += size
         return Reservation(StoreStatus.STORED, chunk, demotion)
 
     def _allocate_gpu(self, size: int) -> tuple[int | None, Demotion | None]:
@@ -290,15 +322,14 @@ class ChunkStore:
             return None, None
         victim = self._chunks[found[1]]
         salt, gpu_offset = victim.key.cache_salt, victim.offset
-        cpu_offset = self._allocate(size)  # evicts CPU chunks only: the victim stays
+        cpu_offset = self._allocate(size)  # evicts CPU chunks only, and no chunk before one
         if cpu_offset is None and not self._may_evict(salt, victim.key):
             return None, None
-        self._policies[GPU_TIER].remove(salt, victim.key)
         if cpu_offset is None:
-            self._tenant(salt).evictions += 1
-            self._forget(victim)  # its GPU bytes pass to the new chunk as they are
-            self.forget_if_idle(salt)
+            # Its GPU bytes pass to the new chunk as they are.
+            self._remove(victim, evicted=True, free=False)
             return gpu_offset, None
+        self._policies[GPU_TIER].remove(salt, victim.key)
         # The GPU extent passes to the new chunk without being freed, so no other store can
         # write into it before the demotion's copy (queued ahead of the new chunk's) reads it.
         victim.tier, victim.offset, victim.moving = CPU_TIER, cpu_offset, True
@@ -308,28 +339,55 @@ class ChunkStore:
         """The demoted chunk's bytes are in the CPU tier: it is visible again."""
         chunk = demotion.chunk
         chunk.moving = False
-        self._policies[CPU_TIER].add(chunk.key.cache_salt, chunk.key)
+        self._settle(chunk)
 
     def abort_demotion(self, demotion: Demotion) -> None:
         """Its copy failed, or never ran: the demoted chunk is gone."""
-        self._remove(demotion.chunk)
+        salt = demotion.chunk.key.cache_salt
+        self._remove(demotion.chunk, evicted=False)
+        self._bring_under_cap([salt])
 
     def _refuse(self, cache_salt: str) -> None:
         self._tenant(cache_salt).refused += 1
         self.forget_if_idle(cache_salt)
 
-    def commit(self, chunk: Chunk) -> None:
+    def commit(self, chunk: Chunk) -> bool:
+        """Its bytes are copied: the chunk is visible; True. Unless its pending parent was
+        aborted meanwhile: then no lookup could reach it, and it goes at once; False."""
+        if chunk.orphaned:
+            self.abort(chunk)
+            return False
         chunk.committed = True
         self._pending -= 1
         self._tenant(chunk.key.cache_salt).chunks += 1
-        self._policies[chunk.tier].add(chunk.key.cache_salt, chunk.key)
+        chunk.stamp = next(self._stamps)
+        self._settle(chunk)
+        return True
 
     def abort(self, chunk: Chunk) -> None:
-        self._pending -= 1
-        del self._chunks[chunk.key]
-        self._tenant(chunk.key.cache_salt).bytes_used -= chunk.footprint
-        self.allocators[chunk.tier].free(chunk.offset, chunk.nbytes)
-        self.forget_if_idle(chunk.key.cache_salt)
+        """The pending chunk's copy failed, or never ran: it is gone (and so are its pending
+        successors, when they commit)."""
+        self._remove(chunk, evicted=False)
+        self._bring_under_cap([chunk.key.cache_salt])
+
+    def _settle(self, chunk: Chunk) -> None:
+        """A hold, move, copy or successor of the chunk ended: it goes if orphaned, else
+        becomes evictable if it now is; a salt over a cap lowered meanwhile goes under it."""
+        if chunk.orphaned:
+            if not (chunk.holds or chunk.moving):
+                self._remove(chunk, evicted=False)
+        elif chunk.evictable:
+            self._policies[chunk.tier].add(chunk.key.cache_salt, chunk.key, chunk.stamp)
+        self._bring_under_cap([chunk.key.cache_salt])
+
+    def _use(self, chunks: Sequence[Chunk]) -> None:
+        """Refresh chunks that were read (each prompt's in order), the first the most recent:
+        a client that names no parents stores a prompt's chunks as unrelated ones, and they
+        still lose the later ones first."""
+        for chunk in reversed(chunks):
+            chunk.stamp = next(self._stamps)
+            if chunk.evictable:
+                self._policies[chunk.tier].add(chunk.key.cache_salt, chunk.key, chunk.stamp)
 
     def _fit_under_cap(self, cache_salt: str, size: int) -> bool:
         """Evict the salt's own LRU chunks until `size` more bytes fit under its cap."""
@@ -368,22 +426,45 @@ class ChunkStore:
         return usage.bytes_used - self._chunks[key].footprint >= reserve
 
     def _evict(self, chunk: Chunk) -> None:
-        self._tenant(chunk.key.cache_salt).evictions += 1
-        self._remove(chunk)
+        self._remove(chunk, evicted=True)
 
-    def _remove(self, chunk: Chunk) -> None:
-        if not chunk.moving:
-            self._policies[chunk.tier].remove(chunk.key.cache_salt, chunk.key)
-        self._forget(chunk)
-        self.allocators[chunk.tier].free(chunk.offset, chunk.nbytes)
-        self.forget_if_idle(chunk.key.cache_salt)
-
-    def _forget(self, chunk: Chunk) -> None:
-        """Drop a committed chunk (already out of the policy) from the index and its salt."""
-        del self._chunks[chunk.key]
-        usage = self._tenant(chunk.key.cache_salt)
-        usage.bytes_used -= chunk.footprint
-        usage.chunks -= 1
+    def _remove(self, chunk: Chunk, evicted: bool, free: bool = True) -> int:
+        """Drop an unheld chunk (committed, pending or moving) from the index, its salt and
+        its pool (`free`: else its bytes pass to a new chunk as they are). Its parent may
+        become evictable; its stored successors go too, as no lookup could reach them: at
+        once when unheld and committed, else when their hold, copy or move ends. Returns
+        how many went."""
+        doomed, removed = [chunk], 0
+        while doomed:
+            chunk = doomed.pop()
+            salt = chunk.key.cache_salt
+            usage = self._tenant(salt)
+            if not chunk.committed:
+                self._pending -= 1
+            else:
+                usage.chunks -= 1
+                policy = self._policies[chunk.tier]
+                if (salt, chunk.key) in policy:  # not moving, nor an orphan its hold just left
+                    policy.remove(salt, chunk.key)
+            del self._chunks[chunk.key]
+            usage.bytes_used -= chunk.footprint
+            usage.evictions += evicted
+            if free:
+                self.allocators[chunk.tier].free(chunk.offset, chunk.nbytes)
+            free = True
+            removed += 1
+            parent = chunk.parent
+            if parent is not None:
+                parent.successors.discard(chunk)
+                if parent.evictable and not parent.orphaned:
+                    self._policies[parent.tier].add(parent.key.cache_salt, parent.key,
+                                                    parent.stamp)
+            for successor in chunk.successors or ():
+                successor.parent, successor.orphaned = None, True
+                if successor.committed and not successor.holds and not successor.moving:
+                    doomed.append(successor)
+            self.forget_if_idle(salt)
+        return removed
 
     def forget_if_idle(self, cache_salt: str) -> None:
         """Stop listing a salt that holds nothing and has no quota of its own."""
@@ -418,20 +499,28 @@ class ChunkStore:
         return chunk
 
     def unhold(self, chunks: Sequence[Chunk]) -> None:
-        freed: set[str] = set()
-        for chunk in reversed(chunks):
+        """The reads or leases of `chunks` are over: a use (pass each prompt's chunks in
+        order). A chunk whose parent went meanwhile goes now."""
+        for chunk in chunks:
             chunk.holds -= 1
-            if chunk.holds == 0:
-                self._policies[chunk.tier].add(chunk.key.cache_salt, chunk.key)
+        self._use(chunks)
+        freed: set[str] = set()
+        for chunk in chunks:
+            if not chunk.holds:
+                if chunk.orphaned and self._chunks.get(chunk.key) is chunk:
+                    self._remove(chunk, evicted=False)
                 freed.add(chunk.key.cache_salt)
-        # A salt whose cap was lowered while these were held is brought under it now.
-        for salt in freed:
+        self._bring_under_cap(freed)
+
+    def _bring_under_cap(self, salts: Iterable[str]) -> None:
+        """A salt whose cap was lowered while chunks were held is brought under it now."""
+        for salt in salts:
             cap = self.quotas.get(salt).cap
             if cap is not None and self._used_by(salt) > cap:
                 self.enforce_cap(salt)
 
     def _hold(self, chunk: Chunk) -> None:
-        if chunk.holds == 0:
+        if chunk.evictable:
             self._policies[chunk.tier].remove(chunk.key.cache_salt, chunk.key)
         chunk.holds += 1
 
@@ -469,9 +558,11 @@ class ChunkStore:
             self.release(owner)
         doomed = [c for c in self._chunks.values() if c.committed and c.holds == 0
                   and not c.moving and cache_salt in (None, c.key.cache_salt)]
+        removed = 0
         for chunk in doomed:
-            self._remove(chunk)
-        return len(doomed)
+            if self._chunks.get(chunk.key) is chunk:  # not gone with the chunk before it
+                removed += self._remove(chunk, evicted=False)
+        return removed
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the accounting disagrees with the index (O(chunks))."""
@@ -479,9 +570,9 @@ class ChunkStore:
         for tier, allocator in self.allocators.items():
             assert allocator.used == sum(c.footprint for c in chunks if c.tier == tier)
             assert allocator.used <= allocator.capacity
-            assert len(self._policies[tier]) == sum(
-                1 for c in chunks if c.tier == tier and c.committed and c.holds == 0
-                and not c.moving)
+            evictable = [c for c in chunks if c.tier == tier and c.evictable]
+            assert len(self._policies[tier]) == len(evictable)
+            assert all((c.key.cache_salt, c.key) in self._policies[tier] for c in evictable)
         assert self._pending == sum(1 for c in chunks if not c.committed)
         assert not any(c.moving and (c.holds or c.tier != CPU_TIER) for c in chunks)
         assert all(c.holds >= 0 for c in chunks)
@@ -491,3 +582,12 @@ class ChunkStore:
             assert usage.chunks == sum(1 for c in mine if c.committed)
             assert mine or self.quotas.has_own(salt), f"idle salt {salt!r} still listed"
         assert all(c.key.cache_salt in self.tenants for c in chunks)
+        for chunk in chunks:
+            # A chunk's parent is stored; an orphan is on its way out, once it is unheld,
+            # copied or moved.
+            parent = chunk.parent
+            assert parent is None or (self._chunks.get(parent.key) is parent
+                                      and chunk in parent.successors)
+            assert not (chunk.orphaned and parent is not None)
+            assert not chunk.orphaned or chunk.holds or chunk.moving or not chunk.committed
+            assert all(s.parent is chunk for s in chunk.successors or ())

@@ -814,7 +814,7 @@ class Harness:
         elif op == "STORE":
             assert [len(r) for r in result.results] == [len(i.chunk_hashes) // 16
                                                        for i in request.items]
-            assert all(s <= StoreStatus.OVER_QUOTA for r in result.results for s in r)
+            assert all(s <= StoreStatus.NO_PREFIX for r in result.results for s in r)
         elif op == "RETRIEVE":
             assert len(result.retrieved) == len(request.items)
             for n, item in zip(result.retrieved, request.items):

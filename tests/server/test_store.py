@@ -38,10 +38,12 @@ def key(i: int, worker: int = 0, salt: str = "", world: int = 1) -> ChunkKey:
     return ChunkKey("m", world, worker, salt, h(i))
 
 
-def put(store, keys):
-    """Reserve and commit one request's chunks; return their statuses."""
-    reservations = [store.reserve(k, CHUNK, GEOMETRY) for k in keys]
-    for reservation in reversed(reservations):  # later chunks first, as the dispatcher does
+def put(store, keys, parent=None):
+    """Reserve and commit one STORE item's chunks, each the parent of the next, as the
+    dispatcher does (`parent`: the first one's); return their statuses."""
+    reservations = [store.reserve(k, CHUNK, GEOMETRY, parent=p)
+                    for k, p in zip(keys, [parent, *keys[:-1]])]
+    for reservation in reservations:
         if reservation.chunk is not None:
             store.commit(reservation.chunk)
     store.check_invariants()
@@ -169,8 +171,9 @@ def test_clear_by_salt_keeps_other_tenants_and_chunks_being_read(clock):
     reading = [store.hold_if_stored(key(1, salt="a"), GEOMETRY)]
     assert store.clear("a") == 1
     assert store.lookup("m", 1, "b", [h(0)]) == 1
-    store.unhold(reading)
-    assert store.clear() == 2
+    store.unhold(reading)  # the read chunk's parent is gone: no lookup could reach it
+    assert store.num_chunks == 1
+    assert store.clear() == 1
     assert store.num_chunks == 0 and store.bytes_used == 0
     store.check_invariants()
 
