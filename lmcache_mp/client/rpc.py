@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from .. import protocol, runtime
 from ..errors import (RequestTimeout, ServerError, ServerUnavailable, Unauthenticated,
@@ -38,6 +39,7 @@ class _Call:
     future: Future
     attended: bool  # a thread in call() waits on it
     retried: bool = False  # sent again after HELLO, once, when the server had no session
+    wait_for_connection: bool = True  # False: fail at once when it cannot be sent now
 
 
 class RpcClient:
@@ -52,9 +54,15 @@ class RpcClient:
     waits on, and sends heartbeats.
 
     A request that cannot be sent (the server is down or restarting) waits for the
-    connection until its deadline, then fails with RequestTimeout; a reply that arrives
+    connection until its deadline, then fails with RequestTimeout (or at once with
+    ServerUnavailable if submitted with wait_for_connection=False); a reply that arrives
     after its call timed out is dropped, never handed to another call. ZeroMQ
     reconnects by itself when the server comes back.
+
+    When the connection drops (a socket monitor reports it), every call sent on it and
+    not answered fails at once with ServerUnavailable: the server process closed its
+    end, so it is gone (it cannot write into the caller's memory any more), and a
+    restarted server never answers its predecessor's requests.
 
     The session: HELLO is the first message sent, and whenever the server answers a call
     `unauthenticated` (it restarted, or forgot an idle session) HELLO goes again and the
@@ -85,6 +93,10 @@ class RpcClient:
         self._dealer.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a dead server
         self._dealer.setsockopt(zmq.RECONNECT_IVL, 100)
         self._dealer.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        # Before connect(), so that no event is missed.
+        self._monitor = self._dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor_fd = self._monitor.getsockopt(zmq.FD)
+        self.disconnects = 0  # connections lost so far: a change means the server went away
         self._dealer.connect(url)
         self._fd = self._dealer.getsockopt(zmq.FD)
         self._kick_r, self._kick_w = os.pipe()  # wakes the leader when another thread sent
@@ -121,9 +133,14 @@ class RpcClient:
 
     # -- calls (any thread) ---------------------------------------------------------------
 
-    def submit(self, request: Any, timeout: float | None = None) -> Future:
-        """Send `request` (a protocol request dataclass); the future yields its reply dataclass."""
-        return self._submit(request, timeout, attended=False)
+    def submit(self, request: Any, timeout: float | None = None,
+               wait_for_connection: bool = True) -> Future:
+        """Send `request` (a protocol request dataclass); the future yields its reply
+        dataclass. `wait_for_connection=False`: if the request cannot be sent at once (no
+        connection to the server), the future fails at once with ServerUnavailable rather
+        than waiting for the connection (and sending it late)."""
+        return self._submit(request, timeout, attended=False,
+                            wait_for_connection=wait_for_connection)
 
     def call(self, request: Any, timeout: float | None = None) -> Any:
         """Send `request` and wait for its reply; raises ServerError or TransportError subclasses."""
@@ -162,6 +179,8 @@ class RpcClient:
             for call in [*self._waiting.values(), *self._unsent]:
                 if not call.future.done():
                     call.future.set_exception(error)
+            self._dealer.disable_monitor()
+            self._monitor.close()
             self._dealer.close()
         self._context.term()
         os.close(self._kick_r)
@@ -173,7 +192,8 @@ class RpcClient:
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
 
-    def _submit(self, request: Any, timeout: float | None, attended: bool) -> Future:
+    def _submit(self, request: Any, timeout: float | None, attended: bool,
+                wait_for_connection: bool = True) -> Future:
         op = protocol.op_name(request)
         payload = protocol.pack(request)
         future: Future = Future()
@@ -181,6 +201,7 @@ class RpcClient:
             if self._closed:
                 raise ServerUnavailable("the client is closed")
             call = self._new_call(op, payload, timeout, future, attended)
+            call.wait_for_connection = wait_for_connection
             self._unsent.append(call)
             if attended:
                 if self._leader is None:  # lead straight away: no hand-off on the way back
@@ -248,7 +269,7 @@ class RpcClient:
                 wait = _RETRY_SEND_S if self._unsent else _IDLE_WAIT_S
                 if self._deadlines:
                     wait = max(0.0, min(wait, self._deadlines[0][0] - time.monotonic()))
-            select.select([self._fd, self._kick_r], [], [], wait)
+            select.select([self._fd, self._monitor_fd, self._kick_r], [], [], wait)
 
     def _pump(self) -> None:
         if self._kicked:
@@ -260,9 +281,30 @@ class RpcClient:
                 pass
         self._flush_unsent()
         self._receive()
+        self._watch_connection()
         self._expire()
 
+    def _watch_connection(self) -> None:
+        """Read the socket monitor's events; on a lost connection, fail the calls sent on it."""
+        lost = False
+        while self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
+            if event == zmq.EVENT_DISCONNECTED:  # not MONITOR_STOPPED, sent at close()
+                self.disconnects += 1
+                lost = True
+        if not lost:
+            return
+        self._receive()  # replies that came in before the connection dropped
+        error = ServerUnavailable(f"lost the connection to {self.url}: the server is gone, "
+                                  f"and no reply to a request sent before can come")
+        for call in self._waiting.values():
+            if not call.future.done():
+                call.future.set_exception(error)
+        self._waiting.clear()
+
     def _flush_unsent(self) -> None:
+        # Events first: a loss read after a send would fail a call sent on the new connection.
+        self._watch_connection()
         sent = False
         while self._unsent:
             call = self._unsent[0]
@@ -272,12 +314,22 @@ class RpcClient:
             try:
                 self._dealer.send_multipart(call.frames, zmq.NOBLOCK)
             except zmq.Again:  # not connected yet; retried until the call's deadline
+                self._fail_unsendable()
                 break
             self._unsent.popleft()
             self._waiting[call.request_id] = call
             sent = True
         if sent:
             self._after_send()
+
+    def _fail_unsendable(self) -> None:
+        """The server cannot be reached now: fail the calls that must not wait for it."""
+        error = ServerUnavailable(f"could not reach {self.url} (not connected); is the "
+                                  f"server up?")
+        for call in [c for c in self._unsent if not c.wait_for_connection]:
+            self._unsent.remove(call)
+            if not call.future.done():
+                call.future.set_exception(error)
 
     def _after_send(self) -> None:
         self._last_sent = time.monotonic()

@@ -4,36 +4,54 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
+from collections.abc import Iterable
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, replace
 
-from ..errors import LMCacheMPError, UnknownInstance
-from ..protocol import (
-    CHUNK_HASH_BYTES, SKIP_BLOCK, RetrieveRequest, StoreRequest, TransferItem, unpack_block_ids,
-)
-from .api import CacheClient, Registration
+from ..protocol import CHUNK_HASH_BYTES, SKIP_BLOCK, TransferItem, unpack_block_ids
+from .api import DEADLINE_MARGIN_S, CacheClient, Registration
 from .parallel import ParallelStrategy
 from .shm import SharedKVCache
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_TRANSFER_BUDGET_S = 5.0  # seconds: see WorkerAdapter
+
+
+@dataclass
+class _Store:
+    future: Future | None  # the batch's STORE; None if nothing was sent (an MLA follower)
+    deadline: float  # past it the server reads the blocks no more, answer or not
+
 
 @dataclass
 class _Load:
     item: TransferItem
-    future: Future | None  # the batch's RETRIEVE; None if it was never sent, or on a follower
+    future: Future | None  # the batch's RETRIEVE; None on a follower
     index: int  # this item's place in the batch's reply
-    deadline: float
+    deadline: float  # past it the server writes the blocks no more, answer or not
+    disconnects: int  # the client's count at the start: when it changes, the server is gone
 
 
 class WorkerAdapter:
     """Called by each worker process (one per rank) around its forward passes; no method
-    blocks on the server, and a server that cannot be reached never hangs a forward pass:
-    stores are skipped, loads report their blocks as failed so the engine recomputes them.
+    blocks on the server (but wait_for_stores, when asked to), and a server that cannot be
+    reached never hangs a forward pass: stores are skipped, loads report their blocks as
+    failed so the engine recomputes them.
+
+    The blocks of a transfer are the engine's again once the adapter reports it finished:
+    every STORE and RETRIEVE carries a budget (`load_timeout`), the server starts no copy
+    from or into the blocks after it, and the adapter reports a transfer when the server
+    answered, at once when the connection to the server drops (a server that is gone
+    touches no memory), and at the latest DEADLINE_MARGIN_S past the budget.
 
     Every rank registers its cache. Under MLA only the TP leader sends STORE and RETRIEVE;
     the server writes a leader's loads into every rank of its TP group and tells each
     follower (a CacheClient made with mla_follower=True) when its own blocks hold the data.
+    Every rank numbers its loads (start_load calls) alike, so a follower takes the notice
+    of the load it waits for, never a late one of an earlier load of the same request. A
+    follower counts its wait from its own start_load: the ranks of a TP group run their
+    steps together, so the margin covers the leader's deadline too.
 
     The CacheClient must carry the engine's secret (`CacheClient(engine=...)`), the same as
     the SchedulerAdapter's client and every other rank's: a RETRIEVE consumes the lookup
@@ -42,8 +60,9 @@ class WorkerAdapter:
     """
 
     def __init__(self, client: CacheClient, model: str, parallel: ParallelStrategy,
-                 load_timeout: float = 30.0, tp_group: str = ""):
-        """`tp_group`: a name the ranks of this engine share and other engine replicas on
+                 load_timeout: float = DEFAULT_TRANSFER_BUDGET_S, tp_group: str = ""):
+        """`load_timeout`: the budget, in seconds, of every STORE and RETRIEVE (see above);
+        `tp_group`: a name the ranks of this engine share and other engine replicas on
         the node do not (under MLA the server fills the ranks of a leader's group)."""
         self.tp_group = tp_group
         self.client = client
@@ -52,9 +71,10 @@ class WorkerAdapter:
         self.load_timeout = load_timeout
         self.registration: Registration | None = None
         # Every STORE still open per request: a chunked prefill sends one per step.
-        self._stores: dict[str, list[Future | None]] = {}
+        self._stores: dict[str, list[_Store]] = {}
         self._loads: dict[str, _Load] = {}
         self._load_errors: set[int] = set()
+        self._load_seq = 0  # start_load calls so far: the same on every rank
 
     def register_kv_cache(self, cache: SharedKVCache) -> Registration:
         """Once, at start-up, on every rank: the client passes the cache's memfd to the
@@ -68,40 +88,59 @@ class WorkerAdapter:
     def start_store(self, items: list[TransferItem]) -> None:
         """After a forward pass that computed these requests' chunks: one item per request,
         one STORE for the batch. An MLA follower sends nothing; its stores finish at once."""
-        future = self._submit(StoreRequest, items) if self.parallel.sends_transfers and items else None
+        now = time.monotonic()
+        if self.parallel.sends_transfers and items:
+            store = _Store(self.client.store_async(self._registered(), items, self.load_timeout),
+                           now + self.load_timeout + DEADLINE_MARGIN_S)
+        else:
+            store = _Store(None, now)
         for item in items:
-            self._stores.setdefault(item.request_id, []).append(future)
+            self._stores.setdefault(item.request_id, []).append(store)
 
     def start_load(self, items: list[TransferItem]) -> None:
         """Before a forward pass that reads these blocks: one item per request, one
         RETRIEVE for the batch (on an MLA follower, none: it waits for LOAD_DONE)."""
-        deadline = time.monotonic() + self.load_timeout
-        future = self._submit(RetrieveRequest, items) if self.parallel.sends_transfers and items else None
+        self._load_seq += 1
+        items = [replace(item, load_seq=self._load_seq) for item in items]
+        deadline = time.monotonic() + self.load_timeout + DEADLINE_MARGIN_S
+        future = (self.client.retrieve_async(self._registered(), items, self.load_timeout)
+                  if self.parallel.sends_transfers and items else None)
+        disconnects = self.client.disconnects
         for index, item in enumerate(items):
-            self._loads[item.request_id] = _Load(item, future, index, deadline)
+            self._loads[item.request_id] = _Load(item, future, index, deadline, disconnects)
 
-    def _submit(self, request_type: type, items: list[TransferItem]) -> Future | None:
+    def _registered(self) -> Registration:
         if self.registration is None:
             raise RuntimeError("register_kv_cache() first")
-        try:
-            return self.client.rpc.submit(request_type(self.registration.instance_id, items),
-                                          timeout=self.load_timeout)
-        except LMCacheMPError as exc:
-            logger.warning("%s not sent: %s", request_type.__name__, exc)
-            return None
+        return self.registration
+
+    def wait_for_stores(self, request_ids: Iterable[str]) -> None:
+        """Worker, before a forward pass that may overwrite these requests' blocks (vLLM
+        hands a preempted request's blocks to others at once): blocks until the server has
+        answered their STOREs, returns at once if the server is gone, and waits at most
+        until their deadline, after which the server reads the blocks no more. Their
+        stores are reported by get_finished as usual."""
+        for request_id in request_ids:
+            for store in self._stores.get(request_id, ()):
+                left = store.deadline - time.monotonic()
+                if store.future is not None and left > 0:
+                    wait([store.future], timeout=left)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(requests whose stores finished, requests whose loads finished) since the last
         call; called after every forward pass. A failed store is logged and finished."""
-        stores = {rid for rid, futures in self._stores.items()
-                  if all(f is None or f.done() for f in futures)}
-        for rid in stores:
-            for future in self._stores.pop(rid):
-                if future is not None and future.exception() is not None:
-                    logger.warning("store for %s skipped: %s", rid, future.exception())
-                    self._recover(future.exception())
-        loads = set()
         now = time.monotonic()
+        stores = {rid for rid, pending in self._stores.items()
+                  if all(self._settled(store, now) for store in pending)}
+        for rid in stores:
+            for store in self._stores.pop(rid):
+                if store.future is None:
+                    continue
+                if not store.future.done():
+                    logger.warning("store for %s unanswered by its deadline", rid)
+                elif store.future.exception() is not None:
+                    logger.warning("store for %s skipped: %s", rid, store.future.exception())
+        loads = set()
         for rid, load in list(self._loads.items()):
             landed = self._landed(load, now)
             if landed is None:
@@ -115,33 +154,28 @@ class WorkerAdapter:
                                      if b != SKIP_BLOCK)
         return stores, loads
 
+    @staticmethod
+    def _settled(store: _Store, now: float) -> bool:
+        return store.future is None or store.future.done() or now >= store.deadline
+
     def _landed(self, load: _Load, now: float) -> int | None:
         """Chunks that landed in this rank's blocks, or None while the load is on its way."""
         if not self.parallel.sends_transfers:
-            landed = self.client.poll_load(load.item.request_id, load.item.cache_salt)
-            if landed is None and now < load.deadline:
-                return None
-            return landed or 0
+            landed = self.client.poll_load(load.item.request_id, load.item.cache_salt,
+                                           load.item.load_seq)
+            if landed is not None:
+                return landed
+            gone = self.client.disconnects != load.disconnects
+            return 0 if gone or now >= load.deadline else None
         if load.future is None:
-            return 0  # never sent: the server was unreachable
+            return 0
         if not load.future.done():
-            return None
+            return 0 if now >= load.deadline else None
         try:
             return load.future.result().retrieved[load.index]
-        except LMCacheMPError as exc:
+        except Exception as exc:  # noqa: BLE001 (whatever failed, the engine recomputes)
             logger.warning("load for %s failed: %s", load.item.request_id, exc)
-            self._recover(exc)
             return 0
-
-    def _recover(self, error: BaseException) -> None:
-        """The server restarted and forgot this rank: register again (bounded by the
-        client's timeout), so that the next stores and loads work."""
-        if not isinstance(error, UnknownInstance) or self.registration is None:
-            return
-        try:
-            self.client.register_again(self.registration, self.registration.instance_id)
-        except LMCacheMPError as exc:
-            logger.warning("could not register again: %s", exc)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (server down, chunk gone): the

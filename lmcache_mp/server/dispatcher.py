@@ -18,6 +18,8 @@ from ..protocol import (
     BLOCK_ID_BYTES,
     CHUNK_HASH_BYTES,
     LOOKUP_SLICE_PROBES,
+    MAX_BUDGET_MS,
+    MAX_INSTANCE_ID,
     MAX_KV_WORLD_SIZE,
     MAX_LOOKUP_PROBES,
     MAX_MODEL_CHARS,
@@ -65,7 +67,7 @@ from ..protocol import (
 )
 from .access import Session, Sessions
 from .config import Config
-from .copy_engine import CopyEngine
+from .copy_engine import CopyEngine, DeadlinePassed
 from .pool import CpuPool, DevicePool
 from .quotas import Quota, QuotaError, load_quota_file
 from .registry import DTYPES, KVCacheInstance, Registry
@@ -95,6 +97,14 @@ def _lease_owner(session: Session, cache_salt: str, request_id: str, prefix: str
     return LeaseOwner(session.engine, _checked_salt(cache_salt, request_id, prefix), request_id)
 
 
+def _deadline(budget_ms: int) -> float | None:
+    """A STORE's or RETRIEVE's deadline (time.monotonic()), counted from now, its receipt:
+    no copy touches its blocks after it. None for budget_ms 0, no deadline."""
+    if not 0 <= budget_ms <= MAX_BUDGET_MS:
+        raise BadRequest(f"`budget_ms`: must be in [0, {MAX_BUDGET_MS}], got {budget_ms}")
+    return time.monotonic() + budget_ms / 1000 if budget_ms else None
+
+
 def _check_length(value: str, limit: int, path: str) -> None:
     if len(value) > limit:
         raise BadRequest(f"`{path}`: at most {limit} characters, got {len(value)}")
@@ -106,6 +116,9 @@ class _Transfer:
     def __init__(self, session: Session, instance: KVCacheInstance, item: TransferItem,
                  path: str, allow_skip: bool):
         self.owner = _lease_owner(session, item.cache_salt, item.request_id, f"{path}.")
+        if not 0 <= item.load_seq <= MAX_INSTANCE_ID:
+            raise BadRequest(f"`{path}.load_seq`: must be in [0, {MAX_INSTANCE_ID}]")
+        self.load_seq = item.load_seq
         salt = self.owner.cache_salt
         hashes = unpack_hashes(item.chunk_hashes, f"{path}.chunk_hashes")
         if len(item.block_ids) % BLOCK_ID_BYTES:
@@ -129,6 +142,12 @@ class _Transfer:
                              f"{skip}, got range [{int(written.min())}, {int(written.max())}]")
         self.keys = [ChunkKey(instance.model, instance.kv_world_size, instance.kv_worker_id,
                               salt, h) for h in hashes]
+        parent = unpack_hashes(item.parent_hash, f"{path}.parent_hash")
+        if len(parent) > 1:
+            raise BadRequest(f"`{path}.parent_hash`: one hash or none, got {len(parent)}")
+        # STORE: each chunk's parent, the prompt's chunk before it
+        self.parents = [self.keys[0]._replace(chunk_hash=parent[0]) if parent and hashes
+                        else None, *self.keys[:-1]]
         self.block_ids = ids.view(len(hashes), per_chunk) if count else ids
         # Per chunk: whether some block is SKIP_BLOCK (decided here, off the copy path).
         self.skips = (skipped.view(len(hashes), per_chunk).any(1).tolist()
@@ -340,19 +359,21 @@ class Dispatcher:
         return instance
 
     def store_chunks(self, session: Session, req: StoreRequest) -> Awaitable[StoreReply]:
+        deadline = _deadline(req.budget_ms)
         instance = self._sender(session, req.instance_id, "STORE")
         transfers = self._transfers(session, instance, req.items)
         instance.stores += 1
-        return self._store(instance, transfers, self._pin([instance]))
+        return self._store(instance, transfers, self._pin([instance]), deadline)
 
     async def _store(self, instance: KVCacheInstance, transfers: list[_Transfer],
-                     unpin: Callable[[], None]) -> StoreReply:
+                     unpin: Callable[[], None], deadline: float | None) -> StoreReply:
         """Reserve, copy, then commit or abort: each step a slice at a time. Reserved chunks
-        stay invisible until their commit, so slices of other requests never see them."""
+        stay invisible until their commit, so slices of other requests never see them. No
+        copy out of the worker's blocks starts after `deadline`: such chunks are EXPIRED."""
         geometry = instance.geometry
         # Chunks from a cache on the GPU tier's device go to the tier (when it has room).
         on_gpu = (self.gpu_pool is not None and instance.lane is not None
-                  and instance.lane.staging.device == self.gpu_pool.device)
+                  and instance.lane.staging[0].device == self.gpu_pool.device)
         places = [(i, c, key) for i, t in enumerate(transfers) for c, key in enumerate(t.keys)]
         reservations: list[Reservation] = []
         pending: list[tuple[int, int, Chunk]] = []
@@ -367,7 +388,8 @@ class Dispatcher:
                 settle(demotion)
         try:
             await self._each(places, lambda place: self.store.reserve(
-                place[2], geometry.chunk_bytes, geometry, on_gpu), reservations)
+                place[2], geometry.chunk_bytes, geometry, on_gpu,
+                transfers[place[0]].parents[place[1]]), reservations)
             pending = [(i, c, r.chunk) for (i, c, _), r in zip(places, reservations)
                        if r.chunk is not None]
             demotions = [r.demotion for r in reservations if r.demotion is not None]
@@ -378,10 +400,10 @@ class Dispatcher:
                 moves = [(self._chunk_bytes(d.chunk), self.gpu_pool.view(d.gpu_offset,
                                                                           d.chunk.nbytes))
                          for d in demotions]
-                errors = await self.copier.store(instance, jobs, moves)
+                errors = await self.copier.store(instance, jobs, moves, deadline)
             else:
                 errors = await self.copy_engine.run([partial(instance.gather, ids, out)
-                                                     for ids, out in jobs])
+                                                     for ids, out in jobs], deadline)
         except DeviceStalled as stall:
             # The device may still write into those chunks; when it is done, demotions landed.
             stall.after(partial(abort_all, True))
@@ -401,32 +423,36 @@ class Dispatcher:
         statuses = [bytearray(len(t.keys)) for t in transfers]
         for (i, c, _), reservation in zip(places, reservations):
             statuses[i][c] = reservation.status
-        copied: list[list[Chunk]] = [[] for _ in transfers]
+        copied: list[tuple[int, int, Chunk]] = []
         for (i, c, chunk), error in zip(pending, errors):
             if error is None:
-                copied[i].append(chunk)
+                copied.append((i, c, chunk))
             else:
                 self.store.abort(chunk)
-                statuses[i][c] = StoreStatus.FAILED
-        # Later chunks of a request are committed first, so that they are evicted first.
-        settled: list[None] = []
-        await self._each([chunk for chunks in copied for chunk in reversed(chunks)],
-                         self.store.commit, settled)
+                statuses[i][c] = (StoreStatus.EXPIRED if isinstance(error, DeadlinePassed)
+                                  else StoreStatus.FAILED)
+        kept: list[bool] = []
+        await self._each([chunk for _, _, chunk in copied], self.store.commit, kept)
+        for (i, c, _), stays in zip(copied, kept):
+            if not stays:  # the copy of the chunk before it failed: no lookup could reach it
+                statuses[i][c] = StoreStatus.NO_PREFIX
         return StoreReply([bytes(s) for s in statuses])
 
     def retrieve_chunks(self, session: Session, req: RetrieveRequest
                         ) -> Awaitable[RetrieveReply]:
+        deadline = _deadline(req.budget_ms)
         leader = self._sender(session, req.instance_id, "RETRIEVE")
         transfers = self._transfers(session, leader, req.items, allow_skip=True)
         leader.retrieves += 1
         # Under MLA every rank of the TP group holds the same latent cache: fill them all.
         targets = [leader, *self.registry.tp_followers(leader)]
-        return self._retrieve(leader, targets, transfers, self._pin(targets))
+        return self._retrieve(leader, targets, transfers, self._pin(targets), deadline)
 
     async def _retrieve(self, leader: KVCacheInstance, targets: list[KVCacheInstance],
-                        transfers: list[_Transfer], unpin: Callable[[], None]
-                        ) -> RetrieveReply:
-        """Hold each item's leading stored chunks, copy them, unhold: a slice at a time."""
+                        transfers: list[_Transfer], unpin: Callable[[], None],
+                        deadline: float | None) -> RetrieveReply:
+        """Hold each item's leading stored chunks, copy them, unhold: a slice at a time. No
+        copy into any target's blocks starts after `deadline`: `retrieved` stops there."""
         held: list[list[Chunk]] = [[] for _ in transfers]
         geometry = leader.geometry
 
@@ -450,11 +476,12 @@ class Dispatcher:
                                               self._chunk_tensor(f[2], leader), f[0].skips[f[1]]),
                              jobs)
             if leader.lane is not None:
-                per_target = await self.copier.retrieve(targets, jobs)
+                per_target = await self.copier.retrieve(targets, jobs, deadline)
                 outcomes = [error for errors in per_target for error in errors]
             else:
                 outcomes = await self.copy_engine.run(
-                    [partial(target.scatter, *job) for target in targets for job in jobs])
+                    [partial(target.scatter, *job) for target in targets for job in jobs],
+                    deadline)
         except DeviceStalled as stall:
             stall.after(unhold)  # the device may still read those chunks
             stall.after(unpin)
@@ -474,7 +501,7 @@ class Dispatcher:
         for follower in targets[1:]:
             follower.loads_pushed += 1
             self.push(follower.owner, LoadDone(follower.instance_id, [
-                LoadDoneItem(t.owner.request_id, t.owner.cache_salt, n)
+                LoadDoneItem(t.owner.request_id, t.owner.cache_salt, n, t.load_seq)
                 for t, n in zip(transfers, landed[follower.instance_id])]))
         return RetrieveReply(landed[leader.instance_id])
 

@@ -1,5 +1,7 @@
 """The client transport against real servers: timeouts, restarts, late replies, threads."""
 
+import os
+import signal
 import threading
 import time
 from concurrent.futures import wait
@@ -10,6 +12,7 @@ import torch
 from lmcache_mp.client import CacheClient, LookupItem, RpcClient, StoreStatus, TransferItem
 from lmcache_mp.errors import RequestTimeout, ServerUnavailable
 from lmcache_mp.protocol import PingReply, PingRequest, StatsReply, StatsRequest, StoreRequest
+from lmcache_mp.server.spawn import ServerProcess
 
 from ..utils import ipc_url, run_server
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
@@ -110,3 +113,32 @@ def test_heartbeats_keep_an_idle_registration_alive():
         assert client.stats().registrations == 1
         client.store(registration, [TransferItem.build("a", prompt(4, 1), chunk_blocks([0]))])
         assert registration.instance_id == first_id  # it was never dropped and registered again
+
+
+def test_a_call_that_must_not_wait_for_the_connection_fails_at_once():
+    with RpcClient(ipc_url(), timeout=30) as client:
+        future = client.submit(PingRequest(), wait_for_connection=False)
+        with pytest.raises(ServerUnavailable, match="not connected"):
+            future.result(timeout=5)  # not the call's 30 s
+
+
+def test_calls_sent_to_a_server_that_dies_fail_on_the_lost_connection():
+    """The server stops before it reads a call, then dies: the call fails when the
+    connection drops, not at its timeout (no reply can come any more)."""
+    server = ServerProcess(None, ["--cpu-size", "64MiB", "--log-level", "warning"])
+    server.start()
+    try:
+        with server.client(timeout=120) as client:
+            client.ping()
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            pending = client.rpc.submit(PingRequest())
+            killer = threading.Timer(0.2, server.proc.kill)
+            started = time.monotonic()
+            killer.start()
+            with pytest.raises(ServerUnavailable, match="lost the connection"):
+                pending.result(timeout=60)
+            killer.join()
+            assert time.monotonic() - started < 60  # its timeout is 120 s
+            assert client.disconnects == 1
+    finally:
+        server.close()

@@ -5,6 +5,7 @@ import torch
 
 from lmcache_mp.client import SKIP_BLOCK, CacheClient, LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import BadRequest
+from lmcache_mp.protocol import MAX_BUDGET_MS, RetrieveRequest, StoreRequest
 
 from ..utils import run_server
 from ..workers import (
@@ -101,4 +102,58 @@ def test_retrieve_leaves_skip_blocks_alone_and_store_refuses_them(server):
                            expected_blocks(NUM_BLOCKS, 12, source[5:]))
         with pytest.raises(BadRequest, match=r"ids must be in \[0, 128\), got range \[-1"):
             client.store(registration, [TransferItem.build("s", hashes, with_skips)])
+        client.unregister(registration)
+
+
+def test_no_copy_touches_the_blocks_after_the_budget():
+    """budget_ms bounds when the server may touch a worker's blocks: a RETRIEVE and a STORE
+    queued behind another request's copies (one copy thread) start no copy after it, say
+    so (`retrieved` stops, EXPIRED), and nothing changes in the blocks after the reply."""
+    chunks, slots = 48, 64
+    num_blocks = slots * BLOCKS_PER_CHUNK
+    blocks = chunk_blocks(list(range(chunks)))
+    stored, busy, late = prompt(400, chunks), prompt(401, chunks), prompt(402, chunks)
+    with run_server("--cpu-size", "192MiB", "--copy-threads", "1") as server, \
+            make_cache(num_blocks, 41) as source, make_cache(num_blocks, None) as target, \
+            CacheClient(server.url, timeout=60) as client:
+        src, dst = (client.register_kv_cache(cache.handles(), model=MODEL, layout="mha",
+                                             block_size=16) for cache in (source, target))
+        assert client.store(src, [TransferItem.build("s", stored, blocks)]) == [
+            bytes([StoreStatus.STORED] * chunks)]
+
+        ahead = client.rpc.submit(StoreRequest(src.instance_id, [
+            TransferItem.build("busy", busy, blocks)]), timeout=60)
+        (landed,) = client.rpc.submit(RetrieveRequest(dst.instance_id, [
+            TransferItem.build("late", stored, blocks)], budget_ms=1), timeout=60
+        ).result(60).retrieved
+        after_reply = target.blocks(blocks).view(torch.uint8).clone()
+        assert landed < chunks
+        written, untouched = (blocks[:landed * BLOCKS_PER_CHUNK],
+                              blocks[landed * BLOCKS_PER_CHUNK:])
+        assert not written or torch.equal(target.blocks(written).view(torch.uint8),
+                                          expected_blocks(num_blocks, 41, written))
+        assert bool((target.blocks(untouched).view(torch.uint8) == 0).all())
+        ahead.result(60)
+        assert torch.equal(target.blocks(blocks).view(torch.uint8), after_reply)
+
+        ahead = client.rpc.submit(RetrieveRequest(dst.instance_id, [
+            TransferItem.build("busy", stored, blocks)]), timeout=60)
+        (statuses,) = client.rpc.submit(StoreRequest(src.instance_id, [
+            TransferItem.build("late", late, blocks)], budget_ms=1), timeout=60
+        ).result(60).results
+        ahead.result(60)
+        assert StoreStatus.EXPIRED in statuses
+        assert set(statuses) <= {StoreStatus.STORED, StoreStatus.EXPIRED}
+        assert client.lookup(MODEL, 1, [LookupItem.build("x", late)]) == [
+            statuses.index(StoreStatus.EXPIRED)]
+
+
+@pytest.mark.parametrize("budget_ms", [-1, MAX_BUDGET_MS + 1])
+def test_a_budget_out_of_range_is_refused(server, client, budget_ms):
+    with make_cache(NUM_BLOCKS, None) as cache:
+        registration = client.register_kv_cache(cache.handles(), model=MODEL, layout="mha",
+                                                 block_size=16)
+        for request_type in (StoreRequest, RetrieveRequest):
+            with pytest.raises(BadRequest, match=r"`budget_ms`: must be in \[0, 3600000\]"):
+                client.rpc.call(request_type(registration.instance_id, [], budget_ms))
         client.unregister(registration)

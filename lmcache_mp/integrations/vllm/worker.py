@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -123,16 +122,10 @@ class WorkerSide:
 
     def handle_preemptions(self, meta: StepMetadata) -> None:
         """A preempted request's blocks go back to vLLM's pool at once and this step may
-        overwrite them: wait (at most load_timeout) until its stores have been read."""
-        waiting = self._pending_stores.intersection(meta.preempted)
-        deadline = time.monotonic() + self.config.load_timeout
-        while waiting and time.monotonic() < deadline:
-            time.sleep(0.0005)
-            self._collect()
-            waiting &= self._pending_stores
-        if waiting:
-            logger.warning("stores of preempted requests %s still in flight after %.1f s",
-                           sorted(waiting), self.config.load_timeout)
+        overwrite them: wait until the server has read them, or can read them no more (it
+        answered, it is gone, or the store's deadline, load_timeout and a margin, passed)."""
+        self.adapter.wait_for_stores(self._pending_stores.intersection(meta.preempted))
+        self._collect()
 
     def start_loads(self, meta: StepMetadata) -> None:
         """Worker, every step (start_load_kv): one RETRIEVE for the step's loads. On a GPU
