@@ -79,6 +79,7 @@ LIMITS: dict[str, Limit] = {
     "MAX_KV_WORLD_SIZE": Limit(1024, "kv_world_size"),
     "MAX_INSTANCE_ID": Limit(2**53 - 1, "instance ids (exact in every msgpack implementation, "
                              "float64 included)"),
+    "MAX_BUDGET_MS": Limit(3_600_000, "budget_ms of a STORE or RETRIEVE (0: no deadline)"),
     "MAX_FDS_PER_MESSAGE": Limit(64, "descriptors in one message on the fd channel"),
     "MAX_PENDING_TICKETS": Limit(4096, "fd channel tickets issued and not yet used by a "
                                  "REGISTER_KV_CACHE, server-wide"),
@@ -107,6 +108,7 @@ MAX_NAME_CHARS = LIMITS["MAX_NAME_CHARS"].value
 MAX_LAYERS = LIMITS["MAX_LAYERS"].value
 MAX_KV_WORLD_SIZE = LIMITS["MAX_KV_WORLD_SIZE"].value
 MAX_INSTANCE_ID = LIMITS["MAX_INSTANCE_ID"].value
+MAX_BUDGET_MS = LIMITS["MAX_BUDGET_MS"].value
 MAX_FDS_PER_MESSAGE = LIMITS["MAX_FDS_PER_MESSAGE"].value
 MAX_PENDING_TICKETS = LIMITS["MAX_PENDING_TICKETS"].value
 TICKET_TTL_S = LIMITS["TICKET_TTL_S"].value
@@ -147,6 +149,8 @@ class StoreStatus:
     NO_SPACE = 2  # the pool is full of chunks that are held or inside reservations
     FAILED = 3  # the copy failed
     OVER_QUOTA = 4  # the salt is at its cap with chunks that are held
+    EXPIRED = 5  # its copy had not started when the STORE's budget_ms ran out
+    NO_PREFIX = 6  # the prompt's chunk before it is not stored: no LOOKUP could reach it
 
 
 # ---------------------------------------------------------------------------
@@ -246,6 +250,9 @@ class RegisterKVCacheRequest:
     # cuda_ipc only: the cudaIpcEventHandle_t of an interprocess event the worker records on
     # its stream before each STORE; the server's copies wait on it. Empty: nothing to wait on.
     store_event: bytes = b""
+    # A watch from the fd channel (TICKET_BYTES), held open by the worker: when it hangs up,
+    # the registration ends at once. Empty: it ends at UNREGISTER or worker_timeout_s.
+    watch: bytes = b""
 
 
 @dataclass
@@ -299,17 +306,27 @@ class TransferItem:
     chunk_hashes: bytes
     block_ids: bytes
     cache_salt: str = ""
+    # RETRIEVE: the worker's number for this load, echoed in LOAD_DONE, so that an MLA
+    # follower tells a late notice of an earlier load of the request from this one's
+    load_seq: int = 0
+    # STORE: the hash of the prompt's chunk before chunk_hashes[0]; empty when that is the
+    # prompt's first chunk. The server keeps what remains of a prompt a prefix with it.
+    parent_hash: bytes = b""
 
     @classmethod
     def build(cls, request_id: str, hashes: list[bytes], block_ids: list[int],
-              cache_salt: str = "") -> TransferItem:
-        return cls(request_id, pack_hashes(hashes), pack_block_ids(block_ids), cache_salt)
+              cache_salt: str = "", parent_hash: bytes = b"") -> TransferItem:
+        return cls(request_id, pack_hashes(hashes), pack_block_ids(block_ids), cache_salt,
+                   parent_hash=parent_hash)
 
 
 @dataclass
 class StoreRequest:
     instance_id: int
     items: list[TransferItem]
+    # Milliseconds from the server's receipt after which it starts no more copies out of
+    # the blocks (they are EXPIRED); 0: no deadline. See docs/protocol.md, "deadlines".
+    budget_ms: int = 0
 
 
 @dataclass
@@ -321,6 +338,7 @@ class StoreReply:
 class RetrieveRequest:
     instance_id: int
     items: list[TransferItem]
+    budget_ms: int = 0  # as StoreRequest's: no copy into the blocks starts after it
 
 
 @dataclass
@@ -467,6 +485,7 @@ class LoadDoneItem:
     request_id: str
     cache_salt: str
     retrieved: int  # leading chunks now in this rank's blocks
+    load_seq: int = 0  # the RETRIEVE item's load_seq
 
 
 @dataclass

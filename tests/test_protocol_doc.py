@@ -1288,8 +1288,9 @@ def test_an_mla_leaders_retrieve_lands_in_its_own_engines_followers_only() -> No
             assert (got_id, status) == (rid(0), b"ok")
             assert msgpack.unpackb(body, raw=False) == {
                 "instance_id": follower_id,
-                "items": [{"request_id": "gen-a", "cache_salt": "", "retrieved": 3},
-                          {"request_id": "gen-b", "cache_salt": "team-a", "retrieved": 2}],
+                "items": [{"request_id": "gen-a", "cache_salt": "", "retrieved": 3, "load_seq": 0},
+                          {"request_id": "gen-b", "cache_salt": "team-a", "retrieved": 2,
+                           "load_seq": 0}],
                 "event": "LOAD_DONE"}
 
             # Byte for byte in the follower (and the leader); nothing else was written.
@@ -1311,7 +1312,7 @@ def test_an_mla_leaders_retrieve_lands_in_its_own_engines_followers_only() -> No
             got_id, status, body = follower.recv_multipart()
             assert (got_id, status, msgpack.unpackb(body, raw=False)) == (rid(0), b"ok", {
                 "instance_id": follower_id,
-                "items": [{"request_id": "gen-c", "cache_salt": "", "retrieved": 0}],
+                "items": [{"request_id": "gen-c", "cache_salt": "", "retrieved": 0, "load_seq": 0}],
                 "event": "LOAD_DONE"})
 
             # Nor may a follower RETRIEVE; the others got nothing, not even a push.

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from functools import partial
 
 from .. import runtime
-from ..fdpass import send_fds
-from ..errors import LMCacheMPError, RequestTimeout, UnknownInstance
+from ..fdpass import Watch, open_watch, send_fds
+from ..errors import LMCacheMPError, RequestTimeout, ServerUnavailable, UnknownInstance
 from ..protocol import (
-    PROTOCOL_VERSION, ClearRequest, EndSessionRequest, HelloReply, HelloRequest, LeaseRef,
-    LoadDone, LookupItem, LookupRequest, MemfdHandle, PingRequest, QuotaDeleteRequest, QuotaGetRequest, QuotaInfo,
-    QuotaListReply, QuotaListRequest, QuotaSetRequest, RegisterKVCacheRequest, ReleaseRequest,
-    RetrieveRequest, StatsReply, StatsRequest, StoreRequest, TensorHandle, TransferItem,
-    UnregisterKVCacheRequest, unpack,
+    MAX_BUDGET_MS, PROTOCOL_VERSION, ClearRequest, EndSessionReply, EndSessionRequest,
+    HelloReply, HelloRequest, LeaseRef, LoadDone, LoadDoneItem, LookupItem, LookupReply,
+    LookupRequest, MemfdHandle, PingRequest, QuotaDeleteRequest, QuotaGetRequest, QuotaInfo, QuotaListReply,
+    QuotaListRequest, QuotaSetRequest, RegisterKVCacheRequest, ReleaseReply, ReleaseRequest,
+    RetrieveReply, RetrieveRequest, StatsReply, StatsRequest, StoreReply, StoreRequest,
+    TensorHandle, TransferItem, UnregisterKVCacheRequest, unpack,
 )
 from .rpc import DEFAULT_TIMEOUT_S, RpcClient
 from .shm import find_segment
@@ -24,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_S = 5.0
 _MAX_UNCLAIMED_LOADS = 10_000  # LOAD_DONE notices nobody waited for (aborted requests)
+# How long past a transfer's budget its caller waits for the server's answer: the server
+# starts no copy after the budget, and this covers one copy under way and the answer's trip.
+DEADLINE_MARGIN_S = 1.0
 
 
 @dataclass
@@ -67,12 +75,17 @@ class CacheClient:
         self.rpc = RpcClient(url, timeout=timeout, heartbeat_interval=DEFAULT_HEARTBEAT_S,
                              on_push=self._on_push if mla_follower else None, hello=hello)
         self._register_lock = threading.Lock()
-        # (cache_salt, request_id) -> chunks landed, oldest first
-        self._loads: OrderedDict[tuple[str, str], int] = OrderedDict()
+        # instance_id -> the fd channel watch that ends it when this process exits
+        self._watches: dict[int, Watch] = {}
+        # (cache_salt, request_id) -> the last LOAD_DONE item for it, oldest first
+        self._loads: OrderedDict[tuple[str, str], LoadDoneItem] = OrderedDict()
         self._loads_landed = threading.Condition()
 
     def close(self) -> None:
+        """Close the connection; the server drops this client's registrations at once."""
         self.rpc.close()
+        while self._watches:
+            self._watches.popitem()[1].close()
 
     def __enter__(self) -> CacheClient:
         return self
@@ -108,11 +121,30 @@ class CacheClient:
     def register(self, request: RegisterKVCacheRequest) -> Registration:
         """Register a cache described by a whole request. Memfd handles without a ticket are
         this process's SharedSegments: their descriptors go to the server's fd channel
-        first (again at every registration: a ticket is good for one)."""
+        first (again at every registration: a ticket is good for one). A watch from the fd
+        channel goes with it, held by this client: the server drops the registration as soon
+        as this process exits or closes the client."""
         self.hello()
-        reply = self.rpc.call(self._with_tickets(request))
+        watch = None if request.watch else self._open_watch()
+        try:
+            reply = self.rpc.call(replace(self._with_tickets(request),
+                                          watch=watch.token if watch else request.watch))
+        except BaseException:
+            if watch is not None:
+                watch.close()
+            raise
+        if watch is not None:
+            self._watches[reply.instance_id] = watch
         return Registration(request, reply.instance_id, reply.num_blocks,
                             reply.blocks_per_chunk, reply.chunk_bytes)
+
+    def _open_watch(self) -> Watch | None:
+        try:
+            return open_watch(self.rpc.server_info.fd_socket, self.rpc.timeout)
+        except ServerUnavailable as exc:
+            logger.warning("registering without a watch, so the server will notice this "
+                           "process's end only by its silence: %s", exc)
+            return None
 
     def _with_tickets(self, request: RegisterKVCacheRequest) -> RegisterKVCacheRequest:
         names = list(dict.fromkeys(h.name for h in request.layers
@@ -133,6 +165,9 @@ class CacheClient:
 
     def unregister(self, registration: Registration) -> None:
         self.rpc.call(UnregisterKVCacheRequest(registration.instance_id))
+        watch = self._watches.pop(registration.instance_id, None)
+        if watch is not None:
+            watch.close()
 
     def register_again(self, registration: Registration, stale_id: int) -> None:
         """After the server lost the registration (restart, timeout): register it anew."""
@@ -142,6 +177,9 @@ class CacheClient:
             fresh = self.register(registration.request)
             logger.info("registered again as instance %d (was %d)", fresh.instance_id, stale_id)
             registration.instance_id = fresh.instance_id
+            stale = self._watches.pop(stale_id, None)
+            if stale is not None:
+                stale.close()
 
     # -- the cache -------------------------------------------------------------------------
 
@@ -175,6 +213,88 @@ class CacheClient:
     def end_session(self, request_id: str, cache_salt: str = "") -> int:
         return self.rpc.call(EndSessionRequest(request_id, cache_salt)).released
 
+    # -- the same, without waiting: each returns the Future of its typed reply, sent at once;
+    # a transport or server error is the Future's exception. For hot paths (a scheduler
+    # step, a forward pass) that must never block on the server.
+
+    def lookup_async(self, model: str, kv_world_size: int, items: list[LookupItem],
+                     timeout: float | None = None) -> Future[LookupReply]:
+        return self.rpc.submit(LookupRequest(model, kv_world_size, items), timeout)
+
+    def store_async(self, registration: Registration, items: list[TransferItem],
+                    budget: float) -> Future[StoreReply]:
+        """One STORE: the server starts no copy out of the blocks later than `budget`
+        seconds after it received it (those chunks are EXPIRED). The Future fails with
+        ServerUnavailable at once when the server cannot be reached or the connection to
+        it drops (the server is gone), and with RequestTimeout `budget +
+        DEADLINE_MARGIN_S` after this call: once it is done, however, the server reads
+        the blocks no more. A registration the server lost (it restarted) is registered
+        again, on a thread of its own, and the STORE sent again with what is left of the
+        budget."""
+        return self._transfer_async(StoreRequest, registration, items, budget)
+
+    def retrieve_async(self, registration: Registration, items: list[TransferItem],
+                       budget: float) -> Future[RetrieveReply]:
+        """One RETRIEVE, as store_async: no copy into the blocks starts later than
+        `budget` seconds after the server received it."""
+        return self._transfer_async(RetrieveRequest, registration, items, budget)
+
+    def _transfer_async(self, request_type: type, registration: Registration,
+                        items: list[TransferItem], budget: float) -> Future:
+        result: Future = Future()
+        deadline = time.monotonic() + budget
+
+        def send(may_retry: bool) -> None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                result.set_exception(RequestTimeout(
+                    f"{request_type.__name__} not sent: its budget of {budget:g} s is spent"))
+                return
+            request = request_type(registration.instance_id, items,
+                                   min(MAX_BUDGET_MS, math.ceil(left * 1000)))
+            try:
+                attempt = self.rpc.submit(request, left + DEADLINE_MARGIN_S,
+                                          wait_for_connection=False)
+            except LMCacheMPError as exc:  # the client is closed
+                result.set_exception(exc)
+                return
+            attempt.add_done_callback(partial(settle, may_retry, request.instance_id))
+
+        def settle(may_retry: bool, instance_id: int, attempt: Future) -> None:
+            error = attempt.exception()
+            if isinstance(error, UnknownInstance) and may_retry:
+                # Registering waits on this client's socket: never on the thread reading it.
+                threading.Thread(target=send_again, args=(instance_id,), daemon=True,
+                                 name="lmcache-mp-register-again").start()
+            elif error is None:
+                result.set_result(attempt.result())
+            else:
+                result.set_exception(error)
+
+        def send_again(stale_id: int) -> None:
+            try:
+                self.register_again(registration, stale_id)
+            except Exception as exc:  # noqa: BLE001 (the future must end, whatever the cause)
+                result.set_exception(exc)
+                return
+            send(may_retry=False)
+
+        send(may_retry=True)
+        return result
+
+    @property
+    def disconnects(self) -> int:
+        """Connections to the server lost so far: when it changes, the server went away
+        (and can no longer touch this process's memory)."""
+        return self.rpc.disconnects
+
+    def release_async(self, leases: list[LeaseRef]) -> Future[ReleaseReply]:
+        return self.rpc.submit(ReleaseRequest(leases))
+
+    def end_session_async(self, request_id: str, cache_salt: str = ""
+                          ) -> Future[EndSessionReply]:
+        return self.rpc.submit(EndSessionRequest(request_id, cache_salt))
+
     def clear(self, cache_salt: str | None = None) -> int:
         return self.rpc.call(ClearRequest(cache_salt)).removed
 
@@ -191,26 +311,51 @@ class CacheClient:
             return
         with self._loads_landed:
             for item in notice.items:
-                self._loads[(item.cache_salt, item.request_id)] = item.retrieved
+                key = (item.cache_salt, item.request_id)
+                self._loads.pop(key, None)  # the newest goes last, the first evicted
+                self._loads[key] = item
             while len(self._loads) > _MAX_UNCLAIMED_LOADS:
                 self._loads.popitem(last=False)
             self._loads_landed.notify_all()
 
-    def poll_load(self, request_id: str, cache_salt: str = "") -> int | None:
-        """MLA follower: the chunks landed for this request if its LOAD_DONE came, else None."""
+    def poll_load(self, request_id: str, cache_salt: str = "", load_seq: int = 0
+                  ) -> int | None:
+        """MLA follower: the chunks landed for this request if its LOAD_DONE came, else None.
+        `load_seq` (TransferItem.load_seq): only that load's notice counts; one of an
+        earlier load of the request (it came after its waiter gave up) is dropped. 0: any."""
         with self._loads_landed:
-            return self._loads.pop((cache_salt, request_id), None)
+            return self._take_load((cache_salt, request_id), load_seq)
 
     def wait_for_load(self, request_id: str, cache_salt: str = "",
-                      timeout: float | None = None) -> int:
+                      timeout: float | None = None, load_seq: int = 0) -> int:
         """MLA follower: wait until the leader's RETRIEVE for this request has landed in this
-        rank's blocks; return how many leading chunks did. Raises RequestTimeout."""
+        rank's blocks; return how many leading chunks did (`load_seq` as in poll_load).
+        Raises RequestTimeout."""
         key = (cache_salt, request_id)
+        landed: list[int] = []
+
+        def arrived() -> bool:
+            chunks = self._take_load(key, load_seq)
+            if chunks is not None:
+                landed.append(chunks)
+            return bool(landed)
         with self._loads_landed:
-            if not self._loads_landed.wait_for(lambda: key in self._loads,
+            if not self._loads_landed.wait_for(arrived,
                                                self.rpc.timeout if timeout is None else timeout):
                 raise RequestTimeout(f"no LOAD_DONE for request {request_id!r} in time")
-            return self._loads.pop(key)
+            return landed[0]
+
+    def _take_load(self, key: tuple[str, str], load_seq: int) -> int | None:
+        """The notice for `key` and `load_seq`, taken out (lock held); None if none came."""
+        notice = self._loads.get(key)
+        if notice is None:
+            return None
+        if load_seq and notice.load_seq != load_seq:
+            if notice.load_seq < load_seq:
+                del self._loads[key]  # an earlier load's: its waiter has given up on it
+            return None
+        del self._loads[key]
+        return notice.retrieved
 
     # -- quotas (admin) ----------------------------------------------------------------------
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 from ..errors import LMCacheMPError
-from ..protocol import EndSessionRequest, LeaseRef, LookupItem, LookupRequest, ReleaseRequest
+from ..protocol import LeaseRef, LookupItem, LookupReply
 from .api import CacheClient
 from .hashing import chunk_hashes
 from .parallel import ParallelStrategy
@@ -16,7 +16,8 @@ logger = logging.getLogger(__name__)
 
 
 class SchedulerAdapter:
-    """Called by the engine's scheduler process, from its step loop; no method blocks.
+    """Called by the engine's scheduler process, from its step loop; no method blocks
+    longer than the bounded wait a lookup asks for.
 
     A request's first lookup() sends a LOOKUP that holds the hit chunks on the server
     (for every kv rank) until the workers' RETRIEVE, release() or end_session(). If the
@@ -34,19 +35,31 @@ class SchedulerAdapter:
         self.model = model
         self.parallel = parallel
         self.chunk_size = chunk_size
-        # each request's lookup: in flight (a Future) or answered (its hit, in tokens), kept
-        # until forget(), release() or end_session()
-        self._lookups: dict[str, Future | int] = {}
+        # each request's LOOKUP: in flight (its Future) or answered (its hit, in chunks),
+        # kept until forget(), release() or end_session()
+        self._lookups: dict[str, Future[LookupReply] | int] = {}
         # lookups dropped while in flight: their hold is released once the reply arrives
-        self._release_on_reply: dict[str, tuple[Future, str]] = {}
+        self._release_on_reply: dict[str, tuple[Future[LookupReply], str]] = {}
+        # a wait for a reply ran out (the server is slow or gone): lookups wait no more
+        # until a reply comes, so that an outage costs one wait, not one per request
+        self._replies_late = False
 
-    def lookup(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None
-               ) -> int | None:
-        """Tokens of the longest stored prefix (whole chunks), or None while the answer is
-        on its way: call again next step. The first call sends one LOOKUP, which holds what
-        it finds; every later call returns the same answer, sending nothing, until forget(),
-        release() or end_session() (vLLM may ask many times for a request it cannot admit
-        yet: the answer and its hold stay until its blocks are allocated)."""
+    def lookup(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None,
+               wait_s: float = 0.0) -> int | None:
+        """lookup_chunks for the chunks of `token_ids`, in tokens."""
+        hit = self.lookup_chunks(request_id, chunk_hashes(token_ids, self.chunk_size),
+                                 cache_salt, wait_s)
+        return None if hit is None else hit * self.chunk_size
+
+    def lookup_chunks(self, request_id: str, hashes: Sequence[bytes], cache_salt: str | None,
+                      wait_s: float = 0.0) -> int | None:
+        """Leading chunks of `hashes` stored, or None while the answer is on its way: call
+        again next step. The first call sends one LOOKUP, which holds what it finds, and
+        waits up to `wait_s` seconds for its reply; every later call returns the same
+        answer, sending nothing, until forget(), release() or end_session() (vLLM may ask
+        many times for a request it cannot admit yet: the answer and its hold stay until
+        its blocks are allocated). After a wait that ran out, lookups do not wait until a
+        reply has come in."""
         self.poll()
         state = self._lookups.get(request_id)
         if isinstance(state, int):
@@ -54,26 +67,33 @@ class SchedulerAdapter:
         if state is None:
             if request_id in self._release_on_reply:
                 return None  # an earlier hold of this request is released first
-            hashes = chunk_hashes(token_ids, self.chunk_size)
             if not hashes:
                 return 0
-            request = LookupRequest(self.model, self.parallel.kv_world_size, [
-                LookupItem.build(request_id, hashes, cache_salt or "", hold=True)])
+            item = LookupItem.build(request_id, list(hashes), cache_salt or "", hold=True)
             try:
-                state = self.client.rpc.submit(request)
+                state = self.client.lookup_async(self.model, self.parallel.kv_world_size,
+                                                 [item])
             except LMCacheMPError as exc:
                 logger.warning("lookup for %s not sent: %s", request_id, exc)
                 return 0
             self._lookups[request_id] = state
+            if wait_s > 0 and not self._replies_late:
+                wait([state], timeout=wait_s)
+                self._replies_late = not state.done()
         if not state.done():
             return None
         try:
             (hit,) = state.result().hits
+            self._replies_late = False
         except LMCacheMPError as exc:
             logger.warning("lookup for %s failed, treating it as a miss: %s", request_id, exc)
             hit = 0
-        self._lookups[request_id] = hit * self.chunk_size
-        return hit * self.chunk_size
+        self._lookups[request_id] = hit
+        return hit
+
+    def asked(self, request_id: str) -> bool:
+        """Whether the request has a LOOKUP in flight or an answer kept."""
+        return request_id in self._lookups
 
     def in_flight(self, request_id: str) -> bool:
         """Whether the request's LOOKUP was sent and has not been answered yet."""
@@ -88,19 +108,17 @@ class SchedulerAdapter:
     def release(self, request_id: str, cache_salt: str | None) -> None:
         """Drop the request's answer and holds: it was aborted, or the engine will not load
         after all. A LOOKUP still in flight is released once its reply arrives (poll())."""
-        state = self._lookups.pop(request_id, None)
-        if state is not None and not isinstance(state, int) and not state.done():
-            self._release_on_reply[request_id] = (state, cache_salt or "")
+        if self._drop(request_id, cache_salt):
             return
-        self._send(ReleaseRequest([LeaseRef(request_id, cache_salt or "")]), request_id)
+        self._send(lambda: self.client.release_async([LeaseRef(request_id, cache_salt or "")]),
+                   request_id)
 
     def end_session(self, request_id: str, cache_salt: str | None) -> None:
         """The request finished: the server forgets its holds (also one taken by a LOOKUP
         still in flight, released once its reply arrives)."""
-        state = self._lookups.pop(request_id, None)
-        if state is not None and not isinstance(state, int) and not state.done():
-            self._release_on_reply[request_id] = (state, cache_salt or "")
-        self._send(EndSessionRequest(request_id, cache_salt or ""), request_id)
+        self._drop(request_id, cache_salt)
+        self._send(lambda: self.client.end_session_async(request_id, cache_salt or ""),
+                   request_id)
 
     def poll(self) -> None:
         """Release the holds of dropped lookups whose replies have arrived; never blocks.
@@ -111,13 +129,22 @@ class SchedulerAdapter:
             del self._release_on_reply[request_id]
             if (not future.cancelled() and future.exception() is None
                     and any(future.result().hits)):
-                self._send(ReleaseRequest([LeaseRef(request_id, salt)]), request_id)
+                self._send(lambda: self.client.release_async([LeaseRef(request_id, salt)]),
+                           request_id)
 
-    def _send(self, request: object, request_id: str) -> None:
+    def _drop(self, request_id: str, cache_salt: str | None) -> bool:
+        """Forget the request's lookup; True if it is still in flight (its hold, if any,
+        is released when the reply comes)."""
+        state = self._lookups.pop(request_id, None)
+        if state is not None and not isinstance(state, int) and not state.done():
+            self._release_on_reply[request_id] = (state, cache_salt or "")
+            return True
+        return False
+
+    def _send(self, submit, request_id: str) -> None:
         # Fire and forget: a lost release only costs a lease that times out on the server.
         try:
-            self.client.rpc.submit(request).add_done_callback(
-                lambda f: f.exception() and logger.warning(
-                    "releasing %s failed: %s", request_id, f.exception()))
+            submit().add_done_callback(lambda f: f.exception() and logger.warning(
+                "releasing %s failed: %s", request_id, f.exception()))
         except LMCacheMPError as exc:
             logger.warning("releasing %s failed: %s", request_id, exc)

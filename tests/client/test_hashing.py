@@ -31,3 +31,16 @@ def test_stable_across_processes_and_machines():
     assert HASH_SEED.hex() == "2a032d847c66fb9758cee15a5d3ff6f3"
     assert [h.hex() for h in chunk_hashes(list(range(512)), 256)] == [
         "d4c936884ef0f9f19b928792eed2087c", "21c1023e7fca972372b9772d0481879c"]
+
+
+def test_extra_keys_change_their_chunk_and_every_later_one_only():
+    tokens = list(range(768))
+    plain = chunk_hashes(tokens, 256)
+    assert chunk_hashes(tokens, 256, [b"", b"", b""]) == plain  # nothing extra: the same keys
+    assert chunk_hashes(tokens, 256, [b""]) == plain  # fewer keys than chunks: the rest plain
+    image_a = chunk_hashes(tokens, 256, [b"", b"image-a"])
+    image_b = chunk_hashes(tokens, 256, [b"", b"image-b"])
+    assert image_a[0] == image_b[0] == plain[0]  # the chunk before the image is shared
+    assert len({image_a[1], image_b[1], plain[1]}) == 3
+    assert len({image_a[2], image_b[2], plain[2]}) == 3  # chained: later chunks differ too
+    assert chunk_hashes(tokens, 256, [b"", b"image-a"]) == image_a

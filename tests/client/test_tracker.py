@@ -5,9 +5,9 @@ import torch
 
 from lmcache_mp.client import StoreStatus
 from lmcache_mp.client.tracker import (
-    SKIP_BLOCK, ChunkLayout, RequestTracker, RetrieveSpec, StepPlan, StoreSpec,
+    SKIP_BLOCK, ChunkLayout, Phase, RequestTracker, RetrieveSpec, StepPlan, StoreSpec,
 )
-from lmcache_mp.protocol import LeaseRef, unpack_block_ids, unpack_hashes
+from lmcache_mp.protocol import LeaseRef, LookupItem, unpack_block_ids, unpack_hashes
 
 from ..workers import BLOCKS_PER_CHUNK, MODEL, expected_blocks, make_cache
 
@@ -38,7 +38,8 @@ def blocks_for(num_tokens: int) -> int:
 def store_spec(tracker, first_chunk, end_chunk, block_ids=ENGINE_BLOCKS) -> StoreSpec:
     return StoreSpec(tracker.request_id, tracker.cache_salt,
                      tracker.chunk_hashes[first_chunk:end_chunk],
-                     tuple(block_ids[first_chunk * PER_CHUNK:end_chunk * PER_CHUNK]), first_chunk)
+                     tuple(block_ids[first_chunk * PER_CHUNK:end_chunk * PER_CHUNK]), first_chunk,
+                     tracker.chunk_hashes[first_chunk - 1] if first_chunk else b"")
 
 
 def retrieve_spec(tracker, first_chunk, end_chunk, skip, block_ids=ENGINE_BLOCKS
@@ -180,18 +181,14 @@ def test_allocated_blocks_and_prompt_length_bound_the_store_too():
 
 # -- preemption -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("explicit_preempt", [True, False])
-def test_a_preempted_request_resumes_from_what_it_stored_and_never_stores_it_again(
-        explicit_preempt):
+def test_a_preempted_request_resumes_from_what_it_stored_and_never_stores_it_again():
     tracker = make_tracker()
     tracker.record_lookup(num_vllm_hit_tokens=0, num_lmcache_hit_chunks=0)
     tracker.allocate(engine_blocks(0, 38))
     assert tracker.plan_step(600).store == store_spec(tracker, 0, 2)
-    if explicit_preempt:
-        assert tracker.preempt() is None
-        assert (tracker.allocated_block_ids, tracker.num_scheduled_tokens) == ([], 0)
-    # vLLM freed the blocks, but its prefix cache still had the first 8 of them.
+    # Preempted: vLLM freed the blocks, but its prefix cache still had the first 8 of them.
     assert tracker.record_lookup(num_vllm_hit_tokens=8 * 16, num_lmcache_hit_chunks=2) == 384
+    assert (tracker.phase, tracker.num_scheduled_tokens) == (Phase.WAITING, 0)
     new_blocks = list(range(5000, 5100))
     tracker.allocate(new_blocks)
     plan = tracker.plan_step(PROMPT_TOKENS - 512)
@@ -203,8 +200,7 @@ def test_a_chunk_evicted_while_preempted_is_not_stored_again_by_the_same_request
     tracker = make_tracker()
     tracker.record_lookup(num_vllm_hit_tokens=0, num_lmcache_hit_chunks=0)
     tracker.allocate(engine_blocks(0, 38))
-    tracker.plan_step(600)
-    tracker.preempt()
+    tracker.plan_step(600)  # then preempted
     tracker.record_lookup(num_vllm_hit_tokens=0, num_lmcache_hit_chunks=1)  # chunk 1 is gone
     tracker.allocate(engine_blocks(100, 200))
     plan = tracker.plan_step(PROMPT_TOKENS - 256)
@@ -223,21 +219,9 @@ def test_a_resume_whose_engine_hit_covers_generated_tokens_loads_and_stores_noth
     assert tracker.plan_step(8) == StepPlan(release=LeaseRef("req", SALT))
 
 
-def test_a_resume_without_lookup_recomputes_and_stores_only_new_chunks():
-    tracker = make_tracker()
-    tracker.record_lookup(num_vllm_hit_tokens=0, num_lmcache_hit_chunks=0)
-    tracker.allocate(engine_blocks(0, 38))
-    tracker.plan_step(600)
-    tracker.preempt()
-    tracker.allocate(engine_blocks(100, 200))
-    plan = tracker.plan_step(PROMPT_TOKENS)
-    assert plan.retrieve is None and plan.release is None
-    assert plan.store == store_spec(tracker, 2, 6, ENGINE_BLOCKS[100:])
-
-
 # -- abort and misuse -------------------------------------------------------------------------
 
-def test_an_abort_or_preemption_before_the_first_step_hands_back_the_lookups_hold_once():
+def test_an_abort_before_the_first_step_hands_back_the_lookups_hold_once():
     tracker = make_tracker()
     tracker.record_lookup(num_vllm_hit_tokens=0, num_lmcache_hit_chunks=2)
     assert tracker.finish() == LeaseRef("req", SALT)
@@ -247,10 +231,6 @@ def test_an_abort_or_preemption_before_the_first_step_hands_back_the_lookups_hol
     missed = make_tracker(request_id="miss")
     missed.record_lookup(num_vllm_hit_tokens=0, num_lmcache_hit_chunks=0)
     assert missed.finish() is None  # the server leases nothing on a miss
-    preempted = make_tracker(request_id="preempted")
-    preempted.record_lookup(num_vllm_hit_tokens=0, num_lmcache_hit_chunks=1)
-    assert preempted.preempt() == LeaseRef("preempted", SALT)
-    assert preempted.finish() is None
 
 
 def test_bad_inputs_are_refused_clearly():
@@ -285,8 +265,14 @@ def registered(client, request):
     return cache, registration
 
 
+def held(tracker, from_chunk: int = 0) -> LookupItem:
+    """The LOOKUP item the scheduler sends for the tracker's request: held."""
+    return LookupItem.build(tracker.request_id, list(tracker.chunk_hashes[from_chunk:]),
+                            tracker.cache_salt, hold=True)
+
+
 def lookup(client, tracker, *, vllm_blocks: int = 0) -> int:
-    (hit,) = client.lookup(MODEL, 1, [tracker.lookup_item()])
+    (hit,) = client.lookup(MODEL, 1, [held(tracker)])
     return tracker.record_lookup(num_vllm_hit_tokens=vllm_blocks * 16, num_lmcache_hit_chunks=hit)
 
 
@@ -331,8 +317,7 @@ def test_a_preempted_request_retrieves_what_it_stored_into_its_new_blocks(client
     store = tracker.plan_step(600).store
     assert client.store(registration, [store.transfer_item()]) == [bytes([StoreStatus.STORED] * 2)]
 
-    assert tracker.preempt() is None
-    assert lookup(client, tracker) == 512
+    assert lookup(client, tracker) == 512  # preempted: vLLM asks again
     new_blocks = list(range(NUM_BLOCKS - 1, NUM_BLOCKS - 1 - blocks_for(1124), -1))
     tracker.allocate(new_blocks)
     plan = tracker.plan_step(1124 - 512)
@@ -343,5 +328,89 @@ def test_a_preempted_request_retrieves_what_it_stored_into_its_new_blocks(client
     assert plan.store.first_chunk_index == 2  # chunks 0 and 1 are not sent again
     assert client.store(registration, [plan.store.transfer_item()]) == [
         bytes([StoreStatus.STORED] * 2)]
-    assert client.lookup(MODEL, 1, [tracker.lookup_item()]) == [4]
+    assert client.lookup(MODEL, 1, [held(tracker)]) == [4]
     assert client.release([tracker.lease]) == 4  # the check above held all four
+
+
+# -- phases, failed loads, lookups from a later chunk, blocks of one token -----------------
+
+def test_phases_from_lookup_through_load_to_the_stores_being_read():
+    tracker = make_tracker()
+    assert tracker.phase is Phase.WAITING
+    tracker.record_lookup(num_vllm_hit_tokens=0, num_lmcache_hit_chunks=2)
+    tracker.allocate(engine_blocks(0, 32))
+    tracker.plan_load()
+    assert tracker.phase is Phase.LOAD_PLANNED
+    plan = tracker.plan_step(0)
+    assert plan.retrieve == retrieve_spec(tracker, 0, 2, 0) and plan.store is None
+    assert tracker.phase is Phase.LOADING
+    tracker.load_reported()
+    assert tracker.phase is Phase.RUNNING
+    tracker.allocate(engine_blocks(32, 100))
+    assert tracker.plan_step(PROMPT_TOKENS - 512).store == store_spec(tracker, 2, 6)
+    assert tracker.finish() is None and tracker.phase is Phase.FREEING  # its stores go on
+    tracker.stores_read()
+    assert tracker.phase is Phase.FINISHED
+    missed = make_tracker(request_id="miss")
+    missed.record_lookup(num_vllm_hit_tokens=0, num_lmcache_hit_chunks=0)
+    missed.finish()
+    assert missed.phase is Phase.FINISHED  # stored nothing: nothing to wait for
+
+
+def test_a_planned_load_that_no_chunk_covers_still_reports_its_blocks():
+    tracker = make_tracker()
+    tracker.record_lookup(num_vllm_hit_tokens=0, num_lmcache_hit_chunks=0)
+    tracker.allocate(engine_blocks(0, 7))
+    tracker.plan_load(engine_blocks(0, 7))
+    plan = tracker.plan_step(0)
+    assert plan.retrieve is None and plan.unfillable_block_ids == engine_blocks(0, 7)
+    assert tracker.phase is Phase.LOADING
+
+
+def test_a_failed_load_stores_nothing_more_and_is_never_offered_our_chunks_again():
+    tracker = make_tracker()
+    tracker.record_lookup(num_vllm_hit_tokens=0, num_lmcache_hit_chunks=2)
+    tracker.allocate(engine_blocks(0, 32))
+    tracker.plan_load()
+    tracker.plan_step(0)
+    tracker.mark_load_failed()
+    tracker.load_reported()
+    # vLLM recomputes from scratch and asks again: the same chunks are not offered.
+    assert tracker.record_lookup(num_vllm_hit_tokens=0, num_lmcache_hit_chunks=2) == 0
+    tracker.allocate(engine_blocks(0, 100))
+    plan = tracker.plan_step(PROMPT_TOKENS)
+    assert plan.retrieve is None and plan.store is None
+    assert plan.release == LeaseRef("req", SALT)  # the hold the LOOKUP took goes back
+
+
+def test_a_lookup_from_a_later_chunk_counts_the_engines_chunks_before_it():
+    tracker = make_tracker()
+    assert tracker.first_chunk_to_look_up(40 * 16) == 2
+    assert tracker.first_chunk_to_look_up(47 * 16) == 2
+    assert tracker.record_lookup(num_vllm_hit_tokens=40 * 16, num_lmcache_hit_chunks=2,
+                                 from_chunk=2) == (64 - 40) * 16
+    tracker.allocate(engine_blocks(0, 100))
+    plan = tracker.plan_step(PROMPT_TOKENS - 64 * 16)
+    assert plan.retrieve == retrieve_spec(tracker, 2, 4, 8)
+    assert plan.store == store_spec(tracker, 4, 6)
+    # The engine lost its blocks before the chunk looked up from: no prefix of ours to load.
+    again = make_tracker(request_id="again")
+    assert again.record_lookup(num_vllm_hit_tokens=16 * 16, num_lmcache_hit_chunks=2,
+                               from_chunk=2) == 0
+    assert again.holds_lease  # the server held them all the same: released by plan_step
+
+
+def test_blocks_of_one_token_load_a_whole_prompt_hit_into_one_block_fewer():
+    layout = ChunkLayout(block_size=1, chunk_size=256)
+    tracker = RequestTracker("one", tokens(3, 512), layout, SALT)
+    assert tracker.record_lookup(num_vllm_hit_tokens=0, num_lmcache_hit_chunks=2) == 511
+    tracker.allocate(list(range(511)))  # what vLLM allocates for the 511 tokens it takes
+    retrieve = tracker.plan_step(0).retrieve
+    assert retrieve.block_ids == tuple(range(511)) and retrieve.skip_trailing_blocks == 1
+    assert retrieve.target_block_ids == list(range(511)) + [SKIP_BLOCK]
+    assert retrieve.loaded_block_ids == tuple(range(511))
+    short = RequestTracker("short", tokens(3, 512), layout, SALT)
+    short.record_lookup(num_vllm_hit_tokens=0, num_lmcache_hit_chunks=2)
+    short.allocate(list(range(510)))
+    with pytest.raises(ValueError, match="511 blocks must be allocated to load our hit, got 510"):
+        short.plan_step(0)

@@ -21,10 +21,10 @@ import contextlib
 import copy
 import gc
 import json
+import logging
 import os
 import pickle
 import time
-import types
 import warnings
 
 import pytest
@@ -39,6 +39,8 @@ with warnings.catch_warnings():
     )
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.utils.hashing import get_hash_fn_by_name
@@ -108,13 +110,13 @@ def transfer_config(url: str | None, **extra) -> KVTransferConfig:
                             kv_role="kv_both", kv_connector_extra_config=extra)
 
 
-def kv_cache_config(spec) -> KVCacheConfig:
+def kv_cache_config(spec, num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     page = spec.page_size_bytes
     return KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[KVCacheTensor(size=page * NUM_BLOCKS * LAYERS, layers=names,
-                                        layer_stride=page * NUM_BLOCKS, block_stride=page)],
+        num_blocks=num_blocks,
+        kv_cache_tensors=[KVCacheTensor(size=page * num_blocks * LAYERS, layers=names,
+                                        layer_stride=page * num_blocks, block_stride=page)],
         kv_cache_groups=[KVCacheGroupSpec(names, spec)])
 
 
@@ -131,37 +133,44 @@ def worker_connector(vllm_config, kvcc: KVCacheConfig, rank: int):
 
 class Engine:
     """vLLM's Scheduler with our connector, and the workers of `tp` ranks (see the module
-    docstring); `step()` is one engine step."""
+    docstring); `step()` is one engine step. `kv_spec` (default: what vLLM makes of the
+    model) lets a test give the workers a cache of another shape than vLLM's config says."""
 
-    def __init__(self, model_dir: str, url: str, tp: int = 1, **extra):
+    def __init__(self, model_dir: str, url: str, tp: int = 1, block_size: int = BLOCK,
+                 num_blocks: int = NUM_BLOCKS, cache_dtype: str = "auto", kv_spec=None,
+                 policy: str = "recompute", **extra):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
         self.config = VllmConfig(
             model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float16",
                                      max_model_len=4096),
-            cache_config=CacheConfig(block_size=BLOCK),
+            cache_config=CacheConfig(block_size=block_size, cache_dtype=cache_dtype),
             parallel_config=ParallelConfig(tensor_parallel_size=tp),
             scheduler_config=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8,
                                              max_model_len=4096, is_encoder_decoder=False),
             kv_transfer_config=transfer_config(url, **extra))
-        self.config.cache_config.num_gpu_blocks = NUM_BLOCKS
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64,
-                                 dtype=torch.float16)
-        kvcc = kv_cache_config(spec)
+        self.config.kv_transfer_config.kv_load_failure_policy = policy
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        spec = kv_spec or FullAttentionSpec(block_size=block_size, num_kv_heads=2 // tp,
+                                            head_size=64, dtype=torch.float16)
+        kvcc = kv_cache_config(spec, num_blocks)
         self.scheduler = Scheduler(self.config, kvcc, StructuredOutputManager(self.config),
-                                   block_size=BLOCK)
+                                   block_size=block_size)
         self.workers = [worker_connector(self.config, kvcc, rank) for rank in range(tp)]
         # As vLLM's engine core does: block hashes are what its own prefix cache looks up.
         hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
-        self.block_hasher = get_request_block_hasher(BLOCK, hash_fn)
+        self.block_hasher = get_request_block_hasher(block_size, hash_fn)
         self.aggregator = KVOutputAggregator(tp)
         self.block_tables: dict[str, list[int]] = {}
         self.first_computed: dict[str, int] = {}  # the first position a forward pass wrote
         self.statuses: dict[str, list[RequestStatus]] = {}
         self.reports: list[KVConnectorOutput] = []
 
-    def add(self, request_id: str, tokens: list[int], cache_salt: str | None = None) -> Request:
+    def add(self, request_id: str, tokens: list[int], cache_salt: str | None = None,
+            **kwargs) -> Request:
         request = Request(request_id, tokens, SamplingParams(max_tokens=2), None,
-                          cache_salt=cache_salt, block_hasher=self.block_hasher)
+                          cache_salt=cache_salt, block_hasher=self.block_hasher, **kwargs)
         self.scheduler.add_request(request)
         return request
 
@@ -205,7 +214,7 @@ class Engine:
         self.first_computed.setdefault(request_id, start)
         table = self.block_tables[request_id]
         for position in range(start, start + count):
-            block, slot = table[position // BLOCK], position % BLOCK
+            block, slot = table[position // self.block_size], position % self.block_size
             for layer, cache in enumerate(caches):
                 cache.view(torch.uint8)[block, :, slot, :] = kv_byte(tokens, position, layer, rank)
 
@@ -232,7 +241,8 @@ class Engine:
             for layer, cache in enumerate(caches):
                 raw = cache.view(torch.uint8)
                 for position in range(start, len(tokens)):
-                    got = raw[table[position // BLOCK], :, position % BLOCK, :]
+                    got = raw[table[position // self.block_size], :,
+                              position % self.block_size, :]
                     expected = kv_byte(tokens, position, layer, rank)
                     assert bool((got == expected).all()), (request_id, rank, layer, position)
 
@@ -339,13 +349,30 @@ def test_an_engine_hit_within_our_chunk_leaves_the_engines_blocks_alone(engines,
 
 # -- MLA, hooks driven by hand -----------------------------------------------------------------
 
+class StandInModelConfig:
+    """What the connector reads of a ModelConfig, for a 4-layer model with 2 KV heads of 64
+    (MHA) or a latent vector of 576 (MLA), without vLLM's inspection of an architecture."""
+
+    def __init__(self, mla: bool):
+        self.model, self.use_mla = ("tiny-mla" if mla else "tiny"), mla
+        self.dtype = torch.bfloat16 if mla else torch.float16
+
+    def get_total_num_hidden_layers(self) -> int:
+        return LAYERS
+
+    def get_num_kv_heads(self, parallel_config) -> int:
+        return 1 if self.use_mla else max(1, 2 // parallel_config.tensor_parallel_size)
+
+    def get_head_size(self) -> int:
+        return 576 if self.use_mla else 64
+
+
 def hand_config(url: str | None, tp: int = 1, mla: bool = False, **extra):
     """A VllmConfig without a ModelConfig, and a stand-in with what the connector reads."""
     config = VllmConfig(cache_config=CacheConfig(block_size=BLOCK),
                         parallel_config=ParallelConfig(tensor_parallel_size=tp),
                         kv_transfer_config=transfer_config(url, **extra))
-    config.model_config = types.SimpleNamespace(model="tiny-mla" if mla else "tiny",
-                                                use_mla=mla)
+    config.model_config = StandInModelConfig(mla)
     return config
 
 
@@ -446,7 +473,8 @@ def test_mla_tp2_the_leader_stores_and_loads_and_the_follower_gets_the_bytes(ser
         second.status = RequestStatus.FINISHED_STOPPED
         scheduler.update_connector_output(KVConnectorOutput(finished_recving={"second"}))
         assert scheduler.request_finished(second, target) == (False, None)
-        instances = {i.tp_rank: i for i in stats(server).instances if i.model == "tiny-mla"}
+        instances = {i.tp_rank: i for i in stats(server).instances
+                     if i.model.startswith("tiny-mla@")}
         assert (instances[0].stores, instances[0].retrieves) == (1, 1)
         assert (instances[1].stores, instances[1].retrieves, instances[1].loads_pushed) == (0, 0, 1)
         assert stats(server).leases_held == 0
@@ -455,9 +483,9 @@ def test_mla_tp2_the_leader_stores_and_loads_and_the_follower_gets_the_bytes(ser
             worker.shutdown()
 
 
-def one_rank_connectors(url: str | None):
+def one_rank_connectors(url: str | None, **extra):
     """The scheduler-side and worker-side connectors of a one-rank engine with an MHA cache."""
-    config = hand_config(url)
+    config = hand_config(url, **extra)
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float16)
     kvcc = kv_cache_config(spec)
     scheduler = LMCacheMPServerConnector(config, KVConnectorRole.SCHEDULER, kvcc)
@@ -529,13 +557,19 @@ def test_a_preempted_requests_store_is_read_before_its_blocks_are_reused(server)
 # -- failures and misuse ---------------------------------------------------------------------
 
 def test_an_unreachable_server_gives_misses_and_a_clear_start_up_error_in_bounded_time():
-    config = hand_config(ipc_url(), lookup_timeout=0.3, timeout=0.3)
+    config = hand_config(ipc_url(), lookup_timeout=0.3, timeout=0.3, lookup_wait=0.25)
     scheduler = LMCacheMPServerConnector(config, KVConnectorRole.SCHEDULER, None)
     worker = LMCacheMPServerConnector(config, KVConnectorRole.WORKER, None)
     try:
-        request = Request("r", prompt(1, 600), SamplingParams(max_tokens=1), None)
+        requests = [Request(f"r{i}", prompt(1, 600), SamplingParams(max_tokens=1), None)
+                    for i in range(20)]
         started = time.monotonic()
-        assert lookup(scheduler, request) == (0, False)
+        # One step with 20 new requests: only the first waits its lookup_wait for a reply
+        # that does not come (20 waits would take 5 s).
+        assert [scheduler.get_num_new_matched_tokens(r, 0) for r in requests] == [
+            (None, False)] * 20
+        assert time.monotonic() - started < 2.5
+        assert lookup(scheduler, requests[0]) == (0, False)
         assert time.monotonic() - started < 3
         with SharedKVCache("mha", 2, 64, BLOCK, 2, 64) as cache:
             with pytest.raises(RuntimeError, match="cannot register.*is it running"):
@@ -596,6 +630,11 @@ def test_extra_config_is_typed_and_unknown_keys_are_refused():
         ConnectorConfig.from_extra_config({"urll": "tcp://x"})
     with pytest.raises(ValueError, match="'chunk_size'.*positive integer, got 2.5"):
         ConnectorConfig.from_extra_config({"chunk_size": 2.5})
+    assert ConnectorConfig.from_extra_config({"lookup_wait": 0}).lookup_wait == 0.0
+    with pytest.raises(ValueError, match="'lookup_wait'.*a number, 0 or more, got -1"):
+        ConnectorConfig.from_extra_config({"lookup_wait": -1})
+    with pytest.raises(ValueError, match="'lookup_timeout'.*a positive number, got 0"):
+        ConnectorConfig.from_extra_config({"lookup_timeout": 0})
 
 
 def kv_memfds(table: str) -> set[str]:
@@ -681,10 +720,11 @@ def test_one_engines_scheduler_and_workers_share_a_secret_no_other_engine_has():
             connector.shutdown()
 
 
-def write_chunks(scheduler, worker, request_id: str, tokens: list[int], blocks: list[int]):
+def write_chunks(scheduler, worker, request_id: str, tokens: list[int], blocks: list[int],
+                 **kwargs):
     """A request that misses, stores its tokens from `blocks` and finishes; returns once
     the worker has reported its stores read."""
-    request = Request(request_id, tokens, SamplingParams(max_tokens=1), None)
+    request = Request(request_id, tokens, SamplingParams(max_tokens=1), None, **kwargs)
     assert lookup(scheduler, request) == (0, False)
     scheduler.update_state_after_alloc(request, blocks_of(blocks), 0)
     worker_step([worker], scheduler.build_connector_meta(scheduler_output(
@@ -764,7 +804,8 @@ def test_an_mla_follower_of_another_engine_never_joins_the_leaders_group(server)
             assert torch.equal(leader_cache[target[:32]].view(torch.uint8),
                                leader_cache[:32].view(torch.uint8))
             assert not stranger_cache.view(torch.uint8).any()  # nothing landed there
-        instances = {i.tp_rank: i for i in stats(server).instances if i.model == "tiny-mla"}
+        instances = {i.tp_rank: i for i in stats(server).instances
+                     if i.model.startswith("tiny-mla@")}
         assert (instances[0].stores, instances[0].retrieves) == (1, 1)
         assert instances[1].loads_pushed == 0
         second.status = RequestStatus.FINISHED_STOPPED
@@ -840,7 +881,7 @@ def test_vllm_taking_none_of_our_hit_releases_the_hold_at_once(server, answered)
     """update_state_after_alloc with 0 external tokens (prompt_logprobs skips prefix reads)
     releases the lookup's hold now, also one whose LOOKUP is still in flight, not when the
     request ends or the lease times out (30 s here)."""
-    scheduler, worker = one_rank_connectors(server.url)
+    scheduler, worker = one_rank_connectors(server.url, lookup_wait=0)
     try:
         tokens = prompt(22 + answered, 2 * 256 + 9)
         write_chunks(scheduler, worker, "writer", tokens, list(range(33)))
@@ -911,3 +952,193 @@ def test_a_fail_policy_for_loads_is_warned_about_at_start_up(server, caplog, pol
         assert "fail the request" in warnings_seen[0]
     else:
         assert warnings_seen == []
+
+
+# -- admission in one step, what is never cached, keys that tell caches apart -------------------
+
+def run_until_admitted(engine, request_id: str) -> int:
+    """Engine steps until vLLM admits the request (to load, or to compute); how many."""
+    for steps in range(1, 50):
+        engine.step()
+        if (request_id in engine.first_computed or RequestStatus.WAITING_FOR_REMOTE_KVS
+                in engine.statuses.get(request_id, ())):
+            return steps
+        time.sleep(0.001)
+    raise AssertionError(f"{request_id} never admitted")
+
+
+@pytest.mark.parametrize("lookup_wait", [5.0, 0])
+def test_a_new_request_is_admitted_in_the_step_that_looks_it_up(engines, server, lookup_wait):
+    """With a live server a LOOKUP reply comes within lookup_wait (5 s here: a generous
+    bound for a busy machine; 2 ms by default), so the hit waits for its load, and the miss
+    computes, after the first schedule(), not the second. lookup_wait 0 never waits."""
+    tag = 31 if lookup_wait else 41
+    tokens = prompt(tag, 2 * 256 + 9)
+    writer = engines()
+    writer.add("w", tokens)
+    writer.run_until_idle()
+    engine = engines(lookup_wait=lookup_wait)
+    engine.add("hit", tokens)
+    steps = run_until_admitted(engine, "hit")
+    engine.run_until_idle()
+    assert engine.first_computed["hit"] == 512
+    engine.assert_kv("hit", tokens)
+    engine.add("miss", prompt(tag + 1, 2 * 256 + 9))
+    miss_steps = run_until_admitted(engine, "miss")
+    engine.run_until_idle()
+    assert engine.first_computed["miss"] == 0
+    if lookup_wait:
+        assert (steps, miss_steps) == (1, 1)
+    else:
+        assert steps >= 2 and miss_steps >= 2
+
+
+def test_a_prompt_of_embeddings_is_never_looked_up_or_stored(engines, server):
+    """Its KV depends on the embeddings, not on the placeholder token ids it carries."""
+    tokens = prompt(33, 2 * 256 + 9)
+    writer = engines()
+    writer.add("w", tokens)
+    writer.run_until_idle()
+    engine = engines()
+    lookups, chunks = lookups_served(server), stats(server).chunks
+    engine.add("embeds", tokens, prompt_embeds=torch.ones(len(tokens), 128))
+    engine.run_until_idle()
+    assert engine.first_computed["embeds"] == 0
+    assert RequestStatus.WAITING_FOR_REMOTE_KVS not in engine.statuses["embeds"]
+    assert (lookups_served(server), stats(server).chunks) == (lookups, chunks)
+
+
+def test_another_kv_cache_dtype_or_block_size_is_another_key(engines, server):
+    """The same model with --kv-cache-dtype fp8 (or another block size) stores other bytes:
+    its LOOKUP must miss what a float16 engine stored, not hit and fail the load."""
+    tokens = prompt(34, 2 * 256 + 9)
+    writer = engines()
+    writer.add("w", tokens)
+    writer.run_until_idle()
+    for kwargs in ({"cache_dtype": "fp8_e4m3"}, {"block_size": 32}):
+        engine = engines(**kwargs)
+        engine.add("r", tokens)
+        engine.run_until_idle()
+        assert engine.first_computed["r"] == 0, kwargs
+        assert RequestStatus.WAITING_FOR_REMOTE_KVS not in engine.statuses["r"]
+        assert not any(r.invalid_block_ids for r in engine.reports)
+    models = {i.model for i in stats(server).instances}
+    assert any(m.endswith("@mha-float16-L4-pp1-H2x64-B16") for m in models), models
+    assert any(m.endswith("@mha-fp8_e4m3-L4-pp1-H2x64-B16") for m in models), models
+    assert any(m.endswith("@mha-float16-L4-pp1-H2x64-B32") for m in models), models
+
+
+def test_a_failed_load_is_not_offered_again(engines, server):
+    """Workers whose cache has another shape than vLLM's config says (so the same key):
+    the server refuses the RETRIEVE, vLLM recomputes and asks us again, and we answer 0
+    instead of offering the same chunks forever."""
+    tokens = prompt(35, 2 * 256 + 9)
+    writer = engines()
+    writer.add("w", tokens)
+    writer.run_until_idle()
+    odd = FullAttentionSpec(block_size=BLOCK, num_kv_heads=4, head_size=32, dtype=torch.float16)
+    engine = engines(kv_spec=odd)
+    before = lookups_served(server)
+    engine.add("r", tokens)
+    engine.run_until_idle(max_steps=60)
+    assert engine.statuses["r"].count(RequestStatus.WAITING_FOR_REMOTE_KVS) >= 1
+    assert any(r.invalid_block_ids for r in engine.reports)
+    assert engine.first_computed["r"] == 0
+    engine.assert_kv("r", tokens)
+    assert lookups_served(server) - before == 1
+    assert stats(server).leases_held == 0
+
+
+def test_block_size_1_loads_a_whole_prompt_hit_into_the_blocks_vllm_allocated(engines, server):
+    """vLLM allocates blocks for the 511 tokens it takes of a 512-token hit: one block
+    fewer than the two chunks hold; the last block is left to vLLM, which computes it."""
+    tokens = prompt(36, 512)
+    writer = engines(block_size=1, num_blocks=1100)
+    writer.add("w", tokens)
+    writer.run_until_idle()
+    engine = engines(block_size=1, num_blocks=1100)
+    engine.add("r", tokens)
+    engine.run_until_idle()
+    assert RequestStatus.WAITING_FOR_REMOTE_KVS in engine.statuses["r"]
+    assert engine.first_computed["r"] == 511
+    assert not any(r.invalid_block_ids for r in engine.reports)
+    engine.assert_kv("r", tokens)
+    assert stats(server).leases_held == 0
+
+
+def test_what_vllms_own_prefix_cache_covers_is_neither_looked_up_nor_held(engines, server):
+    """vLLM's own hit covers every chunk: no LOOKUP. It covers 20 blocks of 48: the LOOKUP
+    asks from chunk 1, so the server holds and counts two chunks, the ones we load."""
+    tokens = prompt(37, 3 * 256 + 20)
+    writer = engines()
+    writer.add("w", tokens)
+    writer.run_until_idle()
+    lookups, hits = lookups_served(server), stats(server).hits
+    writer.add("again", tokens)
+    writer.run_until_idle()
+    assert (lookups_served(server), stats(server).hits) == (lookups, hits)
+    assert writer.first_computed["again"] == len(tokens) - 1 - (len(tokens) - 1) % BLOCK
+    engine = engines()
+    engine.add("short", tokens[:20 * BLOCK + 5])
+    engine.run_until_idle()
+    lookups, hits = lookups_served(server), stats(server).hits
+    engine.add("long", tokens)
+    engine.run_until_idle()
+    assert (lookups_served(server) - lookups, stats(server).hits - hits) == (1, 2)
+    assert engine.first_computed["long"] == 768
+    engine.assert_kv("long", tokens, start=20 * BLOCK)
+    assert stats(server).leases_held == 0
+
+
+def test_the_connectors_log_lines_go_to_vllms_handlers(server):
+    """vLLM configures handlers on its `vllm` logger only; ours reach them too."""
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logging.getLogger("vllm").addHandler(handler)
+    try:
+        config = hand_config(server.url)
+        config.kv_transfer_config.kv_load_failure_policy = "fail"  # a warning at start-up
+        scheduler = LMCacheMPServerConnector(config, KVConnectorRole.SCHEDULER, None)
+        scheduler.shutdown()
+    finally:
+        logging.getLogger("vllm").removeHandler(handler)
+    assert any(r.name == "lmcache_mp.integrations.vllm.config"
+               and "kv_load_failure_policy" in r.getMessage() for r in seen)
+
+
+# -- multimodal and LoRA requests: keyed by their images and adapters ---------------------------
+
+def image(identifier: str, offset: int, length: int = 300):
+    return MultiModalFeatureSpec(None, "image", identifier, PlaceholderRange(offset, length))
+
+
+def test_images_and_lora_adapters_are_part_of_the_keys_of_the_chunks_they_cover(server):
+    """The same placeholder tokens with another image (or adapter) never share KV; the
+    same image at the same place does; chunks before an image are shared by all."""
+    scheduler, worker = one_rank_connectors(server.url)
+    try:
+        tokens = prompt(38, 3 * 256 + 9)
+        write_chunks(scheduler, worker, "cat", tokens, list(range(49)),
+                     mm_features=[image("cat-sha", 400)])
+        write_chunks(scheduler, worker, "lora-a", tokens, list(range(49)),
+                     lora_request=LoRARequest("a", 1, "/adapters/a"))
+        wait_for_leases(server, 0)
+
+        def offered(request_id: str, **kwargs) -> int:
+            request = Request(request_id, tokens, SamplingParams(max_tokens=1), None, **kwargs)
+            answer = lookup(scheduler, request)[0]
+            request.status = RequestStatus.FINISHED_ABORTED
+            scheduler.request_finished(request, [])
+            return answer
+
+        assert offered("same-cat", mm_features=[image("cat-sha", 400)]) == 3 * 256
+        assert offered("dog", mm_features=[image("dog-sha", 400)]) == 256  # chunk 0: no image
+        assert offered("cat-elsewhere", mm_features=[image("cat-sha", 410)]) == 256
+        assert offered("plain") == 256  # chunk 0 of "cat" holds no image
+        assert offered("same-lora", lora_request=LoRARequest("a", 1, "/adapters/a")) == 3 * 256
+        assert offered("lora-b", lora_request=LoRARequest("b", 2, "/adapters/b")) == 0
+        wait_for_leases(server, 0)
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from ...client.parallel import ParallelStrategy
-from ...protocol import is_valid_salt
+from ...protocol import MAX_MODEL_CHARS, is_valid_salt
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -27,7 +27,13 @@ class ConnectorConfig:
     url: str | None = None
     timeout: float = 5.0  # seconds a worker's registration or other call may take
     lookup_timeout: float = 1.0  # seconds a new request may wait for its lookup: then a miss
-    load_timeout: float = 30.0  # seconds a store or load may take: then skipped or recomputed
+    # seconds the scheduler waits for a new request's LOOKUP reply within the step that
+    # sent it, so that the request is admitted in that step (a LOOKUP takes ~0.2 ms);
+    # 0: never wait (the request is tried again in the next step)
+    lookup_wait: float = 0.002
+    # seconds the server may take to start a store's or load's copies; past it (and a
+    # 1 s margin) the blocks are vLLM's again: a store is skipped, a load recomputed
+    load_timeout: float = 5.0
     chunk_size: int = 256  # tokens per chunk: must equal the server's --chunk-size
     model: str = ""  # the model's name in cache keys; "" takes vLLM's model (path or name)
     # the secret this engine's scheduler and workers share on the server (holds, MLA
@@ -52,9 +58,11 @@ class ConnectorConfig:
             if kind is str:
                 ok, expected = isinstance(value, str), "a string"
             else:
+                zero_ok = name in _MAY_BE_ZERO
                 ok = (isinstance(value, (int, float) if kind is float else int)
-                      and not isinstance(value, bool) and value > 0)
-                expected = "a positive number" if kind is float else "a positive integer"
+                      and not isinstance(value, bool) and (value > 0 or zero_ok and value == 0))
+                expected = ("a number, 0 or more" if zero_ok else "a positive number"
+                            ) if kind is float else "a positive integer"
             if not ok:
                 raise ValueError(f"kv_connector_extra_config[{name!r}]: expected {expected}, "
                                  f"got {value!r}")
@@ -67,13 +75,57 @@ class ConnectorConfig:
         return cls(**values)
 
 
-def model_name(config: ConnectorConfig, vllm_config: VllmConfig) -> str:
-    if config.model:
-        return config.model
+_MAY_BE_ZERO = frozenset({"lookup_wait"})
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What makes a chunk's bytes differ for the same tokens, from vLLM's config alone: the
+    scheduler (which has no KV tensors) and every worker derive the same value, and it is
+    part of the model name in every cache key, so that a LOOKUP finds only chunks its
+    engine's workers can load (the server's RETRIEVE refuses chunks of another geometry)."""
+
+    layout: str  # "mha" or "mla"
+    dtype: str  # the KV cache's: vLLM's --kv-cache-dtype (fp8 variants apart), else the model's
+    num_layers: int  # the model's, over every pipeline stage
+    pipeline_parallel_size: int  # how the layers are split between kv ranks
+    heads_per_rank: int  # KV heads in each rank's cache (1 under MLA)
+    head_size: int  # per head (under MLA: the latent vector's width)
+    block_size: int  # the server only moves chunks between caches of the same block size
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig) -> KVGeometry:
+        model_config = _model_config(vllm_config)
+        parallel_config = vllm_config.parallel_config
+        dtype = vllm_config.cache_config.cache_dtype
+        if dtype == "auto":
+            dtype = str(model_config.dtype).removeprefix("torch.")
+        return cls("mla" if model_config.use_mla else "mha", str(dtype),
+                   model_config.get_total_num_hidden_layers(),
+                   parallel_config.pipeline_parallel_size,
+                   model_config.get_num_kv_heads(parallel_config), model_config.get_head_size(),
+                   vllm_config.cache_config.block_size)
+
+    def key(self) -> str:
+        return (f"{self.layout}-{self.dtype}-L{self.num_layers}-pp{self.pipeline_parallel_size}"
+                f"-H{self.heads_per_rank}x{self.head_size}-B{self.block_size}")
+
+
+def _model_config(vllm_config: VllmConfig):
     if vllm_config.model_config is None:
-        raise ValueError("no model: vllm_config has no model_config; set "
-                         "kv_connector_extra_config['model']")
-    return vllm_config.model_config.model
+        raise ValueError("no model: vllm_config has no model_config")
+    return vllm_config.model_config
+
+
+def model_name(config: ConnectorConfig, vllm_config: VllmConfig) -> str:
+    """The model in every cache key of this engine, the scheduler's and the workers' alike:
+    the `model` option (else vLLM's model, path or name) with the KVGeometry appended. A
+    name too long for the protocol is replaced by its SHA-256."""
+    name = config.model or _model_config(vllm_config).model
+    suffix = "@" + KVGeometry.from_vllm(vllm_config).key()
+    if len(name) + len(suffix) > MAX_MODEL_CHARS:
+        name = "sha256:" + hashlib.sha256(name.encode()).hexdigest()
+    return name + suffix
 
 
 def engine_secret(config: ConnectorConfig, vllm_config: VllmConfig) -> str:

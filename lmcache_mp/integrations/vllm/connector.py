@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,11 +27,33 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+class _ToVllmHandlers(logging.Handler):
+    """Hands lmcache_mp's log records to the handlers vLLM configured on its own logger
+    (its format, its stream); the records also propagate as usual (not through `vllm`)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for handler in logging.getLogger("vllm").handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def follow_vllm_logging() -> None:
+    """Under vLLM the `lmcache_mp` logger has no handler of its own (vLLM configures only
+    `vllm`): our log lines go where vLLM's go, at vLLM's level unless one was set."""
+    ours = logging.getLogger("lmcache_mp")
+    if any(isinstance(h, _ToVllmHandlers) for h in ours.handlers):
+        return
+    ours.addHandler(_ToVllmHandlers())
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.getLogger("vllm").getEffectiveLevel())
+
+
 class LMCacheMPServerConnector(KVConnectorBase_V1):
     """vLLM's KV connector for lmcache-mp-server; vLLM builds one per process and role.
 
     Every hook says which process calls it and when. Scheduler hooks run on the engine
-    core's scheduling thread, once per step or per request, and never wait on the server.
+    core's scheduling thread, once per step or per request, and never wait on the server
+    longer than `lookup_wait` (a new request's LOOKUP reply, 2 ms by default).
     Worker hooks run in each worker process around every forward pass; only
     register_kv_caches (once, at start-up) and handle_preemptions (only while a preempted
     request's store is still being read) wait, each for a bounded time.
@@ -40,6 +63,7 @@ class LMCacheMPServerConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig | None = None):
         """Both processes, once, when vLLM builds the connector for its role."""
         super().__init__(vllm_config, role, kv_cache_config)
+        follow_vllm_logging()
         config = ConnectorConfig.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config)
         self._scheduler: SchedulerSide | None = None
@@ -68,8 +92,9 @@ class LMCacheMPServerConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        """Scheduler, each step, for each waiting request vLLM tries to admit; never blocks.
-        (None, False) while the lookup is in flight: vLLM asks again next step."""
+        """Scheduler, each step, for each waiting request vLLM tries to admit; waits at most
+        lookup_wait, for a new request's LOOKUP reply. (None, False) while the lookup is
+        still in flight after that: vLLM asks again next step."""
         return self._on_scheduler("get_num_new_matched_tokens").get_num_new_matched_tokens(
             request, num_computed_tokens)
 
@@ -97,7 +122,7 @@ class LMCacheMPServerConnector(KVConnectorBase_V1):
     def has_pending_block_frees(self) -> bool:
         """Scheduler, when it runs out of blocks, before preempting: True while finished
         requests' blocks wait for their stores (a step or two), so vLLM waits instead."""
-        return bool(self._on_scheduler("has_pending_block_frees").freeing)
+        return self._on_scheduler("has_pending_block_frees").has_pending_block_frees()
 
     # -- worker processes ------------------------------------------------------------------
 

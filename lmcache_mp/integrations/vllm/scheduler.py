@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING
+
+import msgpack
 
 from ...client.api import CacheClient
 from ...client.scheduler import SchedulerAdapter
-from ...client.tracker import ChunkLayout, RequestTracker, StepPlan
+from ...client.tracker import ChunkLayout, Phase, RequestTracker, StepPlan
 from ...protocol import MAX_REQUEST_ID_CHARS
 from .config import (ConnectorConfig, engine_secret, model_name, parallel_strategy,
                      server_salt, warn_if_loads_fail_requests)
@@ -23,8 +26,28 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def chunk_extra_keys(request: Request, num_chunks: int, chunk_size: int) -> list[bytes]:
+    """Per chunk, what its KV depends on besides its tokens, as vLLM's own prefix cache
+    keys its blocks: the LoRA adapter (name and path) in every chunk, and each image (or
+    other multimodal item) by its content hash (`identifier`) and its offset from the
+    chunk's start in every chunk its placeholder tokens overlap. b"" for a chunk without."""
+    lora = request.lora_request
+    lora_keys = [["lora", lora.lora_name, lora.lora_path or ""]] if lora else []
+    keys: list[bytes] = []
+    for index in range(num_chunks):
+        start, end = index * chunk_size, (index + 1) * chunk_size
+        chunk_keys = list(lora_keys)
+        for feature in request.mm_features:
+            offset, length = feature.mm_position.offset, feature.mm_position.length
+            if offset < end and start < offset + length:
+                chunk_keys.append(["mm", feature.identifier, offset - start, length])
+        keys.append(msgpack.packb(chunk_keys) if chunk_keys else b"")
+    return keys
+
+
 class SchedulerSide:
-    """The connector's scheduler role: one RequestTracker per request it looked up.
+    """The connector's scheduler role: one RequestTracker per request it looked up, which
+    holds everything known about the request (its Phase, blocks, hold, failed loads).
 
     vLLM admits a request in three hooks of one schedule() call: get_num_new_matched_tokens
     (our lookup; a hit makes vLLM load asynchronously), update_state_after_alloc (its
@@ -45,60 +68,60 @@ class SchedulerSide:
                                   engine=engine_secret(config, vllm_config))
         self.adapter = SchedulerAdapter(self.client, model_name(config, vllm_config),
                                         parallel_strategy(vllm_config, 0), config.chunk_size)
+        self.lookup_wait = config.lookup_wait
+        # every request looked up, until it ends (FREEING ones until their stores are read)
         self.trackers: dict[str, RequestTracker] = {}
         warn_if_loads_fail_requests(vllm_config)
-        self._allocated_for_load: list[str] = []  # loads to put in the next metadata
-        self._loading: set[str] = set()  # a load was sent; the workers have not reported it
-        self._stored: set[str] = set()  # stores were sent since the request's last lookup
-        self._no_store: set[str] = set()  # a load failed: what is computed is unknown
-        self._fail_blocks: dict[str, tuple[int, ...]] = {}  # loads no chunk can fill
-        self.freeing: set[str] = set()  # finished; vLLM frees the blocks once stores are read
         self._next = StepMetadata()  # what request_finished adds for the next step
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         """Scheduler, each step a waiting request is tried: sends its LOOKUP once (holding
-        what it finds), then answers from the reply. vLLM may ask many times before it
-        admits the request: the reply and its hold are kept, and every call answers from
-        them without sending anything, until update_state_after_alloc consumes them."""
+        what it finds) and waits up to lookup_wait for the reply, then answers from the
+        reply. vLLM may ask many times before it admits the request: the reply and its
+        hold are kept, and every call answers from them without sending anything, until
+        update_state_after_alloc consumes them."""
         tracker = self._tracker(request)
         if tracker is None:
             return 0, False
-        partial = num_computed_tokens % self.layout.block_size
-        num_computed_tokens -= partial  # vLLM 0.33 passes whole blocks
-        if not tracker.chunk_hashes:  # shorter than a chunk: no lookup
+        # vLLM 0.33 passes whole blocks (it drops a partial tail of its own when ours is longer)
+        num_computed_tokens -= num_computed_tokens % self.layout.block_size
+        asked = self.adapter.asked(request.request_id)
+        from_chunk = (tracker.lookup_from_chunk if asked
+                      else tracker.first_chunk_to_look_up(num_computed_tokens))
+        if not asked and (tracker.load_failed or from_chunk >= len(tracker.chunk_hashes)):
+            # A failed load is not offered again; and chunks the engine's own prefix cache
+            # covers entirely (or a prompt shorter than a chunk) need no LOOKUP, no hold.
             tracker.record_lookup(num_vllm_hit_tokens=num_computed_tokens,
-                                  num_lmcache_hit_chunks=0)
+                                  num_lmcache_hit_chunks=0, from_chunk=from_chunk)
             return 0, False
-        hit_tokens = self.adapter.lookup(request.request_id, tracker.token_ids,
-                                         tracker.cache_salt)
-        if hit_tokens is None:
+        hit = self.adapter.lookup_chunks(request.request_id, tracker.chunk_hashes[from_chunk:],
+                                         tracker.cache_salt, self.lookup_wait)
+        if hit is None:
             # If vLLM admits the request anyway (taking none of our tokens, e.g. a request
             # that skips prefix reads), update_state_after_alloc finds it a miss.
             tracker.record_lookup(num_vllm_hit_tokens=num_computed_tokens,
-                                  num_lmcache_hit_chunks=0)
+                                  num_lmcache_hit_chunks=0, from_chunk=from_chunk)
             return None, False
-        # Never load into a block vLLM half holds; the hold goes in update_state_after_alloc.
-        hit_chunks = 0 if partial else hit_tokens // self.layout.chunk_size
+        # The hold stays until update_state_after_alloc.
         to_load = tracker.record_lookup(num_vllm_hit_tokens=num_computed_tokens,
-                                        num_lmcache_hit_chunks=hit_chunks)
-        tracker.holds_lease = hit_tokens > 0  # until update_state_after_alloc
-        self._stored.discard(request.request_id)
-        self._no_store.discard(request.request_id)
+                                        num_lmcache_hit_chunks=hit, from_chunk=from_chunk)
         return to_load, to_load > 0
 
     def _tracker(self, request: Request) -> RequestTracker | None:
         """The request's tracker, made at its first lookup; None if it cannot be cached."""
         tracker = self.trackers.get(request.request_id)
         if tracker is not None:
-            return tracker
-        # Our keys are token ids only: KV that also depends on images or a LoRA adapter
-        # would be served to prompts that merely share the placeholder tokens.
-        if (request.prompt_token_ids is None or request.mm_features or request.lora_request
+            # A finished one waits for its stores: a new request reusing its id goes uncached.
+            return None if tracker.finished else tracker
+        # Prompt embeddings: the KV depends on them, not on the placeholder token ids.
+        if (request.prompt_token_ids is None or request.prompt_embeds is not None
                 or len(request.request_id) > MAX_REQUEST_ID_CHARS):
             return None
+        num_chunks = len(request.prompt_token_ids) // self.layout.chunk_size
         tracker = RequestTracker(request.request_id, request.prompt_token_ids, self.layout,
-                                 server_salt(request.cache_salt))
+                                 server_salt(request.cache_salt),
+                                 chunk_extra_keys(request, num_chunks, self.layout.chunk_size))
         self.trackers[request.request_id] = tracker
         return tracker
 
@@ -107,32 +130,30 @@ class SchedulerSide:
         """Scheduler, after allocation: records the blocks; a load is planned in the next
         build_connector_meta, for as many tokens as vLLM took of what we offered."""
         tracker = self.trackers.get(request.request_id)
-        if tracker is None:
+        if tracker is None or tracker.finished:
             return
         groups = blocks.get_block_ids()
         if len(groups) != 1:
             raise RuntimeError("lmcache-mp needs one KV cache group: start vLLM with "
                                "--disable-hybrid-kv-cache-manager")
         # The second call, once a load has landed, only brings the rest of the blocks.
-        first = tracker.awaiting_first_step and request.request_id not in self._allocated_for_load
+        first = tracker.phase is Phase.WAITING
         taken = None
-        if first and num_external_tokens == 0 and (
-                tracker.holds_lease or self.adapter.in_flight(request.request_id)):
+        if first and num_external_tokens == 0:
             # vLLM takes none of our hit (a request with prompt_logprobs skips prefix reads;
             # another connector loads; vLLM's own hit covers ours): no RETRIEVE will consume
             # the hold, so release it now, or when the LOOKUP still in flight is answered.
-            self.adapter.release(request.request_id, tracker.cache_salt)
-            tracker.holds_lease = False
+            held = tracker.drop_hold()
+            if held or self.adapter.in_flight(request.request_id):
+                self.adapter.release(request.request_id, tracker.cache_salt)
         if first:
             self.adapter.forget(request.request_id)  # a later lookup (preemption) asks anew
         if first and num_external_tokens != tracker.num_tokens_to_load:
             taken = self._take_what_vllm_took(tracker, num_external_tokens)
         tracker.allocate(groups[0][len(tracker.allocated_block_ids):])
-        if taken is not None and taken[1] > taken[0]:
-            self._fail_blocks[request.request_id] = tuple(
-                tracker.allocated_block_ids[taken[0]:taken[1]])
         if first and num_external_tokens > 0:
-            self._allocated_for_load.append(request.request_id)
+            unfillable = () if taken is None else tracker.allocated_block_ids[taken[0]:taken[1]]
+            tracker.plan_load(unfillable)
 
     def _take_what_vllm_took(self, tracker: RequestTracker, num_external_tokens: int
                              ) -> tuple[int, int]:
@@ -147,11 +168,13 @@ class SchedulerSide:
         logger.info("request %s: vLLM takes %d tokens of our hit, not %d", tracker.request_id,
                     num_external_tokens, tracker.num_tokens_to_load)
         loads = chunks * per_chunk > vllm_blocks
-        if tracker.holds_lease and not loads:  # no RETRIEVE will consume the lookup's hold
+        held = tracker.drop_hold()
+        if held and not loads:  # no RETRIEVE will consume the lookup's hold
             self.adapter.release(tracker.request_id, tracker.cache_salt)
+        from_chunk = tracker.lookup_from_chunk
         tracker.record_lookup(num_vllm_hit_tokens=vllm_blocks * block_size,
-                              num_lmcache_hit_chunks=chunks)
-        tracker.holds_lease = loads
+                              num_lmcache_hit_chunks=max(0, chunks - from_chunk),
+                              from_chunk=from_chunk, held=bool(held) and loads)
         return max(chunks * per_chunk, vllm_blocks), taken_blocks
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepMetadata:
@@ -159,23 +182,23 @@ class SchedulerSide:
         stores of every scheduled request (RequestTracker.plan_step), the holds to drop."""
         meta, self._next = self._next, StepMetadata()
         self.adapter.poll()  # holds of lookups dropped in flight, answered since
-        for request_id in self._allocated_for_load:
-            tracker = self.trackers.get(request_id)
-            if tracker is None:  # finished before its load was planned; handled there
-                continue
-            self._apply(tracker, tracker.plan_step(0), meta)
-        self._allocated_for_load = []
+        for tracker in self.trackers.values():
+            if tracker.phase is Phase.LOAD_PLANNED:  # vLLM waits for it: always reported
+                plan = tracker.plan_step(0)
+                item = plan.retrieve.transfer_item() if plan.retrieve is not None else None
+                meta.loads.append(LoadSpec(tracker.request_id, item, plan.unfillable_block_ids))
+                self._apply(tracker, replace(plan, retrieve=None), meta)
 
         for new in scheduler_output.scheduled_new_reqs:
             tracker = self.trackers.get(new.req_id)
-            if tracker is not None:
+            if tracker is not None and not tracker.finished:
                 self._apply(tracker, tracker.plan_step(
                     scheduler_output.num_scheduled_tokens[new.req_id]), meta)
 
         cached = scheduler_output.scheduled_cached_reqs
         for i, request_id in enumerate(cached.req_ids):
             tracker = self.trackers.get(request_id)
-            if tracker is None:
+            if tracker is None or tracker.finished:
                 continue
             # A resumed request's blocks all came through update_state_after_alloc.
             new_block_ids = cached.new_block_ids[i]
@@ -188,60 +211,58 @@ class SchedulerSide:
         return meta
 
     def _apply(self, tracker: RequestTracker, plan: StepPlan, meta: StepMetadata) -> None:
-        request_id = tracker.request_id
         if plan.retrieve is not None:
-            meta.loads.append(LoadSpec(request_id, plan.retrieve.transfer_item(),
-                                       self._fail_blocks.pop(request_id, ())))
-            self._loading.add(request_id)
-        elif request_id in self._fail_blocks:
-            meta.loads.append(LoadSpec(request_id, None, self._fail_blocks.pop(request_id)))
-            self._loading.add(request_id)
-        if plan.store is not None and request_id not in self._no_store:
+            meta.loads.append(LoadSpec(tracker.request_id, plan.retrieve.transfer_item(),
+                                       plan.unfillable_block_ids))
+        if plan.store is not None:
             meta.stores.append(plan.store.transfer_item())
-            self._stored.add(request_id)
         if plan.release is not None:
             self.adapter.release(plan.release.request_id, plan.release.cache_salt)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Scheduler, every step: loads and frees that finished on every rank, and loads
-        that failed (their requests store nothing more)."""
+        that failed (their requests store nothing more, and are offered nothing again)."""
         invalid = connector_output.invalid_block_ids or set()
         failed = connector_output.failed_recving or set()
-        for request_id in list(self._loading):
-            tracker = self.trackers.get(request_id)
-            if request_id in failed or (tracker is not None and invalid
-                                        and not invalid.isdisjoint(tracker.allocated_block_ids)):
+        landed = connector_output.finished_recving or set()
+        for request_id, tracker in self.trackers.items():
+            if tracker.phase is not Phase.LOADING:
+                continue
+            if request_id in failed or (invalid and not invalid.isdisjoint(
+                    tracker.allocated_block_ids)):
                 # vLLM recomputes from the last good block; our counts of what is computed
-                # no longer hold, so this request stores nothing more.
-                self._no_store.add(request_id)
-        self._loading -= connector_output.finished_recving or set()
-        self.freeing -= connector_output.finished_sending or set()
+                # no longer hold.
+                tracker.mark_load_failed()
+            if request_id in landed:
+                tracker.load_reported()
+        for request_id in connector_output.finished_sending or ():
+            tracker = self.trackers.get(request_id)
+            if tracker is not None and tracker.phase is Phase.FREEING:
+                tracker.stores_read()
+                del self.trackers[request_id]
+
+    def has_pending_block_frees(self) -> bool:
+        """Whether a finished request's blocks wait for its stores to be read."""
+        return any(t.phase is Phase.FREEING for t in self.trackers.values())
 
     def request_finished(self, request: Request) -> bool:
         """Scheduler, once per finished request: ends its session on the server (dropping
         any hold); True when its blocks must wait for its stores."""
         request_id = request.request_id
-        tracker = self.trackers.pop(request_id, None)
-        if tracker is None:
+        tracker = self.trackers.get(request_id)
+        if tracker is None or tracker.finished:
             return False
+        phase = tracker.phase
         tracker.finish()
         self.adapter.end_session(request_id, tracker.cache_salt)  # drops any hold it has
-        self._no_store.discard(request_id)
-        self._fail_blocks.pop(request_id, None)
-        if request_id in self._allocated_for_load:
+        if phase is Phase.LOAD_PLANNED:
             # vLLM waits for this request's load, which was never sent: report it at once.
-            self._allocated_for_load.remove(request_id)
             self._next.loads.append(LoadSpec(request_id, None))
-            self._stored.discard(request_id)
-            return False
-        if request_id in self._loading:  # vLLM frees the blocks when the load is reported
-            self._stored.discard(request_id)
-            return False
-        if request_id in self._stored:
-            self._stored.discard(request_id)
+        elif phase is not Phase.LOADING and tracker.phase is Phase.FREEING:
             self._next.await_stores.append(request_id)
-            self.freeing.add(request_id)
             return True
+        # (A loading request's blocks are freed when its load is reported.)
+        del self.trackers[request_id]
         return False
 
     def shutdown(self) -> None:
