@@ -10,6 +10,7 @@ import torch
 
 from ..errors import LMCacheMPError
 from ..runtime import default_url
+from . import vllm_ttft
 from .redis_peer import PeerUnavailable, check_redis_available
 from .report import render, to_json
 from .run import UNIFORM, WORKLOADS, BenchOptions, run
@@ -30,6 +31,11 @@ workloads:
                 realistic prefix sharing; hit rate against an unbounded cache's
   multi-tenant  two steady tenants and a flooder, without and with a quota on the
                 flooder: per-tenant hit rates per phase
+  engine        real vLLM engines (its CPU build, from .venv-engine: scripts/bootstrap
+                --vllm) on a spawned server: time to first token of a 1,500-token prompt
+                cold, loaded from the server, and from vLLM's own prefix cache (median of
+                --requests rounds, default 5; only --requests, --seed, --json, --timeout
+                apply); skipped, with the reason, where vLLM's CPU build is missing
 """
 
 EPILOG = """\
@@ -74,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmcache-mp-bench", description=DESCRIPTION, epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=WORKLOADS, default="W1",
+    parser.add_argument("--workload", choices=(*WORKLOADS, "engine"), default="W1",
                         help="what the engines prefill (default W1)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--spawn", action="store_true",
@@ -189,6 +195,8 @@ def log(message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.workload == "engine":
+        return engine_main(args)
     options = options_from(args, parser)
     torch.set_num_threads(1)
     try:
@@ -214,6 +222,24 @@ def main(argv: list[str] | None = None) -> int:
         draw(report, args.plot)
         log(f"wrote {args.plot}")
     return 0 if report.checks.ok else 1
+
+
+def engine_main(args: argparse.Namespace) -> int:
+    reason = vllm_ttft.skip_reason()
+    if reason is not None:
+        log(f"--workload engine skipped: {reason}")
+        return 0
+    try:
+        figures = vllm_ttft.measure(args.requests or 5, args.seed, args.timeout, log)
+    except (LMCacheMPError, RuntimeError, TimeoutError) as exc:
+        print(f"lmcache-mp-bench: the run failed: {exc}", file=sys.stderr)
+        return 3
+    print(f"\n## lmcache-mp-bench --workload engine\n\n{vllm_ttft.describe(figures)}\n")
+    print(vllm_ttft.render(figures))
+    if args.json is not None:
+        args.json.write_text(vllm_ttft.to_json(figures))
+        log(f"wrote {args.json}")
+    return 0 if figures.mismatches == 0 else 1
 
 
 if __name__ == "__main__":
