@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..errors import BadRequest
 from ..protocol import validate_salt
-from ..sizes import parse_size
+from ..sizes import exact_size, parse_size
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -63,6 +63,13 @@ def parse_quota_flag(text: str) -> tuple[str, Quota]:
     if not sep:
         raise QuotaError(f"expected SALT=CAP[:RESERVE], got {text!r}")
     return salt, parse_quota(spec)
+
+
+def format_quota_flag(pair: tuple[str, Quota]) -> str:
+    """What parse_quota_flag reads back as `pair`."""
+    salt, quota = pair
+    cap = UNLIMITED if quota.cap is None else exact_size(quota.cap)
+    return f"{salt}={cap}:{exact_size(quota.reserve)}" if quota.reserve else f"{salt}={cap}"
 
 
 def load_quota_file(path: str | Path) -> dict[str, Quota]:
