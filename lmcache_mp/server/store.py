@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -20,6 +21,8 @@ from .eviction import TenantLRUPolicy
 from .pool import ExtentAllocator, aligned
 from .quotas import Quota, QuotaBook
 
+POOL_FULL = "pool_full"  # evicted to make room for another chunk
+QUOTA_CAP = "quota_cap"  # evicted to keep its tenant under its cap
 
 class ChunkKey(NamedTuple):
     model: str
@@ -164,6 +167,8 @@ class ChunkStore:
         self._policies = {tier: TenantLRUPolicy(stamps) for tier in self.allocators}
         self._leases: dict[LeaseOwner, Lease] = {}
         self._pending = 0
+        # Why chunks were evicted: POOL_FULL (room for another chunk) or QUOTA_CAP.
+        self.evictions_by_cause: Counter[str] = Counter()
 
     # -- queries -----------------------------------------------------------------------
 
@@ -296,6 +301,7 @@ class ChunkStore:
         self._policies[GPU_TIER].remove(salt, victim.key)
         if cpu_offset is None:
             self._tenant(salt).evictions += 1
+            self.evictions_by_cause[POOL_FULL] += 1
             self._forget(victim)  # its GPU bytes pass to the new chunk as they are
             self.forget_if_idle(salt)
             return gpu_offset, None
@@ -343,7 +349,7 @@ class ChunkStore:
                       if (found := policy.oldest(cache_salt)) is not None]
             if not oldest:
                 return False
-            self._evict(self._chunks[min(oldest, key=lambda found: found[0])[1]])
+            self._evict(self._chunks[min(oldest, key=lambda found: found[0])[1]], QUOTA_CAP)
         return True
 
     def _used_by(self, cache_salt: str) -> int:
@@ -358,7 +364,7 @@ class ChunkStore:
             victim = self._policies[CPU_TIER].global_victim(self._may_evict)
             if victim is None:
                 return None
-            self._evict(self._chunks[victim[1]])
+            self._evict(self._chunks[victim[1]], POOL_FULL)
             offset = self.allocator.allocate(size)
         return offset
 
@@ -367,8 +373,9 @@ class ChunkStore:
         usage = self.tenants[cache_salt]
         return usage.bytes_used - self._chunks[key].footprint >= reserve
 
-    def _evict(self, chunk: Chunk) -> None:
+    def _evict(self, chunk: Chunk, cause: str) -> None:
         self._tenant(chunk.key.cache_salt).evictions += 1
+        self.evictions_by_cause[cause] += 1
         self._remove(chunk)
 
     def _remove(self, chunk: Chunk) -> None:
