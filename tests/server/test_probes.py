@@ -35,7 +35,7 @@ def poll(port: int, path: str, until, timeout: float = 60.0) -> list[tuple[int, 
 def test_not_ready_while_the_pool_faults_in():
     port = free_port()
     # A pool big enough that faulting it in takes a while after the server answers.
-    with run_server("--cpu-size", "6GiB", "--metrics-port", str(port)) as server, \
+    with run_server("--cpu-size", "2GiB", "--metrics-port", str(port)) as server, \
             server.client() as client:
         seen = poll(port, "/readyz", lambda status, body: status == 200)
         assert (503, "the pool is being faulted in\n") in seen, seen[:3]
