@@ -20,6 +20,7 @@ class LoopWatch:
         self.last_turn = clock()
 
     async def run(self) -> None:
+        self.last_turn = self.clock()  # start-up (CUDA, the pool) may have taken a while
         while True:
             due = self.clock() + BEAT_S
             await asyncio.sleep(BEAT_S)

@@ -7,6 +7,7 @@ import pytest
 
 from lmcache_mp.client import LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import BadRequest
+from lmcache_mp.server.exporter import OTHER, TenantLabels
 
 from ..utils import run_server
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
@@ -129,3 +130,13 @@ def test_unknown_paths_are_404_and_metrics_are_off_by_default():
     with run_server("--log-level", "info") as server, server.client() as client:
         assert client.stats().outcomes["HELLO"]["ok"] >= 1  # STATS counts without the port
         assert "serving on" in server.output() and "metrics on" not in server.output()
+
+
+def test_tenant_labels_are_keyed_stable_and_bounded():
+    labels = TenantLabels({"named": "alpha"}, b"admin-token-1", limit=2)
+    assert labels.assign(["a", "b", "c", "named"]) == {
+        "a": labels.digest("a"), "b": labels.digest("b"), "c": OTHER, "named": "alpha"}
+    # The same key labels a salt alike (across restarts); another key does not.
+    assert TenantLabels({}, b"admin-token-1", 2).digest("a") == labels.digest("a")
+    assert TenantLabels({}, b"admin-token-2", 2).digest("a") != labels.digest("a")
+    assert labels.assign(["c", "a"]) == {"c": labels.digest("c"), "a": labels.digest("a")}
