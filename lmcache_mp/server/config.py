@@ -18,8 +18,8 @@ from ..errors import BadRequest
 from ..protocol import MAX_CHUNKS_PER_MESSAGE, MAX_MESSAGE_BYTES, validate_salt
 from ..runtime import default_runtime_dir, ipc_url
 from ..sizes import exact_size, format_size, parse_size
-from .quotas import (Quota, QuotaBook, format_quota_flag, load_quota_file, parse_cap,
-                     parse_quota_flag, tomllib)
+from ..quota_spec import Quota, format_quota_flag, parse_cap, parse_quota_flag
+from .quotas import QuotaBook, load_quota_file, tomllib
 
 ENV_PREFIX = "LMCACHE_MP_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
