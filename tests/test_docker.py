@@ -68,6 +68,12 @@ def test_dockerfile_builds_gpu_cpu_and_vllm_images_as_a_non_root_user():
         (check,) = [line for line in lines if line.startswith("HEALTHCHECK")]
         assert "/healthz" in check and "LMCACHE_MP_METRICS_PORT" in check
         assert "LMCACHE_MP_METRICS_HOST=0.0.0.0" in " ".join(lines)
+    # The build context (the repository root) sends only what the COPY lines take.
+    allowed = {line[1:] for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.startswith("!")}
+    copied = {source for lines in built.values() for line in lines if line.startswith("COPY ")
+              for source in line.split()[1:-1]}
+    assert copied == allowed, (copied, allowed)
     gpu = " ".join(built["gpu"])
     assert "whl/cu12" in gpu and "[cuda]" in gpu  # torch and cupy for the same CUDA major
     assert "whl/cpu" in " ".join(built["cpu"])
