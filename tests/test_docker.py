@@ -130,8 +130,6 @@ def test_kubernetes_daemonset_and_vllm_share_the_runtime_directory(tmp_path):
     config_file = tmp_path / "server.toml"
     config_file.write_text(config_map["data"]["server.toml"])
     options = read_config_file(str(config_file))
-    assert options["metrics_port"] == port["containerPort"]
-    assert options["metrics_host"] == "0.0.0.0"
     assert server["args"][server["args"].index("--config") + 1].startswith("/etc/lmcache-mp/")
     assert spec["terminationGracePeriodSeconds"] > options.get("shutdown_timeout",
                                                                Config.shutdown_timeout)
@@ -142,6 +140,9 @@ def test_kubernetes_daemonset_and_vllm_share_the_runtime_directory(tmp_path):
     assert host_paths == {"/run/lmcache-mp"}
     env = {e["name"]: e["value"] for e in server["env"]}
     assert env["LMCACHE_MP_RUNTIME_DIR"] == "/run/lmcache-mp"
+    # The environment wins over the config file: the port probed and scraped is this one.
+    assert int(env["LMCACHE_MP_METRICS_PORT"]) == port["containerPort"]
+    assert env["LMCACHE_MP_METRICS_HOST"] == "0.0.0.0"
     (vllm,) = deployment["spec"]["template"]["spec"]["containers"]
     assert {e["name"]: e["value"] for e in vllm["env"]}["LMCACHE_MP_RUNTIME_DIR"] == \
         "/run/lmcache-mp"
