@@ -39,7 +39,7 @@ from lmcache_mp.client import (
 )
 from lmcache_mp.client.cuda import StoreEvent, cuda_ipc_handles
 from lmcache_mp.protocol import RetrieveRequest, StoreRequest
-from lmcache_mp.server.spawn import ServerProcess
+from lmcache_mp.spawn import ServerProcess
 
 CHUNK, BLOCK = 256, 16
 PER_CHUNK = CHUNK // BLOCK

@@ -8,7 +8,7 @@ import sys
 from .client import CacheClient
 from .errors import LMCacheMPError
 from .protocol import QuotaInfo
-from .server.quotas import QuotaError, parse_quota
+from .quota_spec import QuotaError, parse_quota
 from .sizes import format_size
 
 

@@ -417,6 +417,16 @@ class InstanceStats:
 
 
 @dataclass
+class Histogram:
+    """Observations in seconds: counts[i] fell in (bounds[i-1], bounds[i]]; the last count,
+    above every bound."""
+
+    bounds: list[float]
+    counts: list[int]
+    total: float  # the sum of the observations
+
+
+@dataclass
 class StatsReply:
     chunks: int
     bytes_used: int
@@ -436,6 +446,15 @@ class StatsReply:
     cpu_seconds: float = 0.0  # the server process's user + system CPU time since start
     peak_rss_bytes: int = 0  # the server process's peak resident set size
     pinned_bytes: int = 0  # bytes of the CPU pool pinned for GPU copies so far
+    # op name -> outcome ("ok", or the error code replied) -> requests answered
+    outcomes: dict[str, dict[str, int]] = field(default_factory=dict)
+    latency: dict[str, Histogram] = field(default_factory=dict)  # op name -> seconds to reply
+    copy_time: dict[str, Histogram] = field(default_factory=dict)  # "store"/"retrieve" copies
+    bytes_stored: int = 0  # bytes of chunks STORE placed in the cache
+    bytes_retrieved: int = 0  # bytes RETRIEVE copied into KV caches
+    evictions_by_cause: dict[str, int] = field(default_factory=dict)  # see docs/operations.md
+    clients: int = 0  # connections with a session (said HELLO, not yet expired)
+    loop_lag_seconds: float = 0.0  # how late the event loop last woke for a timer
 
 
 @dataclass

@@ -72,7 +72,7 @@ from lmcache_mp.protocol import LIMITS, MAX_KV_WORLD_SIZE, MAX_LAYERS, MAX_REQUE
 from lmcache_mp.server.config import Config
 from lmcache_mp.server.pool import ALIGNMENT, aligned
 from lmcache_mp.server.registry import DTYPES
-from lmcache_mp.server.spawn import ServerProcess
+from lmcache_mp.spawn import ServerProcess
 
 from .utils import run_server
 from .workers import MLA, chunk_blocks, expected_blocks, make_cache, prompt

@@ -7,7 +7,7 @@ import os
 import uuid
 from collections.abc import Iterator
 
-from lmcache_mp.server.spawn import ServerProcess
+from lmcache_mp.spawn import ServerProcess
 
 
 def ipc_url() -> str:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from .. import __version__
 from ..client import CacheClient
 from ..protocol import StatsReply
-from ..server.spawn import ServerProcess
+from ..spawn import ServerProcess
 from ..sizes import format_size
 from .bounds import EchoProcess, LookupFigures, copy_bound_gbs, measure_lookups
 from .engine import Engine, EngineSetup

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..client import CacheClient
-from ..server.spawn import ServerProcess
+from ..spawn import ServerProcess
 from .vllm_engine import (BLOCK_SIZE, ENGINE_ENV, EngineProcess, EngineSettings, Prompt,
                           TinyLlama, engine_python, write_model_with)
 

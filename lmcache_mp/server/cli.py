@@ -1,28 +1,31 @@
-"""The `lmcache-mp-server` command: parse options into a Config, set up logging, run the Server.
+"""The server's command line: parse options into a Config, set up logging, run the Server.
 
-`lmcache-mp-server quota ...` is the admin command instead (lmcache_mp.admin).
+`--print-config` prints the effective options as a config file instead of serving. The
+`lmcache-mp-server` command (lmcache_mp.cli) sends `quota ...` to the admin command instead.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
-from .. import admin
 from .access import AccessError
-from .config import Config
+from .config import Config, build_parser
+from .logs import configure_logging
 from .quotas import QuotaError
 from .server import Server
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["quota"]:
-        return admin.main(argv[1:])
-    config = Config.from_args(argv)
-    logging.basicConfig(
-        level=config.log_level.upper(), stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    config = Config.from_namespace(args, os.environ, parser)
+    if args.print_config:
+        sys.stdout.write(config.to_toml())
+        return 0
+    configure_logging(config.log_level, config.log_format)
+    logging.getLogger("lmcache_mp.server").info("configuration: %s", config.log_line())
     try:
         Server(config).run()
     except QuotaError as exc:

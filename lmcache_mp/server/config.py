@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import grp
 import ipaddress
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,10 +17,12 @@ import torch
 from ..errors import BadRequest
 from ..protocol import MAX_CHUNKS_PER_MESSAGE, MAX_MESSAGE_BYTES, validate_salt
 from ..runtime import default_runtime_dir, ipc_url
-from ..sizes import format_size, parse_size
-from .quotas import Quota, QuotaBook, load_quota_file, parse_cap, parse_quota_flag
+from ..sizes import exact_size, format_size, parse_size
+from ..quota_spec import Quota, format_quota_flag, parse_cap, parse_quota_flag
+from .quotas import QuotaBook, load_quota_file, tomllib
 
 ENV_PREFIX = "LMCACHE_MP_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
 
 def default_cpu_size() -> int:
     """A fifth of physical memory, capped at 32 GiB, floored at 256 MiB."""
@@ -40,7 +43,37 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
+def _not_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value < 0:
+            raise ValueError(f"must not be negative, got {text!r}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text.lower() not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return text.lower()
+    parse.__name__ = "choice"
+    return parse
+
+
+def parse_tenant_label(text: str) -> tuple[str, str]:
+    """`SALT=NAME` as given to --tenant-label: NAME labels the salt's metrics."""
+    salt, sep, name = text.rpartition("=")
+    if not sep or not name or not name.replace("-", "").replace("_", "").isalnum() \
+            or len(name) > 32 or name == "other":
+        raise ValueError(f"expected SALT=NAME with NAME of at most 32 letters, digits, - "
+                         f"or _ (and not `other`), got {text!r}")
+    return salt, name
+
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
 
 
 def _beyond_loopback(url: str) -> bool:
@@ -64,9 +97,15 @@ def _log_level(text: str) -> str:
 
 def option(default: Any, help: str, parse: Callable[[str], Any], metavar: str | None = None,
            default_factory: Callable[[], Any] | None = None, repeat: bool = False,
-           shown: str | None = None) -> Any:
-    """A Config field; `repeat` makes a list of values (the env var separates them by spaces)."""
-    meta = {"help": help, "parse": parse, "metavar": metavar, "repeat": repeat, "shown": shown}
+           shown: str | None = None, text: Callable[[Any], str] = str,
+           redact: Callable[[Any], str] | None = None) -> Any:
+    """A Config field; `repeat` makes a list of values (the env var separates them by spaces).
+
+    `text` writes one value back as `parse` reads it (for --print-config and the config
+    file); `redact` writes it for the start-up log, leaving out what scrapers of logs must
+    not learn (salts)."""
+    meta = {"help": help, "parse": parse, "metavar": metavar, "repeat": repeat, "shown": shown,
+            "text": text, "redact": redact}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -102,11 +141,12 @@ class Config:
     chunk_size: int = option(256, "tokens per chunk; engines' block sizes must divide it",
                              _positive(int), "TOKENS")
     cpu_size: int = option(None, "CPU pool size, e.g. 4GiB; default: a fifth of RAM, "
-                           "at most 32GiB", parse_size, "SIZE", default_factory=default_cpu_size)
+                           "at most 32GiB", parse_size, "SIZE", default_factory=default_cpu_size,
+                           text=exact_size)
     gpu_size: int = option(0, "GPU tier in the memory of the server's first GPU, e.g. 8GiB: "
                            "chunks stored from KV caches on that GPU stay there and move to the "
                            "CPU pool when it is full; quotas count both tiers; 0 turns it off; "
-                           "needs CUDA", parse_size, "SIZE")
+                           "needs CUDA", parse_size, "SIZE", text=exact_size)
     lease_timeout: float = option(60.0, "seconds a LOOKUP hold keeps chunks from eviction "
                                   "unless RETRIEVE or RELEASE comes first", _positive(float), "SEC")
     worker_timeout: float = option(30.0, "seconds without any message from a registered "
@@ -116,7 +156,7 @@ class Config:
                                _positive(int), "N")
     max_message_bytes: int = option(MAX_MESSAGE_BYTES, "largest request accepted; ZeroMQ drops "
                                     "the connection of a client that sends a larger one",
-                                    parse_size, "SIZE")
+                                    parse_size, "SIZE", text=exact_size)
     max_chunks_per_message: int = option(MAX_CHUNKS_PER_MESSAGE, "most chunks one LOOKUP, "
                                          "STORE or RETRIEVE may name, at most "
                                          f"{MAX_CHUNKS_PER_MESSAGE}", _positive(int), "N")
@@ -124,13 +164,35 @@ class Config:
                                      "in-flight requests before failing them",
                                      _positive(float), "SEC")
     log_level: str = option("info", f"one of {', '.join(LOG_LEVELS)}", _log_level, "LEVEL")
+    log_format: str = option("text", "text: one readable line per event; json: one JSON object "
+                             "per line (time, level, logger, message, and request_id, op, "
+                             "client, outcome where a request is concerned)",
+                             _choice(*LOG_FORMATS), "FORMAT")
+    metrics_port: int = option(0, "HTTP port for Prometheus /metrics and the /healthz and "
+                               "/readyz probes; 0 turns the HTTP endpoint off",
+                               _not_negative(int), "PORT", shown="0: off")
+    metrics_host: str = option("127.0.0.1", "address the metrics HTTP endpoint binds; "
+                               "0.0.0.0 in a container, so that probes and Prometheus reach it",
+                               str, "ADDR")
+    metrics_tenants: int = option(20, "most tenants (salts) with metrics of their own, besides "
+                                  "those named by --tenant-label; later ones add up in the "
+                                  "tenant `other`", _not_negative(int), "N")
+    tenant_label: list[tuple[str, str]] = option(
+        None, "SALT=NAME: the tenant label of a salt's metrics; unnamed salts are labelled by "
+        "a short keyed digest (never the salt); repeat the flag for more salts",
+        parse_tenant_label, "SALT=NAME", default_factory=list, repeat=True, shown="none",
+        text=lambda pair: f"{pair[0]}={pair[1]}", redact=lambda pair: f"<salt>={pair[1]}")
+    loop_stall_timeout: float = option(5.0, "seconds the event loop may go without turning "
+                                       "before /healthz answers 503", _positive(float), "SEC")
     default_quota: int | None = option(None, "cap for every cache_salt without a quota of its "
                                        "own: a size, or unlimited", parse_cap, "CAP",
-                                       shown="unlimited")
+                                       shown="unlimited", text=exact_size)
     quota: list[tuple[str, Quota]] = option(
         None, "one tenant's quota: SALT=CAP[:RESERVE], e.g. team-a=2GiB:512MiB or =1GiB for "
         "the empty salt; CAP may be unlimited; repeat the flag for more salts", parse_quota_flag,
-        "SALT=CAP[:RESERVE]", default_factory=list, repeat=True, shown="none")
+        "SALT=CAP[:RESERVE]", default_factory=list, repeat=True, shown="none",
+        text=format_quota_flag, redact=lambda pair: "<salt>=" + format_quota_flag(pair)
+        .rpartition("=")[2])
     quota_file: str | None = option(None, "TOML file of quotas, read at start-up and again on "
                                     "SIGHUP: a [quotas] table of \"SALT\" = \"CAP[:RESERVE]\"; "
                                     "it overrides --quota for the salts it names", str, "PATH")
@@ -172,11 +234,12 @@ class Config:
             raise ValueError("--gpu-size needs CUDA, and this server has none: leave it at 0")
         if not self.bind_url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"--url must start with tcp:// or ipc://, got {self.bind_url!r}")
-        for salt, _ in self.quota:
-            try:
-                validate_salt(salt, "--quota")
-            except BadRequest as exc:
-                raise ValueError(str(exc)) from None
+        for flag, pairs in (("--quota", self.quota), ("--tenant-label", self.tenant_label)):
+            for salt, _ in pairs:
+                try:
+                    validate_salt(salt, flag)
+                except BadRequest as exc:
+                    raise ValueError(str(exc)) from None
 
     def quota_book(self, capacity: int) -> QuotaBook:
         """The quotas from --default-quota, --quota and --quota-file; raises QuotaError."""
@@ -192,7 +255,13 @@ class Config:
     @classmethod
     def from_namespace(cls, args: argparse.Namespace, env: Any,
                        parser: argparse.ArgumentParser) -> Config:
-        """Flags win over LMCACHE_MP_* environment variables, which win over defaults."""
+        """Flags win over LMCACHE_MP_* environment variables, which win over the --config
+        file, which wins over defaults; any bad value exits naming where it came from."""
+        config_path = getattr(args, "config", None) or env.get(CONFIG_ENV)
+        try:
+            from_file = read_config_file(config_path) if config_path else {}
+        except ValueError as exc:
+            parser.error(str(exc))
         values = {}
         for f in dataclasses.fields(cls):
             env_name = ENV_PREFIX + f.name.upper()
@@ -205,12 +274,92 @@ class Config:
                                       if f.metadata["repeat"] else parse(env[env_name]))
                 except ValueError as exc:
                     parser.error(f"{env_name}={env[env_name]!r}: {exc}")
+            elif f.name in from_file:
+                values[f.name] = from_file[f.name]
         config = cls(**values)
         try:
             config.validate()
         except ValueError as exc:
             parser.error(str(exc))
         return config
+
+    def items(self, redacted: bool = False) -> list[tuple[str, Any]]:
+        """(name, value) per option as the config file writes it: strings, numbers, lists of
+        strings, None for unset; `redacted` leaves salts out (for logs)."""
+        shown = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            text = (f.metadata["redact"] if redacted and f.metadata["redact"]
+                    else f.metadata["text"])
+            if value is None:
+                shown.append((f.name, None))
+            elif f.metadata["repeat"]:
+                shown.append((f.name, [text(v) for v in value]))
+            elif isinstance(value, (int, float)) and text is str:
+                shown.append((f.name, value))
+            else:
+                written = text(value)
+                shown.append((f.name, int(written) if written.isdigit() else written))
+        return shown
+
+    def to_toml(self) -> str:
+        """The effective configuration as a --config file that reads back as this Config."""
+        lines = ["# lmcache-mp-server configuration (--config); every key is a flag's name "
+                 "with - written _"]
+        for name, value in self.items():
+            if value is None:
+                lines.append(f"# {name} is unset")
+            else:
+                lines.append(f"{name} = {_toml_value(value)}")
+        return "\n".join(lines) + "\n"
+
+    def log_line(self) -> str:
+        """The effective configuration in one line, salts left out."""
+        return " ".join(f"{name}={json.dumps(value)}" for name, value in self.items(True))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """A --config TOML file's options, parsed as their flags are; raises ValueError naming
+    the file and the key that is unknown or bad."""
+    try:
+        with open(path, "rb") as file:
+            data = tomllib.load(file)
+    except OSError as exc:
+        raise ValueError(f"config file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {path}: not TOML: {exc}") from None
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    values = {}
+    for key, raw in data.items():
+        f = fields.get(key)
+        if f is None:
+            raise ValueError(f"config file {path}: unknown key {key!r}; the keys are the flags' "
+                             f"names with - written _ (see --print-config)")
+        parse = f.metadata["parse"]
+        try:
+            if f.metadata["repeat"]:
+                if not isinstance(raw, list):
+                    raise ValueError(f"expected a list of strings, got {type(raw).__name__}")
+                values[key] = [parse(_scalar_text(item)) for item in raw]
+            else:
+                values[key] = parse(_scalar_text(raw))
+        except ValueError as exc:
+            raise ValueError(f"config file {path}: key {key!r}: {exc}") from None
+    return values
+
+
+def _scalar_text(raw: Any) -> str:
+    if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
+        raise ValueError(f"expected a string or a number, got {type(raw).__name__}")
+    return str(raw)
 
 
 def _flag(name: str) -> str:
@@ -237,7 +386,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             _flag(f.name), dest=f.name, default=argparse.SUPPRESS, metavar=f.metadata["metavar"],
             type=_argparse_type(f.metadata["parse"]),
             action="append" if f.metadata["repeat"] else "store",
-            help=f"{f.metadata['help']} (default: {shown}; env {ENV_PREFIX}{f.name.upper()})")
+            help=f"{f.metadata['help']} (default: {shown}; env {ENV_PREFIX}{f.name.upper()}; "
+                 f"config key {f.name})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -251,5 +401,12 @@ def build_parser() -> argparse.ArgumentParser:
                "SIGINT/SIGTERM drain in-flight requests and exit 0; a second signal exits at "
                "once. SIGHUP reloads --quota-file. `lmcache-mp-server quota --help` shows the "
                "admin command that edits quotas of a running server.")
+    parser.add_argument("--config", metavar="PATH", default=argparse.SUPPRESS,
+                        help="TOML file of options, keyed by the flags' names with - written _ "
+                             "(e.g. cpu_size = \"8GiB\"); flags and environment variables "
+                             f"override it; unknown keys and bad values stop the start-up "
+                             f"(env {CONFIG_ENV})")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the effective configuration as a --config file and exit")
     add_config_arguments(parser)
     return parser

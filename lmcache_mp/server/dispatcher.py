@@ -68,6 +68,7 @@ from ..protocol import (
 from .access import Session, Sessions
 from .config import Config
 from .copy_engine import CopyEngine, DeadlinePassed
+from .metrics import ServerMetrics
 from .pool import CpuPool, DevicePool
 from .quotas import Quota, QuotaError, load_quota_file
 from .registry import DTYPES, KVCacheInstance, Registry
@@ -164,12 +165,15 @@ class Dispatcher:
     def __init__(self, config: Config, store: ChunkStore, pool: CpuPool, registry: Registry,
                  copy_engine: CopyEngine, sessions: Sessions, fd_socket: str,
                  push: Callable[[bytes, Any], None],
-                 copier: StreamCopier | None = None, gpu_pool: DevicePool | None = None):
+                 copier: StreamCopier | None = None, gpu_pool: DevicePool | None = None,
+                 metrics: ServerMetrics | None = None):
         """`sessions`: who said HELLO, and may do what; `fd_socket`: the fd channel's path,
         told in HELLO replies;
         `push(client, message)` sends a message the client did not ask for (MLA loads);
         `copier` runs the copies of caches registered on a GPU (None without CUDA);
-        `gpu_pool` is the GPU tier (--gpu-size), whose chunks the store places."""
+        `gpu_pool` is the GPU tier (--gpu-size), whose chunks the store places;
+        `metrics` counts bytes and copy times, and keeps what STATS reports of replies."""
+        self.metrics = metrics or ServerMetrics()
         self.push = push
         self.copier = copier
         self.gpu_pool = gpu_pool
@@ -396,6 +400,7 @@ class Dispatcher:
             jobs: list = []
             await self._each(pending, lambda p: (transfers[p[0]].block_ids[p[1]],
                                                  self._chunk_tensor(p[2], instance)), jobs)
+            copy_started = time.perf_counter()
             if instance.lane is not None:
                 moves = [(self._chunk_bytes(d.chunk), self.gpu_pool.view(d.gpu_offset,
                                                                           d.chunk.nbytes))
@@ -404,6 +409,7 @@ class Dispatcher:
             else:
                 errors = await self.copy_engine.run([partial(instance.gather, ids, out)
                                                      for ids, out in jobs], deadline)
+            self.metrics.copied("store", time.perf_counter() - copy_started)
         except DeviceStalled as stall:
             # The device may still write into those chunks; when it is done, demotions landed.
             stall.after(partial(abort_all, True))
@@ -436,6 +442,8 @@ class Dispatcher:
         for (i, c, _), stays in zip(copied, kept):
             if not stays:  # the copy of the chunk before it failed: no lookup could reach it
                 statuses[i][c] = StoreStatus.NO_PREFIX
+        self.metrics.bytes_stored += sum(chunk.nbytes for (_, _, chunk), stays
+                                         in zip(copied, kept) if stays)
         return StoreReply([bytes(s) for s in statuses])
 
     def retrieve_chunks(self, session: Session, req: RetrieveRequest
@@ -475,6 +483,7 @@ class Dispatcher:
             await self._each(flat, lambda f: (f[0].block_ids[f[1]],
                                               self._chunk_tensor(f[2], leader), f[0].skips[f[1]]),
                              jobs)
+            copy_started = time.perf_counter()
             if leader.lane is not None:
                 per_target = await self.copier.retrieve(targets, jobs, deadline)
                 outcomes = [error for errors in per_target for error in errors]
@@ -482,6 +491,7 @@ class Dispatcher:
                 outcomes = await self.copy_engine.run(
                     [partial(target.scatter, *job) for target in targets for job in jobs],
                     deadline)
+            self.metrics.copied("retrieve", time.perf_counter() - copy_started)
         except DeviceStalled as stall:
             stall.after(unhold)  # the device may still read those chunks
             stall.after(unpin)
@@ -496,6 +506,8 @@ class Dispatcher:
         errors = iter(outcomes)
         landed = {target.instance_id: [_leading_successes(errors, len(chunks)) for chunks in held]
                   for target in targets}
+        self.metrics.bytes_retrieved += geometry.chunk_bytes * sum(
+            sum(counts) for counts in landed.values())
         for t in transfers:
             self.store.release(t.owner, leader.kv_worker_id)
         for follower in targets[1:]:
@@ -522,9 +534,12 @@ class Dispatcher:
     def stats(self, session: Session, req: StatsRequest) -> StatsReply:
         """Aggregates for everyone; per-tenant figures and every registration for admins
         only: an engine sees its own engine's registrations and never a salt."""
+        return self.snapshot(session.role == ROLE_ADMIN, session.engine)
+
+    def snapshot(self, admin: bool = True, engine: str | None = None) -> StatsReply:
+        """STATS as an admin (or, with `admin` false, as `engine`) sees it."""
         store = self.store
         rusage = resource.getrusage(resource.RUSAGE_SELF)  # ru_maxrss is in KiB on Linux
-        admin = session.role == ROLE_ADMIN
         tenants = {}
         for salt in {*store.tenants, *store.quotas.configured()} if admin else ():
             usage, quota = store.tenants.get(salt), store.quotas.get(salt)
@@ -541,11 +556,15 @@ class Dispatcher:
             prefault_done=self.pool.prefault_done.is_set(), tenants=tenants,
             instances=[InstanceStats(i.instance_id, i.model, i.kv_world_size, i.kv_worker_id,
                                      i.tp_rank, i.stores, i.retrieves, i.loads_pushed)
-                       for i in self.registry.instances() if admin or i.engine == session.engine],
+                       for i in self.registry.instances() if admin or i.engine == engine],
             gpu_capacity_bytes=self.gpu_pool.capacity if self.gpu_pool is not None else 0,
             gpu_bytes_used=self.gpu_pool.allocator.used if self.gpu_pool is not None else 0,
             cpu_seconds=rusage.ru_utime + rusage.ru_stime, peak_rss_bytes=rusage.ru_maxrss * 1024,
-            pinned_bytes=self.pool.pinned_bytes)
+            pinned_bytes=self.pool.pinned_bytes, outcomes=self.metrics.outcomes(),
+            latency=self.metrics.latency(), copy_time=self.metrics.copy_time(),
+            bytes_stored=self.metrics.bytes_stored, bytes_retrieved=self.metrics.bytes_retrieved,
+            evictions_by_cause=dict(store.evictions_by_cause), clients=len(self.sessions),
+            loop_lag_seconds=self.metrics.loop_lag)
 
     # -- quotas ----------------------------------------------------------------------------
 

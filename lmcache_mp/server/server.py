@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import errno
 import gc
 import inspect
@@ -29,7 +30,11 @@ from .copy_engine import CopyEngine
 from .cuda_ipc import CudaIpcSupport, SharedAllocations
 from .device import CudaDevice
 from .dispatcher import Dispatcher
+from .exporter import TenantLabels, exposition
 from .fd_channel import FdChannel
+from .http_endpoint import HttpEndpoint, Unavailable
+from .loop_watch import LoopWatch
+from .metrics import OK, ServerMetrics
 from .pool import CpuPool, CudaPinner, DevicePool
 from .quotas import QuotaError
 from .registry import Registry
@@ -48,6 +53,16 @@ _GPU_COPY_TIMEOUT_S = 60.0  # one request's device work; a GPU that takes longer
 class _InFlight:
     client: bytes
     request_id: int
+    op: str
+    started: float  # time.perf_counter() when it arrived
+
+
+def _op_of(body: list[bytes]) -> str:
+    """The op a request names, or `invalid` (a metrics label: never what a client wrote)."""
+    try:
+        return protocol.parse_request_frames(body).op
+    except Exception:
+        return "invalid"
 
 
 class Server:
@@ -73,6 +88,12 @@ class Server:
         self._backlog: dict[bytes, deque[list[bytes]]] = {}
         self._backlog_bytes: dict[bytes, int] = {}
         self._backlog_retry: asyncio.TimerHandle | None = None
+        self.metrics = ServerMetrics()
+        self._loop_watch = LoopWatch(self.metrics)
+        self._loop_watch_task: asyncio.Task | None = None
+        self._http: HttpEndpoint | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._label_key = b""  # keys the tenant labels' digests: the admin token
 
     def run(self) -> None:
         uvloop.run(self.serve())
@@ -126,6 +147,7 @@ class Server:
         path_socket = (config.bind_url.startswith("ipc://")
                        and not config.bind_url.startswith("ipc://@"))
         sessions = Sessions(engine_token, admin_token, token_required=not path_socket)
+        self._label_key = admin_token.encode()
         channel = FdChannel(str(directory / runtime.FD_SOCKET_NAME),
                             0o660 if gid is not None else 0o600, gid)
         return sessions, channel
@@ -157,7 +179,8 @@ class Server:
         self._copy_engine = CopyEngine(config.copy_threads)
         self.dispatcher = Dispatcher(config, store, self._pool, registry, self._copy_engine,
                                      self._sessions, self._fd_channel.path, push=self._push,
-                                     copier=self._copier, gpu_pool=gpu_pool)
+                                     copier=self._copier, gpu_pool=gpu_pool,
+                                     metrics=self.metrics)
         self._exit_requested = asyncio.Event()
         loop = asyncio.get_running_loop()
         self._fd_channel.start(loop)
@@ -181,6 +204,10 @@ class Server:
         # more than a whole LOOKUP.
         loop.add_reader(self._socket.FD, self._drain)
         self._housekeeping = asyncio.create_task(self._housekeeping_loop())
+        self._loop = loop
+        self._loop_watch_task = asyncio.create_task(self._loop_watch.run())
+        if config.metrics_port:
+            self._http = self._open_http_endpoint()
         # Everything built so far (torch's modules above all) lives as long as the process:
         # out of the collector's sight, a full collection costs ~0.2 ms instead of ~100 ms,
         # which a request allocating a few thousand keys would otherwise trigger.
@@ -199,6 +226,54 @@ class Server:
                            "engine token can use the cache; keep the token file private",
                            config.bind_url)
 
+    def _open_http_endpoint(self) -> HttpEndpoint:
+        config = self.config
+        labels = TenantLabels(dict(config.tenant_label), self._label_key, config.metrics_tenants)
+        try:
+            endpoint = HttpEndpoint(config.metrics_host, config.metrics_port,
+                                    exposition(self._snapshot_from_loop, labels),
+                                    self._loop_problem, self._unready_reason)
+        except OSError as exc:
+            raise OSError(exc.errno, f"metrics endpoint {config.metrics_host}:"
+                                     f"{config.metrics_port}: {exc.strerror}") from None
+        endpoint.start()
+        logger.info("metrics on http://%s:%d/metrics, probes /healthz and /readyz",
+                    *endpoint.address)
+        return endpoint
+
+    def _snapshot_from_loop(self) -> protocol.StatsReply:
+        """STATS as an admin sees it, built on the loop (called from the HTTP thread)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def build() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self.dispatcher.snapshot())
+                except Exception as exc:
+                    future.set_exception(exc)
+        try:
+            self._loop.call_soon_threadsafe(build)
+            return future.result(timeout=self.config.loop_stall_timeout)
+        except (RuntimeError, concurrent.futures.TimeoutError):  # the loop is closed or stuck
+            future.cancel()
+            raise Unavailable(f"the event loop did not answer in "
+                              f"{self.config.loop_stall_timeout:g} s") from None
+
+    def _loop_problem(self) -> str | None:
+        """For /healthz: whether the loop turns."""
+        stalled = self._loop_watch.stalled_for()
+        if stalled > self.config.loop_stall_timeout:
+            return f"the event loop has not turned for {stalled:.1f} s"
+        return None
+
+    def _unready_reason(self) -> str | None:
+        """For /readyz: whether new requests are welcome."""
+        if self.should_exit:
+            return "shutting down"
+        if not self._pool.prefault_done.is_set():
+            return "the pool is being faulted in"
+        return None
+
     async def main_loop(self) -> None:
         await self._exit_requested.wait()
 
@@ -213,10 +288,13 @@ class Server:
         asyncio.get_running_loop().call_soon(self._drain)
 
     def _dispatch(self, frames: list[bytes]) -> None:
+        started = time.perf_counter()
         client, body = frames[0], frames[1:]
         request_id = protocol.request_id_of(body)
+        op = "invalid"
         try:
             parsed = protocol.parse_request_frames(body)
+            op = parsed.op
             # Any request that names a known op counts, and is a sign of life, even when
             # its payload is then refused.
             self.dispatcher.note_request(client, parsed.op)
@@ -228,24 +306,28 @@ class Server:
             if not inspect.isawaitable(result):
                 reply = protocol.reply_frames(request_id, result)
         except Exception as exc:
-            self._send_error(client, request_id, exc)
+            self._send_error(client, request_id, exc, op, started)
             return
         if inspect.isawaitable(result):
-            task = asyncio.ensure_future(self._finish(client, request_id, result))
-            self._in_flight[task] = _InFlight(client, request_id)
+            pending = _InFlight(client, request_id, op, started)
+            task = asyncio.ensure_future(self._finish(pending, result))
+            self._in_flight[task] = pending
             task.add_done_callback(self._forget)
         else:
             self._send(client, reply)
+            self.metrics.answered(op, OK, time.perf_counter() - started)
 
-    async def _finish(self, client: bytes, request_id: int, pending: Awaitable) -> None:
+    async def _finish(self, pending: _InFlight, result: Awaitable) -> None:
         try:
-            reply = protocol.reply_frames(request_id, await pending)
+            reply = protocol.reply_frames(pending.request_id, await result)
         except Exception as exc:
             if asyncio.current_task() not in self._answered:
-                self._send_error(client, request_id, exc)
+                self._send_error(pending.client, pending.request_id, exc, pending.op,
+                                 pending.started)
             return
         if asyncio.current_task() not in self._answered:
-            self._send(client, reply)
+            self._send(pending.client, reply)
+            self.metrics.answered(pending.op, OK, time.perf_counter() - pending.started)
 
     def _forget(self, task: asyncio.Task) -> None:
         self._in_flight.pop(task, None)
@@ -254,15 +336,20 @@ class Server:
     def _push(self, client: bytes, message: object) -> None:
         self._send(client, protocol.push_frames(message))
 
-    def _send_error(self, client: bytes, request_id: int, exc: BaseException) -> None:
+    def _send_error(self, client: bytes, request_id: int, exc: BaseException, op: str,
+                    started: float) -> None:
+        code = exc.code if isinstance(exc, ServerError) else InternalError.code
+        fields = dict(request_id=request_id, op=op, client=client.hex(), outcome=code)
         if not isinstance(exc, ServerError):
-            logger.exception("request %d failed", request_id, exc_info=exc)
+            logger.error("request %d (%s) failed", request_id, op, exc_info=exc, extra=fields)
             # The first line only: the log has the rest (torch's errors carry C++ frames).
             summary = str(exc).strip().split("\n", 1)[0][:200]
             exc = InternalError(f"internal error: {type(exc).__name__}: {summary}")
         else:
-            logger.debug("request %d refused: %s: %s", request_id, exc.code, exc)
-        self._send(client, protocol.error_frames(request_id, exc.code, str(exc)))
+            logger.debug("request %d (%s) refused: %s: %s", request_id, op, code, exc,
+                         extra=fields)
+        self._send(client, protocol.error_frames(request_id, code, str(exc)))
+        self.metrics.answered(op, code, time.perf_counter() - started)
 
     def _send(self, client: bytes, frames: list[bytes]) -> None:
         """Send, or keep in the client's backlog while ZeroMQ's pipe to it is full: no reply
@@ -343,7 +430,8 @@ class Server:
 
     def _refuse(self, frames: list[bytes]) -> None:
         self._send_error(frames[0], protocol.request_id_of(frames[1:]),
-                         ShuttingDown("the server is shutting down"))
+                         ShuttingDown("the server is shutting down"), _op_of(frames[1:]),
+                         time.perf_counter())
 
     async def shutdown(self) -> None:
         logger.info("shutdown: refusing new requests, %d in flight", len(self._in_flight))
@@ -354,7 +442,8 @@ class Server:
         for task, pending in list(self._in_flight.items()):
             self._answered.add(task)
             self._send_error(pending.client, pending.request_id,
-                                   ShuttingDown("the server shut down before this request finished"))
+                             ShuttingDown("the server shut down before this request finished"),
+                             pending.op, pending.started)
         logger.info("shutdown: waiting for running copies")
         self._copy_engine.shutdown()
         if self._copier is not None:
@@ -362,6 +451,7 @@ class Server:
         if self._in_flight:
             await asyncio.wait(list(self._in_flight))
         self._housekeeping.cancel()
+        self._loop_watch_task.cancel()
         asyncio.get_running_loop().remove_reader(self._socket.FD)
         logger.info("shutdown: releasing %d registrations", len(self.dispatcher.registry))
         for instance_id in self.dispatcher.registry.instance_ids():
@@ -371,4 +461,6 @@ class Server:
         runtime.unlink_ipc_endpoint(self.config.bind_url)
         self._fd_channel.close()
         self._pool.close()
+        if self._http is not None:  # last: /readyz says "shutting down" until the end
+            self._http.close()
         logger.info("shutdown: done")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -25,6 +26,8 @@ from .eviction import TenantLRUPolicy
 from .pool import ExtentAllocator, aligned
 from .quotas import Quota, QuotaBook
 
+POOL_FULL = "pool_full"  # evicted to make room for another chunk
+QUOTA_CAP = "quota_cap"  # evicted to keep its tenant under its cap
 
 class ChunkKey(NamedTuple):
     model: str
@@ -183,6 +186,8 @@ class ChunkStore:
         self._policies = {tier: TenantLRUPolicy() for tier in self.allocators}
         self._leases: dict[LeaseOwner, Lease] = {}
         self._pending = 0
+        # Why chunks were evicted: POOL_FULL (room for another chunk) or QUOTA_CAP.
+        self.evictions_by_cause: Counter[str] = Counter()
 
     # -- queries -----------------------------------------------------------------------
 
@@ -327,7 +332,7 @@ class ChunkStore:
             return None, None
         if cpu_offset is None:
             # Its GPU bytes pass to the new chunk as they are.
-            self._remove(victim, evicted=True, free=False)
+            self.evictions_by_cause[POOL_FULL] += self._remove(victim, evicted=True, free=False)
             return gpu_offset, None
         self._policies[GPU_TIER].remove(salt, victim.key)
         # The GPU extent passes to the new chunk without being freed, so no other store can
@@ -401,7 +406,7 @@ class ChunkStore:
                       if (found := policy.oldest(cache_salt)) is not None]
             if not oldest:
                 return False
-            self._evict(self._chunks[min(oldest, key=lambda found: found[0])[1]])
+            self._evict(self._chunks[min(oldest, key=lambda found: found[0])[1]], QUOTA_CAP)
         return True
 
     def _used_by(self, cache_salt: str) -> int:
@@ -416,7 +421,7 @@ class ChunkStore:
             victim = self._policies[CPU_TIER].global_victim(self._may_evict)
             if victim is None:
                 return None
-            self._evict(self._chunks[victim[1]])
+            self._evict(self._chunks[victim[1]], POOL_FULL)
             offset = self.allocator.allocate(size)
         return offset
 
@@ -425,8 +430,8 @@ class ChunkStore:
         usage = self.tenants[cache_salt]
         return usage.bytes_used - self._chunks[key].footprint >= reserve
 
-    def _evict(self, chunk: Chunk) -> None:
-        self._remove(chunk, evicted=True)
+    def _evict(self, chunk: Chunk, cause: str) -> None:
+        self.evictions_by_cause[cause] += self._remove(chunk, evicted=True)
 
     def _remove(self, chunk: Chunk, evicted: bool, free: bool = True) -> int:
         """Drop an unheld chunk (committed, pending or moving) from the index, its salt and

@@ -12,7 +12,7 @@ import torch
 from lmcache_mp.client import CacheClient, LookupItem, RpcClient, StoreStatus, TransferItem
 from lmcache_mp.errors import RequestTimeout, ServerUnavailable
 from lmcache_mp.protocol import PingReply, PingRequest, StatsReply, StatsRequest, StoreRequest
-from lmcache_mp.server.spawn import ServerProcess
+from lmcache_mp.spawn import ServerProcess
 
 from ..utils import ipc_url, run_server
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt

@@ -12,7 +12,7 @@ import torch
 from lmcache_mp.client import (
     CacheClient, LookupItem, ParallelStrategy, TransferItem, WorkerAdapter,
 )
-from lmcache_mp.server.spawn import ServerProcess
+from lmcache_mp.spawn import ServerProcess
 
 from ..utils import ipc_url, run_server
 from ..workers import MLA, MODEL, chunk_blocks, expected_blocks, make_cache, prompt

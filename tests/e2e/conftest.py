@@ -14,7 +14,7 @@ import pytest
 from lmcache_mp.bench.vllm_engine import (EngineProcess, EngineSettings, engine_python,
                                           write_model_with)
 from lmcache_mp.client import CacheClient
-from lmcache_mp.server.spawn import ServerProcess
+from lmcache_mp.spawn import ServerProcess
 
 from ..utils import run_server
 

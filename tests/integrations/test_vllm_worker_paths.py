@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from lmcache_mp.server.spawn import ServerProcess
+from lmcache_mp.spawn import ServerProcess
 
 from ..utils import ipc_url, run_server
 from .test_vllm import (

@@ -20,7 +20,7 @@ from lmcache_mp import runtime
 from lmcache_mp.client import LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.protocol import RetrieveRequest, StoreRequest
-from lmcache_mp.server.spawn import ServerProcess
+from lmcache_mp.spawn import ServerProcess
 
 from ..utils import run_server
 from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, prompt

@@ -15,7 +15,7 @@ from lmcache_mp.protocol import (
     LookupRequest, RetrieveReply, RetrieveRequest, StoreReply, StoreRequest,
     UnregisterKVCacheRequest,
 )
-from lmcache_mp.server.spawn import ServerProcess
+from lmcache_mp.spawn import ServerProcess
 
 from ..utils import run_server
 from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, prompt

@@ -302,3 +302,13 @@ def test_a_sliced_scan_holds_what_it_found_between_slices(clock):
     other.abandon()
     assert store.clear() == 2  # the abandoned scan held nothing
     store.check_invariants()
+
+
+def test_evictions_count_by_cause(clock):
+    store = ChunkStore(ExtentAllocator(4 * CHUNK), 10.0,
+                       QuotaBook(4 * CHUNK, Quota(), {"capped": Quota(2 * CHUNK)}), clock=clock)
+    for i in range(3):  # the third pushes the first out
+        put(store, [key(i, salt="capped")])
+    put(store, [key(10 + i) for i in range(4)])  # the pool is full: the capped two go
+    assert dict(store.evictions_by_cause) == {"quota_cap": 1, "pool_full": 2}
+    assert sum(store.evictions_by_cause.values()) == store.total("evictions")

@@ -38,7 +38,7 @@ def store(client, registration, salt, hashes, request_id="w"):
 
 
 def admin(url, *args):
-    return subprocess.run([sys.executable, "-m", "lmcache_mp.server", "quota", "--url", url,
+    return subprocess.run([sys.executable, "-m", "lmcache_mp", "quota", "--url", url,
                            *args], capture_output=True, text=True, timeout=30)
 
 

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import runtime
-from ..client import CacheClient
-from ..errors import TransportError
+from . import runtime
+from .client import CacheClient
+from .errors import TransportError
 
 
 class ServerProcess:

@@ -1,0 +1,142 @@
+"""/metrics against a real server: figures move as requests are made, STATS carries the same,
+and tenants are labelled by name or digest, never by salt, at most --metrics-tenants of them."""
+
+import re
+
+import pytest
+
+from lmcache_mp.client import LookupItem, StoreStatus, TransferItem
+from lmcache_mp.errors import BadRequest
+from lmcache_mp.server.exporter import OTHER, TenantLabels
+
+from ..utils import run_server
+from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
+from .http_probe import free_port, get, samples, scrape, value
+
+CHUNK = 512 * 1024  # a W2 chunk
+
+
+@pytest.fixture
+def cache():
+    with make_cache(8 * BLOCKS_PER_CHUNK, 3) as c:
+        yield c
+
+
+def store(client, registration, salt, hashes):
+    (statuses,) = client.store(registration, [TransferItem.build(
+        "w", hashes, chunk_blocks([i % 8 for i in range(len(hashes))]), salt)])
+    return list(statuses)
+
+
+def test_metrics_move_as_requests_are_made(cache):
+    port = free_port()
+    with run_server("--metrics-port", str(port)) as server, \
+            server.client(admin=True) as client:
+        before = scrape(port)
+        registration = client.register_kv_cache(cache.handles(), model=MODEL, layout="mha",
+                                                 block_size=16)
+        hashes = prompt(1, 3)
+        assert store(client, registration, "alice-secret-salt", hashes) == [StoreStatus.STORED] * 3
+        assert client.lookup(MODEL, 1, [LookupItem.build("r", hashes, "alice-secret-salt"),
+                                        LookupItem.build("r", prompt(2, 2), "")]) == [3, 0]
+        assert client.retrieve(registration, [TransferItem.build(
+            "r", hashes[:2], chunk_blocks([5, 6]), "alice-secret-salt")]) == [2]
+        with pytest.raises(BadRequest):
+            client.lookup(MODEL, 0, [])
+        status, body = get(port, "/metrics")
+        assert status == 200
+        after = samples(body)
+
+        assert "alice-secret-salt" not in body
+        for op in ("STORE", "LOOKUP", "RETRIEVE", "REGISTER_KV_CACHE"):
+            name = "lmcache_mp_requests_total"
+            assert value(after, name, op=op, outcome="ok") >= value(before, name, op=op,
+                                                                     outcome="ok") + 1, op
+            assert value(after, "lmcache_mp_request_duration_seconds_count", op=op) >= 1, op
+        assert value(after, "lmcache_mp_requests_total", op="LOOKUP", outcome="bad_request") == 1
+        assert value(after, "lmcache_mp_stored_bytes_total") == 3 * CHUNK
+        assert value(after, "lmcache_mp_retrieved_bytes_total") == 2 * CHUNK
+        assert value(after, "lmcache_mp_hits_total") == 3
+        assert value(after, "lmcache_mp_misses_total") == 2
+        assert value(after, "lmcache_mp_chunks") == 3
+        assert value(after, "lmcache_mp_pool_used_bytes", tier="cpu") >= 3 * CHUNK
+        assert value(after, "lmcache_mp_pool_capacity_bytes", tier="cpu") == 64 * 1024**2
+        assert value(after, "lmcache_mp_registered_workers") == 1
+        assert value(after, "lmcache_mp_connected_clients") >= 1
+        assert value(after, "lmcache_mp_copy_duration_seconds_count", direction="store") == 1
+        assert value(after, "lmcache_mp_copy_duration_seconds_count", direction="retrieve") == 1
+        # A histogram's buckets are cumulative, and +Inf counts every observation.
+        lookup = sorted((float(dict(labels)["le"]), v) for (name, labels), v in after.items()
+                        if name == "lmcache_mp_request_duration_seconds_bucket"
+                        and dict(labels)["op"] == "LOOKUP")
+        assert [v for _, v in lookup] == sorted(v for _, v in lookup)
+        assert lookup[0][0] <= 50e-6 and lookup[-2][0] >= 5.0
+        assert lookup[-1][1] == value(after, "lmcache_mp_request_duration_seconds_count",
+                                      op="LOOKUP")
+        (tenant,) = [dict(labels)["tenant"] for (name, labels), v in after.items()
+                     if name == "lmcache_mp_tenant_chunks" and v == 3]
+        assert re.fullmatch(r"t-[0-9a-f]{10}", tenant)
+        assert value(after, "lmcache_mp_tenant_hits_total", tenant=tenant) == 3
+
+        # STATS keeps the same figures.
+        stats = client.stats()
+        assert stats.outcomes["LOOKUP"] == {"ok": 1, "bad_request": 1}
+        assert stats.bytes_stored == 3 * CHUNK and stats.bytes_retrieved == 2 * CHUNK
+        assert sum(stats.latency["STORE"].counts) == 1
+        assert sum(stats.copy_time["retrieve"].counts) == 1
+        assert stats.clients >= 1 and stats.loop_lag_seconds >= 0
+        # Under pressure, evictions count by cause.
+        client.quota_set("alice-secret-salt", CHUNK)
+        evicted = scrape(port)
+        assert value(evicted, "lmcache_mp_evictions_total", cause="quota_cap") == 2
+        assert value(evicted, "lmcache_mp_tenant_cap_bytes", tenant=tenant) == CHUNK
+        client.unregister(registration)
+
+
+def test_tenants_beyond_the_limit_fold_into_other(cache):
+    port = free_port()
+    salts = [f"salt-{n}" for n in range(6)]
+    with run_server("--metrics-port", str(port), "--metrics-tenants", "2",
+                    "--tenant-label", "salt-0=team-zero") as server, \
+            server.client(admin=True) as client:
+        registration = client.register_kv_cache(cache.handles(), model=MODEL, layout="mha",
+                                                 block_size=16)
+        for n, salt in enumerate(salts):
+            store(client, registration, salt, prompt(10 + n, n + 1))
+        status, body = get(port, "/metrics")
+        assert status == 200
+        chunks = {dict(labels)["tenant"]: v for (name, labels), v in samples(body).items()
+                  if name == "lmcache_mp_tenant_chunks"}
+        # The named salt, two digests, and everyone else together.
+        assert chunks["team-zero"] == 1
+        assert len(chunks) == 4 and "other" in chunks
+        assert sum(chunks.values()) == sum(range(1, 7))
+        assert all(salt not in body for salt in salts)
+        # Salts that hold nothing any more free their place for others.
+        for salt in salts[1:4]:
+            client.clear(salt)
+        store(client, registration, "salt-new", prompt(30, 1))
+        chunks = {dict(labels)["tenant"]: v for (name, labels), v in scrape(port).items()
+                  if name == "lmcache_mp_tenant_chunks"}
+        assert len(chunks) <= 4 and sum(chunks.values()) == 1 + 5 + 6 + 1
+        client.unregister(registration)
+
+
+def test_unknown_paths_are_404_and_metrics_are_off_by_default():
+    port = free_port()
+    with run_server("--metrics-port", str(port)):
+        assert get(port, "/nowhere")[0] == 404
+        assert get(port, "/healthz") == (200, "ok\n")
+    with run_server("--log-level", "info") as server, server.client() as client:
+        assert client.stats().outcomes["HELLO"]["ok"] >= 1  # STATS counts without the port
+        assert "serving on" in server.output() and "metrics on" not in server.output()
+
+
+def test_tenant_labels_are_keyed_stable_and_bounded():
+    labels = TenantLabels({"named": "alpha"}, b"admin-token-1", limit=2)
+    assert labels.assign(["a", "b", "c", "named"]) == {
+        "a": labels.digest("a"), "b": labels.digest("b"), "c": OTHER, "named": "alpha"}
+    # The same key labels a salt alike (across restarts); another key does not.
+    assert TenantLabels({}, b"admin-token-1", 2).digest("a") == labels.digest("a")
+    assert TenantLabels({}, b"admin-token-2", 2).digest("a") != labels.digest("a")
+    assert labels.assign(["c", "a"]) == {"c": labels.digest("c"), "a": labels.digest("a")}
