@@ -2,6 +2,8 @@
 extra) and read, and the compose file, the Kubernetes manifests and the Grafana dashboard
 are parsed and checked against the server they describe."""
 
+import ast
+import importlib.util
 import json
 import re
 import shutil
@@ -83,8 +85,14 @@ def connector_config(args: list[str]) -> dict:
     config = json.loads(args[args.index("--kv-transfer-config") + 1])
     assert config["kv_connector"] == CONNECTOR
     assert config["kv_load_failure_policy"] == "recompute"
-    module = ROOT / (config["kv_connector_module_path"].replace(".", "/") + ".py")
-    assert f"class {CONNECTOR}" in module.read_text()
+    # vLLM imports kv_connector_module_path and takes the class by name: the module must
+    # define it or import it (found without importing vLLM, whose warnings are errors here).
+    origin = importlib.util.find_spec(config["kv_connector_module_path"]).origin
+    nodes = list(ast.walk(ast.parse(Path(origin).read_text())))
+    names = {alias.name for node in nodes if isinstance(node, ast.ImportFrom)
+             for alias in node.names}
+    names |= {node.name for node in nodes if isinstance(node, ast.ClassDef)}
+    assert CONNECTOR in names
     return config
 
 
