@@ -418,6 +418,22 @@ class StatsReply:
     cpu_seconds: float = 0.0  # the server process's user + system CPU time since start
     peak_rss_bytes: int = 0  # the server process's peak resident set size
     pinned_bytes: int = 0  # bytes of the CPU pool pinned for GPU copies so far
+    # The L2 tier (--l2; all 0 without one): lmcache_mp.server.l2.base.L2Counters, by name.
+    l2_enabled: bool = False
+    l2_up: bool = False
+    l2_hits: int = 0
+    l2_misses: int = 0
+    l2_corrupt: int = 0
+    l2_bytes_read: int = 0
+    l2_bytes_written: int = 0
+    l2_chunks_written: int = 0
+    l2_chunks_skipped: int = 0
+    l2_dropped: int = 0
+    l2_queue_bytes: int = 0
+    l2_queue_chunks: int = 0
+    l2_bytes_held: int = 0
+    l2_errors: int = 0
+    l2_prefetch_timeouts: int = 0
 
 
 @dataclass

@@ -17,6 +17,7 @@ from ..errors import BadRequest
 from ..protocol import MAX_CHUNKS_PER_MESSAGE, MAX_MESSAGE_BYTES, validate_salt
 from ..runtime import default_runtime_dir, ipc_url
 from ..sizes import format_size, parse_size
+from .l2.urls import check_url, read_password_file
 from .quotas import Quota, QuotaBook, load_quota_file, parse_cap, parse_quota_flag
 
 ENV_PREFIX = "LMCACHE_MP_"
@@ -54,6 +55,18 @@ def _beyond_loopback(url: str) -> bool:
         return not ipaddress.ip_address(host).is_loopback
     except ValueError:  # "*", an interface or a host name: assume it reaches the network
         return True
+
+
+def _l2_url(text: str) -> str:
+    check_url(text)
+    return text
+
+
+def _not_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise ValueError(f"must not be negative, got {text!r}")
+    return value
 
 
 def _log_level(text: str) -> str:
@@ -134,6 +147,32 @@ class Config:
     quota_file: str | None = option(None, "TOML file of quotas, read at start-up and again on "
                                     "SIGHUP: a [quotas] table of \"SALT\" = \"CAP[:RESERVE]\"; "
                                     "it overrides --quota for the salts it names", str, "PATH")
+    l2: str | None = option(None, "shared second tier (docs/l2.md): redis://HOST:PORT[/DB], "
+                            "rediss://... for TLS, or redis+cluster://HOST:PORT,HOST:PORT,... "
+                            "(seed nodes of a Redis Cluster); user:password@ before the host "
+                            "if it needs them; committed chunks are written there behind each "
+                            "STORE, and a LOOKUP that misses in this server pulls the rest "
+                            "of its prompt from there", _l2_url, "URL",
+                            shown="none: this server alone")
+    l2_password_file: str | None = option(None, "file whose first line is the L2 password "
+                                          "(instead of one in the --l2 URL)", str, "PATH",
+                                          shown="none")
+    l2_budget: int | None = option(None, "bytes this server may keep in L2: past it, its "
+                                   "oldest values there are deleted; a size, or unlimited; "
+                                   "each salt's quota cap applies to its L2 bytes too",
+                                   parse_cap, "SIZE", shown="unlimited")
+    l2_ttl: int = option(86400, "seconds each value lives in L2", _positive(int), "SEC")
+    l2_queue_size: int = option(256 * 1024**2, "chunk bytes waiting to be written to L2; "
+                                "past it, and while L2 is down, chunks are not written "
+                                "(STATS l2_dropped counts them)", parse_size, "SIZE")
+    l2_prefetch_wait: float = option(0.05, "seconds a LOOKUP that misses in this server waits "
+                                     "for chunks from L2 before it answers with what it has "
+                                     "(the pull goes on for the next LOOKUP); 0: never wait",
+                                     _not_negative, "SEC")
+    l2_timeout: float = option(1.0, "seconds an L2 operation may take; a failure makes the "
+                               "server serve from its own memory alone and try L2 again "
+                               "after a back-off (0.5 s, doubling up to 10 s)",
+                               _positive(float), "SEC")
 
     @property
     def bind_url(self) -> str:
@@ -172,6 +211,18 @@ class Config:
             raise ValueError("--gpu-size needs CUDA, and this server has none: leave it at 0")
         if not self.bind_url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"--url must start with tcp:// or ipc://, got {self.bind_url!r}")
+        if self.l2 is None and self.l2_password_file is not None:
+            raise ValueError("--l2-password-file needs --l2")
+        if self.l2 is not None:
+            try:
+                import redis.asyncio  # noqa: F401  (checked here, used by the L2 tier)
+            except ImportError:
+                raise ValueError("--l2 needs redis-py: pip install 'lmcache-mp[redis]'") from None
+        if self.l2_password_file is not None:
+            try:
+                read_password_file(self.l2_password_file)
+            except OSError as exc:
+                raise ValueError(f"--l2-password-file: {exc}") from None
         for salt, _ in self.quota:
             try:
                 validate_salt(salt, "--quota")

@@ -33,7 +33,7 @@ from .fd_channel import FdChannel
 from .pool import CpuPool, CudaPinner, DevicePool
 from .quotas import QuotaError
 from .registry import Registry
-from .store import ChunkStore
+from .store import GPU_TIER, ChunkStore
 from .streams import StreamCopier
 
 logger = logging.getLogger("lmcache_mp.server")
@@ -69,6 +69,7 @@ class Server:
         self._housekeeping: asyncio.Task | None = None
         self._fd_channel: FdChannel | None = None
         self._sessions: Sessions | None = None
+        self._l2 = None  # the L2 tier (--l2): lmcache_mp.server.l2.tier.L2Tier
         # Replies ZeroMQ could not take yet (the client reads slowly), in order, per client.
         self._backlog: dict[bytes, deque[list[bytes]]] = {}
         self._backlog_bytes: dict[bytes, int] = {}
@@ -154,9 +155,15 @@ class Server:
                                       cuda.device_index, self._copier.new_lane)
         registry = Registry(config.chunk_size, time.monotonic, self._fd_channel.take, cuda_ipc)
         self._copy_engine = CopyEngine(config.copy_threads)
+        if config.l2 is not None:
+            from .l2.tier import L2Tier  # redis-py is needed only with --l2
+            self._l2 = L2Tier.from_config(config, store, registry, self._pool, lambda chunk: (
+                gpu_pool if chunk.tier == GPU_TIER else self._pool).view(chunk.offset,
+                                                                          chunk.nbytes))
+            self._l2.start()
         self.dispatcher = Dispatcher(config, store, self._pool, registry, self._copy_engine,
                                      self._sessions, self._fd_channel.path, push=self._push,
-                                     copier=self._copier, gpu_pool=gpu_pool)
+                                     copier=self._copier, gpu_pool=gpu_pool, l2=self._l2)
         self._exit_requested = asyncio.Event()
         loop = asyncio.get_running_loop()
         self._fd_channel.start(loop)
@@ -193,6 +200,12 @@ class Server:
                     config.copy_threads,
                     f"CUDA on {torch.cuda.device_count()} GPUs (cuda_ipc handles accepted)"
                     if has_cuda else "no CUDA (memfd handles only)")
+        if self._l2 is not None:
+            logger.info("L2: %s (budget %s, TTL %d s, write-behind queue %s, LOOKUP waits up "
+                        "to %g s for it)", self._l2.describe(),
+                        format_size(config.l2_budget) if config.l2_budget else "unlimited",
+                        config.l2_ttl, format_size(config.l2_queue_size),
+                        config.l2_prefetch_wait)
         if config.bind_url.startswith("tcp://"):
             logger.warning("%s is a TCP endpoint: any process that can reach it and holds the "
                            "engine token can use the cache; keep the token file private",
@@ -354,6 +367,9 @@ class Server:
             self._answered.add(task)
             self._send_error(pending.client, pending.request_id,
                                    ShuttingDown("the server shut down before this request finished"))
+        if self._l2 is not None:
+            logger.info("shutdown: stopping L2 write-behind and prefetch")
+            await self._l2.close()
         logger.info("shutdown: waiting for running copies")
         self._copy_engine.shutdown()
         if self._copier is not None:

@@ -1,0 +1,108 @@
+"""Real redis-server processes for the L2 tests: one standalone, or a three-master cluster.
+
+Each binds 127.0.0.1 on a free port with persistence off, in a temporary directory,
+and is always stopped; tests are skipped where redis-server is not installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+
+redis = pytest.importorskip("redis")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed (apt-get install redis-server redis-tools)")
+    return path
+
+
+class RedisProcess:
+    """One redis-server on a fixed port: start(), kill() and start() again on the same port."""
+
+    def __init__(self, directory: str, port: int | None = None, cluster: bool = False):
+        self.port = port or free_port()
+        self.directory = directory
+        self.cluster = cluster
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 20.0) -> None:
+        args = [_binary("redis-server"), "--bind", "127.0.0.1", "--port", str(self.port),
+                "--save", "", "--appendonly", "no", "--dir", self.directory,
+                "--logfile", f"{self.directory}/redis-{self.port}.log"]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file",
+                     f"nodes-{self.port}.conf", "--cluster-node-timeout", "5000"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        client = redis.Redis(port=self.port, socket_timeout=1)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.ping()
+                client.close()
+                return
+            except redis.ConnectionError:
+                assert self.proc.poll() is None, f"redis-server exited: {self.proc.returncode}"
+                assert time.monotonic() < deadline, "redis-server did not answer in time"
+                time.sleep(0.05)
+
+    def client(self):
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[RedisProcess]:
+    with tempfile.TemporaryDirectory(prefix="lmcache-mp-redis-") as directory:
+        server = RedisProcess(directory)
+        try:
+            server.start()
+            yield server
+        finally:
+            server.kill()
+
+
+@contextlib.contextmanager
+def redis_cluster(masters: int = 3) -> Iterator[list[RedisProcess]]:
+    """`masters` cluster-enabled redis-servers joined by `redis-cli --cluster create`."""
+    cli = _binary("redis-cli")
+    with tempfile.TemporaryDirectory(prefix="lmcache-mp-redis-cluster-") as directory, \
+            contextlib.ExitStack() as stack:
+        nodes = [RedisProcess(directory, cluster=True) for _ in range(masters)]
+        for node in nodes:
+            stack.callback(node.kill)
+            node.start()
+        subprocess.run([cli, "--cluster", "create",
+                        *(f"127.0.0.1:{node.port}" for node in nodes),
+                        "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)
+        probe = redis.RedisCluster(host="127.0.0.1", port=nodes[0].port, socket_timeout=5)
+        deadline = time.monotonic() + 30
+        while probe.cluster_info()["cluster_state"] != "ok":
+            assert time.monotonic() < deadline, "the cluster did not come up"
+            time.sleep(0.1)
+        probe.close()
+        yield nodes
