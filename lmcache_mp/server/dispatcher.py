@@ -436,7 +436,7 @@ class Dispatcher:
         await self._each([chunk for chunks in copied for chunk in reversed(chunks)],
                          self.store.commit, settled)
         if self.l2 is not None:  # written behind: after this reply has gone
-            self.l2.after_store([chunk for chunks in copied for chunk in chunks])
+            self.l2.after_store([chunk for chunks in copied for chunk in reversed(chunks)])
         return StoreReply([bytes(s) for s in statuses])
 
     def retrieve_chunks(self, session: Session, req: RetrieveRequest

@@ -56,7 +56,9 @@ class L2Tier:
         self.writer.start()
 
     def after_store(self, chunks: Sequence[Chunk]) -> None:
-        """A STORE committed these chunks: queue them for L2 (loop thread; never waits)."""
+        """A STORE committed these chunks, each request's later ones first (so that the
+        budget, which deletes the oldest values, trims prompts from the end): queue them
+        for L2 (loop thread; never waits)."""
         if chunks:
             self.writer.offer(chunks)
 
