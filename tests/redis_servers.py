@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -21,10 +22,24 @@ import pytest
 redis = pytest.importorskip("redis")
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on its port + 10000
+
+
+def free_port(cluster: bool = False) -> int:
+    """A free loopback port; for a cluster node, one whose bus port is free too."""
+    if not cluster:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return probe.getsockname()[1]
+    while True:
+        port = random.randrange(20000, 65536 - CLUSTER_BUS_OFFSET)
+        try:
+            with socket.socket() as first, socket.socket() as second:
+                first.bind(("127.0.0.1", port))
+                second.bind(("127.0.0.1", port + CLUSTER_BUS_OFFSET))
+            return port
+        except OSError:
+            continue
 
 
 def _binary(name: str) -> str:
@@ -42,7 +57,7 @@ class RedisProcess:
     """One redis-server on a fixed port: start(), kill() and start() again on the same port."""
 
     def __init__(self, directory: str, port: int | None = None, cluster: bool = False):
-        self.port = port or free_port()
+        self.port = port or free_port(cluster)
         self.directory = directory
         self.cluster = cluster
         self.proc: subprocess.Popen | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import grp
+import importlib.util
 import ipaddress
 import os
 from dataclasses import dataclass, field
@@ -214,10 +215,8 @@ class Config:
         if self.l2 is None and self.l2_password_file is not None:
             raise ValueError("--l2-password-file needs --l2")
         if self.l2 is not None:
-            try:
-                import redis.asyncio  # noqa: F401  (checked here, used by the L2 tier)
-            except ImportError:
-                raise ValueError("--l2 needs redis-py: pip install 'lmcache-mp[redis]'") from None
+            if importlib.util.find_spec("redis") is None:
+                raise ValueError("--l2 needs redis-py: pip install 'lmcache-mp[redis]'")
         if self.l2_password_file is not None:
             try:
                 read_password_file(self.l2_password_file)

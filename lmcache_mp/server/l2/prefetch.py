@@ -25,6 +25,7 @@ from .base import L2, L2Counters, L2Error
 from .codec import HEADER_BYTES, l2_key, namespace, verified_payload
 from .health import Health
 from .ledger import Ledger
+from .offload import Offload
 
 logger = logging.getLogger("lmcache_mp.server.l2")
 
@@ -41,7 +42,8 @@ def _copy_payload(value: bytes, target: torch.Tensor) -> None:
 
 class Prefetcher:
     def __init__(self, backend: L2, health: Health, counters: L2Counters, ledger: Ledger,
-                 store: ChunkStore, registry: Registry, pool: CpuPool, wait_s: float):
+                 store: ChunkStore, registry: Registry, pool: CpuPool, wait_s: float,
+                 offload: Offload):
         self.backend = backend
         self.health = health
         self.counters = counters
@@ -50,6 +52,7 @@ class Prefetcher:
         self.registry = registry
         self.pool = pool
         self.wait_s = wait_s
+        self.offload = offload
         self._pulls: dict[tuple, asyncio.Task] = {}
 
     def _geometries(self, model: str, kv_world_size: int) -> list[Geometry] | None:
@@ -73,13 +76,16 @@ class Prefetcher:
         if geometries is None:
             return None
         pulls = []
+        budget = LOOKUP_SLICE_PROBES  # probes, over all items: a long L1 run is left alone
         for cache_salt, hashes in items:
+            if budget < kv_world_size:
+                break
             scan = PrefixScan(self.store, model, kv_world_size, cache_salt, hashes,
                               hold_while_scanning=False)
-            scan.step(LOOKUP_SLICE_PROBES)
+            budget -= scan.step(budget)
             stored = len(scan.found) // kv_world_size
             if not scan.done or stored == len(hashes):
-                continue  # a long L1 run is left to the LOOKUP's slices; or all is in L1
+                continue
             wanted = tuple(hashes[stored:])
             # Chained hashes: the first and last name the whole run.
             ident = (model, kv_world_size, cache_salt, wanted[0], wanted[-1])
@@ -136,14 +142,13 @@ class Prefetcher:
                     geometries: list[Geometry]) -> int:
         """Fetch, verify and commit one window of chunks, in order; return how many chunks
         are in L1 after it (a bad value or a full pool ends the run there)."""
-        loop = asyncio.get_running_loop()
         flat = [pair for chunk in window for pair in chunk]
         values = await self.health.call("GET", self.backend.get([key for _, key in flat]))
         self.counters.bytes_read += sum(len(value) for value in values if value is not None)
         sizes = [geometries[chunk_key.kv_worker_id].chunk_bytes for chunk_key, _ in flat]
-        intact = await loop.run_in_executor(None, lambda: [
+        intact = await self.offload.run(lambda: [
             value is not None and verified_payload(key, value, size) is not None
-            for (_, key), value, size in zip(flat, values, sizes)])
+            for (_, key), value, size in zip(flat, values, sizes)], lambda: None)
         reserved: list[tuple[Chunk, bytes]] = []
         chunks_ready = 0
         workers = len(geometries)
@@ -169,13 +174,17 @@ class Prefetcher:
             for chunk_obj, _ in placed:
                 self.store.abort(chunk_obj)
             break
-        try:
-            await loop.run_in_executor(None, lambda: [
-                _copy_payload(value, self.pool.view(chunk.offset, chunk.nbytes))
-                for chunk, value in reserved])
-        except BaseException:
+        def abort() -> None:
             for chunk, _ in reserved:
                 self.store.abort(chunk)
+        try:
+            await self.offload.run(lambda: [
+                _copy_payload(value, self.pool.view(chunk.offset, chunk.nbytes))
+                for chunk, value in reserved], abort)
+        except asyncio.CancelledError:
+            raise  # aborted when the copy thread is done
+        except BaseException:
+            abort()
             raise
         # Later chunks first, as STORE commits them: eviction trims prompts from the end.
         for chunk, _ in reversed(reserved):

@@ -6,7 +6,6 @@ before_lookup() before it looks a LOOKUP up in L1 (prefetch); STATS reads counte
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 import torch
@@ -17,13 +16,11 @@ from ..store import Chunk, ChunkStore
 from .base import L2, L2Counters, L2Error
 from .health import Health
 from .ledger import Ledger
+from .offload import Offload
 from .prefetch import Prefetcher
 from .redis import RedisL2
 from .urls import read_password_file
 from .writeback import WriteBehind
-
-logger = logging.getLogger("lmcache_mp.server.l2")
-
 
 class L2Tier:
     def __init__(self, backend: L2, store: ChunkStore, registry: Registry, pool: CpuPool,
@@ -33,11 +30,11 @@ class L2Tier:
         self.counters = L2Counters()
         self.health = Health(self.counters, backend.describe(), timeout_s)
         self.ledger = Ledger(budget, ttl_s)
-        self.budget = budget
+        self.offload = Offload()
         self.writer = WriteBehind(backend, self.health, self.counters, self.ledger, store,
-                                  store.quotas, chunk_view, queue_limit)
+                                  store.quotas, chunk_view, queue_limit, self.offload)
         self.prefetcher = Prefetcher(backend, self.health, self.counters, self.ledger, store,
-                                     registry, pool, prefetch_wait_s)
+                                     registry, pool, prefetch_wait_s, self.offload)
 
     @classmethod
     def from_config(cls, config, store: ChunkStore, registry: Registry, pool: CpuPool,
@@ -75,6 +72,7 @@ class L2Tier:
     async def close(self) -> None:
         await self.prefetcher.close()
         await self.writer.close()
+        await self.offload.close()  # no thread touches the pool after this
         try:
             await self.health.call("close", self.backend.close())
         except L2Error:

@@ -22,6 +22,7 @@ from .base import L2, L2Counters, L2Error
 from .codec import HEADER_BYTES, l2_key, namespace, value_buffer, write_header
 from .health import Health
 from .ledger import Ledger
+from .offload import Offload
 
 logger = logging.getLogger("lmcache_mp.server.l2")
 
@@ -37,7 +38,8 @@ class _Queued:
 class WriteBehind:
     def __init__(self, backend: L2, health: Health, counters: L2Counters, ledger: Ledger,
                  store: ChunkStore, quotas: QuotaBook,
-                 chunk_view: Callable[[Chunk], torch.Tensor], queue_limit: int):
+                 chunk_view: Callable[[Chunk], torch.Tensor], queue_limit: int,
+                 offload: Offload):
         """`chunk_view(chunk)`: the chunk's bytes in its pool (either tier)."""
         self.backend = backend
         self.health = health
@@ -47,6 +49,7 @@ class WriteBehind:
         self.quotas = quotas
         self.chunk_view = chunk_view
         self.queue_limit = queue_limit
+        self.offload = offload
         self._queue: deque[_Queued] = deque()
         self._queued: set[bytes] = set()
         self._wake = asyncio.Event()
@@ -99,7 +102,10 @@ class WriteBehind:
             self._wake.clear()
             while self._queue:
                 batch = self._take()
-                await self._write(batch)
+                try:
+                    await self._write(batch)
+                except Exception:  # a bug here must not end write-behind, nor reach a STORE
+                    logger.exception("L2 write-behind failed")
                 if not self.health.available():  # L2 is down: drop what waits
                     self.counters.dropped += len(self._queue)
                     self._settle(list(self._queue))
@@ -107,47 +113,52 @@ class WriteBehind:
 
     async def _write(self, batch: list[_Queued]) -> None:
         counters = self.counters
-        settled = False
         try:
             present = await self.health.call("EXISTS", self.backend.exists(
                 [queued.key for queued in batch]))
-            todo, victims = [], []
-            for queued, here in zip(batch, present):
-                if here:
-                    self.ledger.seen(queued.key)
-                    counters.chunks_skipped += 1
-                    continue
-                salt = queued.chunk.key.cache_salt
-                room = self.ledger.make_room(salt, queued.chunk.nbytes,
-                                             self.quotas.get(salt).cap)
-                if room is None:
-                    counters.dropped += 1
-                    continue
-                victims.extend(room)
-                self.ledger.add(queued.key, salt, queued.chunk.nbytes)
-                todo.append(queued)
-            values = await asyncio.get_running_loop().run_in_executor(
-                None, self._encode, todo)
-            self._settle(batch)
-            settled = True
-            try:
-                if victims:
-                    await self.health.call("UNLINK", self.backend.delete(victims))
-                await self.health.call("SET", self.backend.put(
-                    [(queued.key, memoryview(value)) for queued, value in zip(todo, values)],
-                    self.ledger.ttl_s))
-            except L2Error:
-                for queued in todo:
-                    self.ledger.discard(queued.key)
-                counters.dropped += len(todo)
-                return
-            counters.chunks_written += len(todo)
-            counters.bytes_written += sum(len(value) for value in values)
         except L2Error:
             counters.dropped += len(batch)
-        finally:
-            if not settled:
-                self._settle(batch)
+            self._settle(batch)
+            return
+        except BaseException:
+            self._settle(batch)
+            raise
+        todo, victims = [], []
+        for queued, here in zip(batch, present):
+            if here:
+                self.ledger.seen(queued.key)
+                counters.chunks_skipped += 1
+                continue
+            salt = queued.chunk.key.cache_salt
+            room = self.ledger.make_room(salt, queued.chunk.nbytes, self.quotas.get(salt).cap)
+            if room is None:
+                counters.dropped += 1
+                continue
+            victims.extend(room)
+            self.ledger.add(queued.key, salt, queued.chunk.nbytes)
+            todo.append(queued)
+        try:
+            values = await self.offload.run(lambda: self._encode(todo),
+                                            lambda: self._settle(batch))
+        except asyncio.CancelledError:
+            raise  # settled when the copy thread is done
+        except BaseException:
+            self._settle(batch)
+            raise
+        self._settle(batch)
+        try:
+            if victims:
+                await self.health.call("UNLINK", self.backend.delete(victims))
+            await self.health.call("SET", self.backend.put(
+                [(queued.key, memoryview(value)) for queued, value in zip(todo, values)],
+                self.ledger.ttl_s))
+        except L2Error:
+            for queued in todo:
+                self.ledger.discard(queued.key)
+            counters.dropped += len(todo)
+            return
+        counters.chunks_written += len(todo)
+        counters.bytes_written += sum(len(value) for value in values)
 
     def _encode(self, todo: list[_Queued]) -> list[bytearray]:
         """Copy each chunk out of its pool into a sealed value (a copy thread)."""
@@ -161,6 +172,8 @@ class WriteBehind:
         return values
 
     async def close(self) -> None:
+        """Stop writing; the queue's chunks are let go (a batch being copied out, once its
+        copy is done: the tier closes the Offload after this)."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

@@ -14,7 +14,7 @@ from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
 from ...redis_servers import redis_server
 from ...utils import run_server
 from ...workers import (
-    BLOCKS_PER_CHUNK, MODEL, Job, chunk_blocks, expected_blocks, make_cache, prompt,
+    MODEL, Job, chunk_blocks, expected_blocks, make_cache, prompt,
     retrieve_worker, run,
 )
 from .test_shared_tier import L2_FLAGS, NUM_BLOCKS, store_through, wait_for, written
