@@ -20,6 +20,7 @@ from ..runtime import default_runtime_dir, ipc_url
 from ..sizes import format_size, parse_size
 from .l2.urls import check_url, read_password_file
 from .quotas import Quota, QuotaBook, load_quota_file, parse_cap, parse_quota_flag
+from .warm import ADOPT_MODES, SEGMENT_NAME
 
 ENV_PREFIX = "LMCACHE_MP_"
 
@@ -68,6 +69,18 @@ def _not_negative(text: str) -> float:
     if value < 0:
         raise ValueError(f"must not be negative, got {text!r}")
     return value
+
+
+def _segment_name(text: str) -> str:
+    if not SEGMENT_NAME.fullmatch(text):
+        raise ValueError("a name in /dev/shm: letters, digits, '.', '_' and '-', at most 200")
+    return text
+
+
+def _adopt_mode(text: str) -> str:
+    if text not in ADOPT_MODES:
+        raise ValueError(f"must be one of {', '.join(ADOPT_MODES)}")
+    return text
 
 
 def _log_level(text: str) -> str:
@@ -148,6 +161,16 @@ class Config:
     quota_file: str | None = option(None, "TOML file of quotas, read at start-up and again on "
                                     "SIGHUP: a [quotas] table of \"SALT\" = \"CAP[:RESERVE]\"; "
                                     "it overrides --quota for the salts it names", str, "PATH")
+    pool_segment: str | None = option(None, "keep the CPU pool in the shared-memory segment "
+                                      "/dev/shm/NAME: SIGTERM writes an index snapshot beside "
+                                      "it (NAME.snapshot), and the next server with the same "
+                                      "NAME, --cpu-size and --chunk-size serves the same chunks "
+                                      "again (docs/warm-restart.md)", _segment_name, "NAME",
+                                      shown="none: anonymous memory, cold at every start")
+    adopt: str = option("auto", "with --pool-segment: auto adopts the segment's chunks when "
+                        "its snapshot is good and starts cold otherwise (removing the stale "
+                        "segment); require refuses to start without a good snapshot; never "
+                        "always starts cold", _adopt_mode, "MODE")
     l2: str | None = option(None, "shared second tier (docs/l2.md): redis://HOST:PORT[/DB], "
                             "rediss://... for TLS, or redis+cluster://HOST:PORT,HOST:PORT,... "
                             "(seed nodes of a Redis Cluster); user:password@ before the host "

@@ -35,6 +35,7 @@ from .quotas import QuotaError
 from .registry import Registry
 from .store import GPU_TIER, ChunkStore
 from .streams import StreamCopier
+from .warm import WarmStart
 
 logger = logging.getLogger("lmcache_mp.server")
 
@@ -70,6 +71,7 @@ class Server:
         self._fd_channel: FdChannel | None = None
         self._sessions: Sessions | None = None
         self._l2 = None  # the L2 tier (--l2): lmcache_mp.server.l2.tier.L2Tier
+        self._warm: WarmStart | None = None  # the named pool segment (--pool-segment)
         # Replies ZeroMQ could not take yet (the client reads slowly), in order, per client.
         self._backlog: dict[bytes, deque[list[bytes]]] = {}
         self._backlog_bytes: dict[bytes, int] = {}
@@ -141,12 +143,24 @@ class Server:
         # Parallelism comes from the copy threads; torch's own pool would oversubscribe the cores.
         torch.set_num_threads(1)
         has_cuda = torch.cuda.is_available()
-        self._pool = CpuPool(config.cpu_size, CudaPinner() if has_cuda else None)
+        segment = None
+        if config.pool_segment is not None:
+            self._warm = WarmStart(config.pool_segment, config.cpu_size, config.chunk_size,
+                                   config.adopt)
+            segment = self._warm.open()
+        self._pool = CpuPool(config.cpu_size, CudaPinner() if has_cuda else None, segment)
         gpu_pool = DevicePool(config.gpu_size, torch.device("cuda", 0)) if config.gpu_size else None
         gpu_allocator = gpu_pool.allocator if gpu_pool is not None else None
         capacity = self._pool.capacity + (gpu_pool.capacity if gpu_pool is not None else 0)
         store = ChunkStore(self._pool.allocator, config.lease_timeout,
                            config.quota_book(capacity), gpu_allocator=gpu_allocator)
+        if self._warm is not None:
+            if self._warm.cold_reason is None:
+                logger.info("warm start: adopted %d chunks from %s", self._warm.adopt(store),
+                            self._warm.pool_path)
+            else:
+                logger.info("cold start in %s: %s", self._warm.pool_path,
+                            self._warm.cold_reason)
         self._pool.start_prefault()
         cuda_ipc = None
         if has_cuda:
@@ -385,5 +399,9 @@ class Server:
         self._context.term()
         runtime.unlink_ipc_endpoint(self.config.bind_url)
         self._fd_channel.close()
+        if self._warm is not None:
+            logger.info("shutdown: snapshot of %d chunks written beside %s",
+                        self._warm.save(self.dispatcher.store), self._warm.pool_path)
+            self._warm.close()
         self._pool.close()
         logger.info("shutdown: done")
