@@ -56,8 +56,10 @@ def _binary(name: str) -> str:
 class RedisProcess:
     """One redis-server on a fixed port: start(), kill() and start() again on the same port."""
 
-    def __init__(self, directory: str, port: int | None = None, cluster: bool = False):
+    def __init__(self, directory: str, port: int | None = None, cluster: bool = False,
+                 password: str | None = None):
         self.port = port or free_port(cluster)
+        self.password = password
         self.directory = directory
         self.cluster = cluster
         self.proc: subprocess.Popen | None = None
@@ -70,11 +72,13 @@ class RedisProcess:
         args = [_binary("redis-server"), "--bind", "127.0.0.1", "--port", str(self.port),
                 "--save", "", "--appendonly", "no", "--dir", self.directory,
                 "--logfile", f"{self.directory}/redis-{self.port}.log"]
+        if self.password is not None:
+            args += ["--requirepass", self.password]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file",
                      f"nodes-{self.port}.conf", "--cluster-node-timeout", "5000"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        client = redis.Redis(port=self.port, socket_timeout=1)
+        client = self.client()
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -87,7 +91,7 @@ class RedisProcess:
                 time.sleep(0.05)
 
     def client(self):
-        return redis.Redis(port=self.port, socket_timeout=5)
+        return redis.Redis(port=self.port, password=self.password, socket_timeout=5)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -96,9 +100,9 @@ class RedisProcess:
 
 
 @contextlib.contextmanager
-def redis_server() -> Iterator[RedisProcess]:
+def redis_server(password: str | None = None) -> Iterator[RedisProcess]:
     with tempfile.TemporaryDirectory(prefix="lmcache-mp-redis-") as directory:
-        server = RedisProcess(directory)
+        server = RedisProcess(directory, password=password)
         try:
             server.start()
             yield server

@@ -149,31 +149,31 @@ class Prefetcher:
         intact = await self.offload.run(lambda: [
             value is not None and verified_payload(key, value, size) is not None
             for (_, key), value, size in zip(flat, values, sizes)], lambda: None)
-        reserved: list[tuple[Chunk, bytes]] = []
+        reserved: list[tuple[Chunk, bytes]] = []  # L1 chunks to fill, with their values
         chunks_ready = 0
         workers = len(geometries)
-        for c, chunk in enumerate(window):
-            pairs = flat[c * workers:(c + 1) * workers]
-            if not all(intact[c * workers:(c + 1) * workers]):
-                self.counters.corrupt += sum(
-                    1 for ok in intact[c * workers:(c + 1) * workers] if not ok)
+        for c in range(len(window)):
+            ranks = slice(c * workers, (c + 1) * workers)  # this chunk's value per kv worker
+            if not all(intact[ranks]):
+                self.counters.corrupt += intact[ranks].count(False)
                 break
             placed = []
-            for (chunk_key, key), value in zip(pairs, values[c * workers:(c + 1) * workers]):
+            for (chunk_key, key), value in zip(flat[ranks], values[ranks]):
                 reservation = self.store.reserve(chunk_key, len(value) - HEADER_BYTES,
                                                  geometries[chunk_key.kv_worker_id])
                 if reservation.status == StoreStatus.STORED:
                     placed.append((reservation.chunk, value))
                 elif reservation.status != StoreStatus.ALREADY_STORED:
-                    break
+                    break  # no room, or over the salt's cap: the run ends here
                 self.ledger.seen(key)
             else:
                 reserved.extend(placed)
                 chunks_ready += 1
                 continue
-            for chunk_obj, _ in placed:
-                self.store.abort(chunk_obj)
+            for chunk, _ in placed:
+                self.store.abort(chunk)
             break
+
         def abort() -> None:
             for chunk, _ in reserved:
                 self.store.abort(chunk)

@@ -152,3 +152,23 @@ def test_a_lookup_past_its_wait_answers_from_l1_and_the_pull_goes_on():
             assert torch.equal(cache.blocks(target).view(torch.uint8),
                                expected_blocks(NUM_BLOCKS, 81, chunk_blocks([0, 1, 2])))
             assert client.stats().l2_prefetch_timeouts == 0  # it did not wait at all
+
+
+def test_a_password_file_and_a_salts_cap_on_its_l2_bytes(tmp_path):
+    chunk = 512 * 1024  # W2
+    password_file = tmp_path / "redis.pw"
+    password_file.write_text("not-in-the-url-1234\n")
+    password_file.chmod(0o600)
+    with redis_server(password="not-in-the-url-1234") as redis, run_server(
+            "--l2", redis.url, "--l2-password-file", str(password_file), *L2_FLAGS,
+            "--quota", f"capped={2 * chunk}") as node:
+        older, newer = prompt(tag=1560, num_chunks=2), prompt(tag=1561, num_chunks=2)
+        store_through(node, older, seed=91, salt="capped")
+        written(node, 2)
+        store_through(node, newer, seed=92, salt="capped")  # L1 evicts the older prompt
+        written(node, 4)
+        # In L2 too the salt keeps at most its cap: the older prompt's values went first.
+        assert sorted(redis.client().keys("lmcache-mp:1:*")) == sorted(l2_keys(redis, newer))
+        with CacheClient(node.url, timeout=10) as client:
+            stats = client.stats()
+        assert stats.l2_bytes_held == 2 * chunk and stats.l2_errors == 0
