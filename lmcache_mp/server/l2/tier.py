@@ -31,6 +31,7 @@ class L2Tier:
         self.health = Health(self.counters, backend.describe(), timeout_s)
         self.ledger = Ledger(budget, ttl_s)
         self.offload = Offload()
+        self.closed = False  # STOREs that finish during shutdown write nothing
         self.writer = WriteBehind(backend, self.health, self.counters, self.ledger, store,
                                   store.quotas, chunk_view, queue_limit, self.offload)
         self.prefetcher = Prefetcher(backend, self.health, self.counters, self.ledger, store,
@@ -56,12 +57,14 @@ class L2Tier:
         """A STORE committed these chunks, each request's later ones first (so that the
         budget, which deletes the oldest values, trims prompts from the end): queue them
         for L2 (loop thread; never waits)."""
-        if chunks:
+        if chunks and not self.closed:
             self.writer.offer(chunks)
 
     def before_lookup(self, model: str, kv_world_size: int,
                       items: Sequence[tuple[str, Sequence[bytes]]]) -> Awaitable[None] | None:
         """What a LOOKUP awaits (at most --l2-prefetch-wait) before it looks in L1, or None."""
+        if self.closed:
+            return None
         return self.prefetcher.before_lookup(model, kv_world_size, items)
 
     def snapshot(self) -> L2Counters:
@@ -70,6 +73,7 @@ class L2Tier:
         return self.counters
 
     async def close(self) -> None:
+        self.closed = True
         await self.prefetcher.close()
         await self.writer.close()
         await self.offload.close()  # no thread touches the pool after this
