@@ -6,8 +6,8 @@ import resource
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from functools import partial
 from dataclasses import asdict
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
