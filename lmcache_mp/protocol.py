@@ -455,6 +455,22 @@ class StatsReply:
     evictions_by_cause: dict[str, int] = field(default_factory=dict)  # see docs/operations.md
     clients: int = 0  # connections with a session (said HELLO, not yet expired)
     loop_lag_seconds: float = 0.0  # how late the event loop last woke for a timer
+    # The L2 tier (--l2; all 0 without one): lmcache_mp.server.l2.base.L2Counters, by name.
+    l2_enabled: bool = False
+    l2_up: bool = False
+    l2_hits: int = 0
+    l2_misses: int = 0
+    l2_corrupt: int = 0
+    l2_bytes_read: int = 0
+    l2_bytes_written: int = 0
+    l2_chunks_written: int = 0
+    l2_chunks_skipped: int = 0
+    l2_dropped: int = 0
+    l2_queue_bytes: int = 0
+    l2_queue_chunks: int = 0
+    l2_bytes_held: int = 0
+    l2_errors: int = 0
+    l2_prefetch_timeouts: int = 0
 
 
 @dataclass

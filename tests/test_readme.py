@@ -38,7 +38,7 @@ def test_readme_worker_example_runs():
 def test_readme_names_real_server_flags_and_files():
     server = TEXT[TEXT.index("## The server"):TEXT.index("\n## ", TEXT.index("## The server") + 1)]
     (usage,) = re.findall(r"```\n(lmcache-mp-server .*?)```", server, re.S)
-    flags = set(re.findall(r"--[a-z-]+", usage))
+    flags = set(re.findall(r"--[a-z0-9-]+", usage))
     known = {option for action in build_parser()._actions for option in action.option_strings}
     assert flags <= known, flags - known
     for flag in ("--runtime-dir", "--socket-group", "--token-file", "--admin-token-file"):

@@ -15,6 +15,7 @@ from .config import Config, build_parser
 from .logs import configure_logging
 from .quotas import QuotaError
 from .server import Server
+from .warm import WarmStartError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except AccessError as exc:
         logging.getLogger("lmcache_mp.server").error("cannot start safely: %s", exc)
+        return 2
+    except WarmStartError as exc:
+        logging.getLogger("lmcache_mp.server").error("cannot use the pool segment: %s", exc)
         return 2
     except OSError as exc:  # most often: the address is already in use
         logging.getLogger("lmcache_mp.server").error("cannot serve on %s: %s",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import grp
+import importlib.util
 import ipaddress
 import json
 import os
@@ -20,6 +21,8 @@ from ..runtime import default_runtime_dir, ipc_url
 from ..sizes import exact_size, format_size, parse_size
 from ..quota_spec import Quota, format_quota_flag, parse_cap, parse_quota_flag
 from .quotas import QuotaBook, load_quota_file, tomllib
+from .l2.urls import check_url, read_password_file
+from .warm import ADOPT_MODES, SEGMENT_NAME
 
 ENV_PREFIX = "LMCACHE_MP_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -87,6 +90,17 @@ def _beyond_loopback(url: str) -> bool:
         return not ipaddress.ip_address(host).is_loopback
     except ValueError:  # "*", an interface or a host name: assume it reaches the network
         return True
+
+
+def _l2_url(text: str) -> str:
+    check_url(text)
+    return text
+
+
+def _segment_name(text: str) -> str:
+    if not SEGMENT_NAME.fullmatch(text):
+        raise ValueError("a name in /dev/shm: letters, digits, '.', '_' and '-', at most 200")
+    return text
 
 
 def _log_level(text: str) -> str:
@@ -196,6 +210,42 @@ class Config:
     quota_file: str | None = option(None, "TOML file of quotas, read at start-up and again on "
                                     "SIGHUP: a [quotas] table of \"SALT\" = \"CAP[:RESERVE]\"; "
                                     "it overrides --quota for the salts it names", str, "PATH")
+    pool_segment: str | None = option(None, "keep the CPU pool in the shared-memory segment "
+                                      "/dev/shm/NAME: SIGTERM writes an index snapshot beside "
+                                      "it (NAME.snapshot), and the next server with the same "
+                                      "NAME, --cpu-size and --chunk-size serves the same chunks "
+                                      "again (docs/warm-restart.md)", _segment_name, "NAME",
+                                      shown="none: anonymous memory, cold at every start")
+    adopt: str = option("auto", "with --pool-segment: auto adopts the segment's chunks when "
+                        "its snapshot is good and starts cold otherwise (removing the stale "
+                        "segment); require refuses to start without a good snapshot; never "
+                        "always starts cold", _choice(*ADOPT_MODES), "MODE")
+    l2: str | None = option(None, "shared second tier (docs/l2.md): redis://HOST:PORT[/DB], "
+                            "rediss://... for TLS, or redis+cluster://HOST:PORT,HOST:PORT,... "
+                            "(seed nodes of a Redis Cluster); user:password@ before the host "
+                            "if it needs them; committed chunks are written there behind each "
+                            "STORE, and a LOOKUP that misses in this server pulls the rest "
+                            "of its prompt from there", _l2_url, "URL",
+                            shown="none: this server alone")
+    l2_password_file: str | None = option(None, "file whose first line is the L2 password "
+                                          "(instead of one in the --l2 URL)", str, "PATH",
+                                          shown="none")
+    l2_budget: int | None = option(None, "bytes this server may keep in L2: past it, its "
+                                   "oldest values there are deleted; a size, or unlimited; "
+                                   "each salt's quota cap applies to its L2 bytes too",
+                                   parse_cap, "SIZE", shown="unlimited")
+    l2_ttl: int = option(86400, "seconds each value lives in L2", _positive(int), "SEC")
+    l2_queue_size: int = option(256 * 1024**2, "chunk bytes waiting to be written to L2; "
+                                "past it, and while L2 is down, chunks are not written "
+                                "(STATS l2_dropped counts them)", parse_size, "SIZE")
+    l2_prefetch_wait: float = option(0.05, "seconds a LOOKUP that misses in this server waits "
+                                     "for chunks from L2 before it answers with what it has "
+                                     "(the pull goes on for the next LOOKUP); 0: never wait",
+                                     _not_negative(float), "SEC")
+    l2_timeout: float = option(1.0, "seconds an L2 operation may take; a failure makes the "
+                               "server serve from its own memory alone and try L2 again "
+                               "after a back-off (0.5 s, doubling up to 10 s)",
+                               _positive(float), "SEC")
 
     @property
     def bind_url(self) -> str:
@@ -234,6 +284,16 @@ class Config:
             raise ValueError("--gpu-size needs CUDA, and this server has none: leave it at 0")
         if not self.bind_url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"--url must start with tcp:// or ipc://, got {self.bind_url!r}")
+        if self.l2 is None and self.l2_password_file is not None:
+            raise ValueError("--l2-password-file needs --l2")
+        if self.l2 is not None:
+            if importlib.util.find_spec("redis") is None:
+                raise ValueError("--l2 needs redis-py: pip install 'lmcache-mp[redis]'")
+        if self.l2_password_file is not None:
+            try:
+                read_password_file(self.l2_password_file)
+            except OSError as exc:
+                raise ValueError(f"--l2-password-file: {exc}") from None
         for flag, pairs in (("--quota", self.quota), ("--tenant-label", self.tenant_label)):
             for salt, _ in pairs:
                 try:

@@ -6,8 +6,9 @@ import resource
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -76,6 +77,9 @@ from .slices import SliceRunner
 from .store import (GPU_TIER, Chunk, ChunkKey, ChunkStore, Demotion, LeaseOwner, PrefixScan,
                     Reservation)
 from .streams import DeviceStalled, StreamCopier
+
+if TYPE_CHECKING:
+    from .l2.tier import L2Tier
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -166,14 +170,16 @@ class Dispatcher:
                  copy_engine: CopyEngine, sessions: Sessions, fd_socket: str,
                  push: Callable[[bytes, Any], None],
                  copier: StreamCopier | None = None, gpu_pool: DevicePool | None = None,
-                 metrics: ServerMetrics | None = None):
+                 metrics: ServerMetrics | None = None, l2: L2Tier | None = None):
         """`sessions`: who said HELLO, and may do what; `fd_socket`: the fd channel's path,
         told in HELLO replies;
         `push(client, message)` sends a message the client did not ask for (MLA loads);
         `copier` runs the copies of caches registered on a GPU (None without CUDA);
         `gpu_pool` is the GPU tier (--gpu-size), whose chunks the store places;
-        `metrics` counts bytes and copy times, and keeps what STATS reports of replies."""
+        `metrics` counts bytes and copy times, and keeps what STATS reports of replies;
+        `l2` the shared second tier (--l2), told of STOREs and asked before LOOKUPs."""
         self.metrics = metrics or ServerMetrics()
+        self.l2 = l2
         self.push = push
         self.copier = copier
         self.gpu_pool = gpu_pool
@@ -286,11 +292,27 @@ class Dispatcher:
             holder = LeaseOwner(session.engine, salt, item.request_id) if item.hold else None
             parsed.append((salt, unpack_hashes(item.chunk_hashes, path + "chunk_hashes"),
                            holder))
+        if self.l2 is not None:
+            prefetch = self.l2.before_lookup(req.model, req.kv_world_size,
+                                             [(salt, hashes) for salt, hashes, _ in parsed])
+            if prefetch is not None:
+                return self._lookup_after(prefetch, req, parsed, probes)
+        return self._lookup_now(req, parsed, probes)
+
+    def _lookup_now(self, req: LookupRequest, parsed, probes: int
+                    ) -> LookupReply | Awaitable[LookupReply]:
         if probes <= LOOKUP_SLICE_PROBES:
             return LookupReply([self.store.lookup(req.model, req.kv_world_size, salt, hashes,
                                                   holder)
                                 for salt, hashes, holder in parsed])
         return self._sliced_lookup(req, parsed)
+
+    async def _lookup_after(self, prefetch: Awaitable[None], req: LookupRequest, parsed,
+                            probes: int) -> LookupReply:
+        """Look in L1 once L2's chunks have landed there, or the bounded wait is over."""
+        await prefetch
+        reply = self._lookup_now(req, parsed, probes)
+        return reply if isinstance(reply, LookupReply) else await reply
 
     async def _sliced_lookup(self, req: LookupRequest, parsed) -> LookupReply:
         """A LOOKUP of many probes, LOOKUP_SLICE_PROBES at a time between other clients'
@@ -444,6 +466,9 @@ class Dispatcher:
                 statuses[i][c] = StoreStatus.NO_PREFIX
         self.metrics.bytes_stored += sum(chunk.nbytes for (_, _, chunk), stays
                                          in zip(copied, kept) if stays)
+        if self.l2 is not None:  # written behind: after this reply has gone
+            self.l2.after_store([chunk for (_, _, chunk), stays in zip(copied, kept)
+                                 if stays])
         return StoreReply([bytes(s) for s in statuses])
 
     def retrieve_chunks(self, session: Session, req: RetrieveRequest
@@ -564,7 +589,13 @@ class Dispatcher:
             latency=self.metrics.latency(), copy_time=self.metrics.copy_time(),
             bytes_stored=self.metrics.bytes_stored, bytes_retrieved=self.metrics.bytes_retrieved,
             evictions_by_cause=dict(store.evictions_by_cause), clients=len(self.sessions),
-            loop_lag_seconds=self.metrics.loop_lag)
+            loop_lag_seconds=self.metrics.loop_lag, **self._l2_stats())
+
+    def _l2_stats(self) -> dict[str, Any]:
+        if self.l2 is None:
+            return {}
+        return {"l2_enabled": True,
+                **{f"l2_{name}": value for name, value in asdict(self.l2.snapshot()).items()}}
 
     # -- quotas ----------------------------------------------------------------------------
 

@@ -89,6 +89,20 @@ class ExtentAllocator:
                 return offset
         return None
 
+    def take(self, offset: int, num_bytes: int) -> bool:
+        """Mark the extent at `offset` used (a warm restart adopting a chunk where it lies);
+        False, and nothing taken, unless all of it is free."""
+        size = aligned(num_bytes)
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if offset % ALIGNMENT or i < 0 or self._starts[i] + self._lengths[i] < offset + size:
+            return False
+        start, end = self._starts[i], self._starts[i] + self._lengths[i]
+        kept = [(a, b - a) for a, b in ((start, offset), (offset + size, end)) if b > a]
+        self._starts[i:i + 1] = [a for a, _ in kept]
+        self._lengths[i:i + 1] = [n for _, n in kept]
+        self.used += size
+        return True
+
     def free(self, offset: int, num_bytes: int) -> None:
         size = aligned(num_bytes)
         i = bisect.bisect_left(self._starts, offset)
@@ -145,9 +159,11 @@ class CpuPool:
     says how much is pinned so far.
     """
 
-    def __init__(self, capacity: int, pinner: Pinner | None = None):
+    def __init__(self, capacity: int, pinner: Pinner | None = None, fd: int | None = None):
+        """`fd`: a file of the pool's size to map shared (a warm restart's named segment);
+        None: anonymous memory."""
         self.allocator = ExtentAllocator(capacity)
-        self._mapping = mmap.mmap(-1, self.allocator.capacity)
+        self._mapping = mmap.mmap(-1 if fd is None else fd, self.allocator.capacity)
         self.buffer = torch.frombuffer(self._mapping, dtype=torch.uint8)
         self._pinner = pinner
         self._pieces: list[int] = []  # addresses of the registered pieces, for close()

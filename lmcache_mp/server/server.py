@@ -38,8 +38,9 @@ from .metrics import OK, ServerMetrics
 from .pool import CpuPool, CudaPinner, DevicePool
 from .quotas import QuotaError
 from .registry import Registry
-from .store import ChunkStore
+from .store import GPU_TIER, ChunkStore
 from .streams import StreamCopier
+from .warm import WarmStart
 
 logger = logging.getLogger("lmcache_mp.server")
 
@@ -84,6 +85,8 @@ class Server:
         self._housekeeping: asyncio.Task | None = None
         self._fd_channel: FdChannel | None = None
         self._sessions: Sessions | None = None
+        self._l2 = None  # the L2 tier (--l2): lmcache_mp.server.l2.tier.L2Tier
+        self._warm: WarmStart | None = None  # the named pool segment (--pool-segment)
         # Replies ZeroMQ could not take yet (the client reads slowly), in order, per client.
         self._backlog: dict[bytes, deque[list[bytes]]] = {}
         self._backlog_bytes: dict[bytes, int] = {}
@@ -162,12 +165,24 @@ class Server:
         # Parallelism comes from the copy threads; torch's own pool would oversubscribe the cores.
         torch.set_num_threads(1)
         has_cuda = torch.cuda.is_available()
-        self._pool = CpuPool(config.cpu_size, CudaPinner() if has_cuda else None)
+        segment = None
+        if config.pool_segment is not None:
+            self._warm = WarmStart(config.pool_segment, config.cpu_size, config.chunk_size,
+                                   config.adopt)
+            segment = self._warm.open()
+        self._pool = CpuPool(config.cpu_size, CudaPinner() if has_cuda else None, segment)
         gpu_pool = DevicePool(config.gpu_size, torch.device("cuda", 0)) if config.gpu_size else None
         gpu_allocator = gpu_pool.allocator if gpu_pool is not None else None
         capacity = self._pool.capacity + (gpu_pool.capacity if gpu_pool is not None else 0)
         store = ChunkStore(self._pool.allocator, config.lease_timeout,
                            config.quota_book(capacity), gpu_allocator=gpu_allocator)
+        if self._warm is not None:
+            if self._warm.cold_reason is None:
+                logger.info("warm start: adopted %d chunks from %s", self._warm.adopt(store),
+                            self._warm.pool_path)
+            else:
+                logger.info("cold start in %s: %s", self._warm.pool_path,
+                            self._warm.cold_reason)
         self._pool.start_prefault()
         cuda_ipc = None
         if has_cuda:
@@ -177,10 +192,16 @@ class Server:
         registry = Registry(config.chunk_size, time.monotonic, self._fd_channel.take, cuda_ipc,
                             self._fd_channel.watch)
         self._copy_engine = CopyEngine(config.copy_threads)
+        if config.l2 is not None:
+            from .l2.tier import L2Tier  # redis-py is needed only with --l2
+            self._l2 = L2Tier.from_config(config, store, registry, self._pool, lambda chunk: (
+                gpu_pool if chunk.tier == GPU_TIER else self._pool).view(chunk.offset,
+                                                                          chunk.nbytes))
+            self._l2.start()
         self.dispatcher = Dispatcher(config, store, self._pool, registry, self._copy_engine,
                                      self._sessions, self._fd_channel.path, push=self._push,
                                      copier=self._copier, gpu_pool=gpu_pool,
-                                     metrics=self.metrics)
+                                     metrics=self.metrics, l2=self._l2)
         self._exit_requested = asyncio.Event()
         loop = asyncio.get_running_loop()
         self._fd_channel.start(loop)
@@ -221,6 +242,12 @@ class Server:
                     config.copy_threads,
                     f"CUDA on {torch.cuda.device_count()} GPUs (cuda_ipc handles accepted)"
                     if has_cuda else "no CUDA (memfd handles only)")
+        if self._l2 is not None:
+            logger.info("L2: %s (budget %s, TTL %d s, write-behind queue %s, LOOKUP waits up "
+                        "to %g s for it)", self._l2.describe(),
+                        format_size(config.l2_budget) if config.l2_budget else "unlimited",
+                        config.l2_ttl, format_size(config.l2_queue_size),
+                        config.l2_prefetch_wait)
         if config.bind_url.startswith("tcp://"):
             logger.warning("%s is a TCP endpoint: any process that can reach it and holds the "
                            "engine token can use the cache; keep the token file private",
@@ -444,6 +471,9 @@ class Server:
             self._send_error(pending.client, pending.request_id,
                              ShuttingDown("the server shut down before this request finished"),
                              pending.op, pending.started)
+        if self._l2 is not None:
+            logger.info("shutdown: stopping L2 write-behind and prefetch")
+            await self._l2.close()
         logger.info("shutdown: waiting for running copies")
         self._copy_engine.shutdown()
         if self._copier is not None:
@@ -460,6 +490,10 @@ class Server:
         self._context.term()
         runtime.unlink_ipc_endpoint(self.config.bind_url)
         self._fd_channel.close()
+        if self._warm is not None:
+            logger.info("shutdown: snapshot of %d chunks written beside %s",
+                        self._warm.save(self.dispatcher.store), self._warm.pool_path)
+            self._warm.close()
         self._pool.close()
         if self._http is not None:  # last: /readyz says "shutting down" until the end
             self._http.close()

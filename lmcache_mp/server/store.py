@@ -352,6 +352,22 @@ class ChunkStore:
         self._remove(demotion.chunk, evicted=False)
         self._bring_under_cap([salt])
 
+    def adopt(self, key: ChunkKey, offset: int, nbytes: int, geometry: Hashable) -> bool:
+        """Index a chunk a warm restart found in the CPU pool at `offset` as committed (most
+        recently used); False if its key is taken or its extent is not free."""
+        if key in self._chunks or not self.allocator.take(offset, nbytes):
+            return False
+        chunk = self._chunks[key] = Chunk(key, offset, nbytes, geometry)
+        self._tenant(key.cache_salt).bytes_used += chunk.footprint
+        self._pending += 1
+        self.commit(chunk)
+        return True
+
+    def committed_chunks(self) -> list[Chunk]:
+        """The CPU tier's committed chunks (none being demoted), oldest store first."""
+        return [c for c in self._chunks.values()
+                if c.committed and not c.moving and c.tier == CPU_TIER]
+
     def _refuse(self, cache_salt: str) -> None:
         self._tenant(cache_salt).refused += 1
         self.forget_if_idle(cache_salt)

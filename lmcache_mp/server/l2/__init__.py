@@ -1,0 +1,1 @@
+"""The second tier: chunks shared beyond one node through a distributed store (Redis)."""

@@ -1,0 +1,198 @@
+"""Prefetch on a LOOKUP miss: pull the chunks that continue an L1 hit from L2 into L1.
+
+A LOOKUP item whose run of chunks stops short in L1 starts a pull of the rest: one
+pipelined EXISTS finds how far L2's run goes, then GETs in windows bring the values,
+which are verified (a bad value ends the run, as a miss) and copied into reserved L1
+chunks, committed in prompt order. The LOOKUP waits for its pulls at most
+--l2-prefetch-wait, then answers from L1 with whatever has landed; the pull goes on for
+the next LOOKUP. Two LOOKUPs of the same run share one pull. RETRIEVE never waits on L2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+from collections.abc import Awaitable, Sequence
+
+import torch
+
+from ...protocol import LOOKUP_SLICE_PROBES, StoreStatus
+from ..pool import CpuPool
+from ..registry import Geometry, Registry
+from ..store import Chunk, ChunkKey, ChunkStore, PrefixScan
+from .base import L2, L2Counters, L2Error
+from .codec import HEADER_BYTES, l2_key, namespace, verified_payload
+from .health import Health
+from .ledger import Ledger
+from .offload import Offload
+
+logger = logging.getLogger("lmcache_mp.server.l2")
+
+WINDOW_BYTES = 64 * 1024**2  # value bytes fetched in one pipeline (at least one chunk)
+MAX_PULLS = 64  # pulls in flight at once; LOOKUPs beyond it answer from L1 alone
+
+
+def _copy_payload(value: bytes, target: torch.Tensor) -> None:
+    """Copy a verified value's payload into a chunk's pool bytes; ctypes' memmove lets go of
+    the GIL, and no tensor is made over the read-only `bytes`."""
+    source = ctypes.cast(ctypes.c_char_p(value), ctypes.c_void_p).value + HEADER_BYTES
+    ctypes.memmove(target.data_ptr(), source, target.numel())
+
+
+class Prefetcher:
+    def __init__(self, backend: L2, health: Health, counters: L2Counters, ledger: Ledger,
+                 store: ChunkStore, registry: Registry, pool: CpuPool, wait_s: float,
+                 offload: Offload):
+        self.backend = backend
+        self.health = health
+        self.counters = counters
+        self.ledger = ledger
+        self.store = store
+        self.registry = registry
+        self.pool = pool
+        self.wait_s = wait_s
+        self.offload = offload
+        self._pulls: dict[tuple, asyncio.Task] = {}
+
+    def _geometries(self, model: str, kv_world_size: int) -> list[Geometry] | None:
+        """Each kv worker's chunk geometry, from this node's registrations; None unless every
+        kv worker has registered (no one here could load the chunks otherwise)."""
+        found: dict[int, Geometry] = {}
+        for instance in self.registry.instances():
+            if instance.model == model and instance.kv_world_size == kv_world_size:
+                found[instance.kv_worker_id] = instance.geometry
+        if len(found) < kv_world_size:
+            return None
+        return [found[worker] for worker in range(kv_world_size)]
+
+    def before_lookup(self, model: str, kv_world_size: int,
+                      items: Sequence[tuple[str, Sequence[bytes]]]) -> Awaitable[None] | None:
+        """Start (or join) pulls for the items whose run continues past L1; return what the
+        LOOKUP should await before it looks in L1, or None to look at once."""
+        if not self.health.available():
+            return None
+        geometries = self._geometries(model, kv_world_size)
+        if geometries is None:
+            return None
+        pulls = []
+        budget = LOOKUP_SLICE_PROBES  # probes, over all items: a long L1 run is left alone
+        for cache_salt, hashes in items:
+            if budget < kv_world_size:
+                break
+            scan = PrefixScan(self.store, model, kv_world_size, cache_salt, hashes,
+                              hold_while_scanning=False)
+            budget -= scan.step(budget)
+            stored = len(scan.found) // kv_world_size
+            if not scan.done or stored == len(hashes):
+                continue
+            wanted = tuple(hashes[stored:])
+            # Chained hashes: the first and last name the whole run.
+            ident = (model, kv_world_size, cache_salt, wanted[0], wanted[-1])
+            pull = self._pulls.get(ident)
+            if pull is None:
+                if len(self._pulls) >= MAX_PULLS:
+                    continue
+                pull = asyncio.ensure_future(self._pull(model, kv_world_size, cache_salt,
+                                                        wanted, geometries))
+                self._pulls[ident] = pull
+                pull.add_done_callback(lambda _, ident=ident: self._pulls.pop(ident, None))
+            pulls.append(pull)
+        return self._wait(pulls) if pulls else None
+
+    async def _wait(self, pulls: list[asyncio.Future]) -> None:
+        if self.wait_s <= 0:
+            return
+        _, pending = await asyncio.wait(pulls, timeout=self.wait_s)
+        if pending:
+            self.counters.prefetch_timeouts += 1
+
+    async def _pull(self, model: str, kv_world_size: int, cache_salt: str,
+                    hashes: Sequence[bytes], geometries: list[Geometry]) -> None:
+        """Bring L2's run of `hashes` into L1; never raises (an L2 failure is counted)."""
+        spaces = [namespace(model, geometry) for geometry in geometries]
+        keys = [[(ChunkKey(model, kv_world_size, worker, cache_salt, chunk_hash),
+                  l2_key(spaces[worker], ChunkKey(model, kv_world_size, worker, cache_salt,
+                                                  chunk_hash)))
+                 for worker in range(kv_world_size)] for chunk_hash in hashes]
+        counters = self.counters
+        try:
+            present = await self.health.call("EXISTS", self.backend.exists(
+                [key for chunk in keys for _, key in chunk]))
+            run = 0
+            while run < len(keys) and all(present[run * kv_world_size:
+                                                  (run + 1) * kv_world_size]):
+                run += 1
+            counters.misses += len(keys) - run
+            chunk_bytes = sum(geometry.chunk_bytes for geometry in geometries)
+            per_window = max(1, WINDOW_BYTES // chunk_bytes)
+            for start in range(0, run, per_window):
+                window = keys[start:min(run, start + per_window)]
+                landed = await self._land(window, geometries)
+                counters.hits += landed
+                if landed < len(window):
+                    counters.misses += run - start - landed
+                    return
+        except L2Error:
+            return
+        except Exception:  # nothing of a pull may reach a LOOKUP
+            logger.exception("L2 prefetch failed")
+
+    async def _land(self, window: list[list[tuple[ChunkKey, bytes]]],
+                    geometries: list[Geometry]) -> int:
+        """Fetch, verify and commit one window of chunks, in order; return how many chunks
+        are in L1 after it (a bad value or a full pool ends the run there)."""
+        flat = [pair for chunk in window for pair in chunk]
+        values = await self.health.call("GET", self.backend.get([key for _, key in flat]))
+        self.counters.bytes_read += sum(len(value) for value in values if value is not None)
+        sizes = [geometries[chunk_key.kv_worker_id].chunk_bytes for chunk_key, _ in flat]
+        intact = await self.offload.run(lambda: [
+            value is not None and verified_payload(key, value, size) is not None
+            for (_, key), value, size in zip(flat, values, sizes)], lambda: None)
+        reserved: list[tuple[Chunk, bytes]] = []  # L1 chunks to fill, with their values
+        chunks_ready = 0
+        workers = len(geometries)
+        for c in range(len(window)):
+            ranks = slice(c * workers, (c + 1) * workers)  # this chunk's value per kv worker
+            if not all(intact[ranks]):
+                self.counters.corrupt += intact[ranks].count(False)
+                break
+            placed = []
+            for (chunk_key, key), value in zip(flat[ranks], values[ranks]):
+                reservation = self.store.reserve(chunk_key, len(value) - HEADER_BYTES,
+                                                 geometries[chunk_key.kv_worker_id])
+                if reservation.status == StoreStatus.STORED:
+                    placed.append((reservation.chunk, value))
+                elif reservation.status != StoreStatus.ALREADY_STORED:
+                    break  # no room, or over the salt's cap: the run ends here
+                self.ledger.seen(key)
+            else:
+                reserved.extend(placed)
+                chunks_ready += 1
+                continue
+            for chunk, _ in placed:
+                self.store.abort(chunk)
+            break
+
+        def abort() -> None:
+            for chunk, _ in reserved:
+                self.store.abort(chunk)
+        try:
+            await self.offload.run(lambda: [
+                _copy_payload(value, self.pool.view(chunk.offset, chunk.nbytes))
+                for chunk, value in reserved], abort)
+        except asyncio.CancelledError:
+            raise  # aborted when the copy thread is done
+        except BaseException:
+            abort()
+            raise
+        # Later chunks first, as STORE commits them: eviction trims prompts from the end.
+        for chunk, _ in reversed(reserved):
+            self.store.commit(chunk)
+        return chunks_ready
+
+    async def close(self) -> None:
+        pulls = list(self._pulls.values())
+        for pull in pulls:
+            pull.cancel()
+        await asyncio.gather(*pulls, return_exceptions=True)

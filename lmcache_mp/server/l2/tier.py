@@ -1,0 +1,83 @@
+"""The L2 tier's front: what the server builds from --l2 and the hooks the dispatcher calls.
+
+The dispatcher calls after_store() with the chunks a STORE committed (write-behind) and
+before_lookup() before it looks a LOOKUP up in L1 (prefetch); STATS reads counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+
+import torch
+
+from ..pool import CpuPool
+from ..registry import Registry
+from ..store import Chunk, ChunkStore
+from .base import L2, L2Counters, L2Error
+from .health import Health
+from .ledger import Ledger
+from .offload import Offload
+from .prefetch import Prefetcher
+from .redis import RedisL2
+from .urls import read_password_file
+from .writeback import WriteBehind
+
+class L2Tier:
+    def __init__(self, backend: L2, store: ChunkStore, registry: Registry, pool: CpuPool,
+                 chunk_view: Callable[[Chunk], torch.Tensor], *, budget: int | None,
+                 ttl_s: int, queue_limit: int, prefetch_wait_s: float, timeout_s: float):
+        self.backend = backend
+        self.counters = L2Counters()
+        self.health = Health(self.counters, backend.describe(), timeout_s)
+        self.ledger = Ledger(budget, ttl_s)
+        self.offload = Offload()
+        self.closed = False  # STOREs that finish during shutdown write nothing
+        self.writer = WriteBehind(backend, self.health, self.counters, self.ledger, store,
+                                  store.quotas, chunk_view, queue_limit, self.offload)
+        self.prefetcher = Prefetcher(backend, self.health, self.counters, self.ledger, store,
+                                     registry, pool, prefetch_wait_s, self.offload)
+
+    @classmethod
+    def from_config(cls, config, store: ChunkStore, registry: Registry, pool: CpuPool,
+                    chunk_view: Callable[[Chunk], torch.Tensor]) -> L2Tier:
+        password = read_password_file(config.l2_password_file) if config.l2_password_file \
+            else None
+        backend = RedisL2(config.l2, password, config.l2_timeout)
+        return cls(backend, store, registry, pool, chunk_view, budget=config.l2_budget,
+                   ttl_s=config.l2_ttl, queue_limit=config.l2_queue_size,
+                   prefetch_wait_s=config.l2_prefetch_wait, timeout_s=config.l2_timeout)
+
+    def describe(self) -> str:
+        return self.backend.describe()
+
+    def start(self) -> None:
+        self.writer.start()
+
+    def after_store(self, chunks: Sequence[Chunk]) -> None:
+        """A STORE committed these chunks, each request's later ones first (so that the
+        budget, which deletes the oldest values, trims prompts from the end): queue them
+        for L2 (loop thread; never waits)."""
+        if chunks and not self.closed:
+            self.writer.offer(chunks)
+
+    def before_lookup(self, model: str, kv_world_size: int,
+                      items: Sequence[tuple[str, Sequence[bytes]]]) -> Awaitable[None] | None:
+        """What a LOOKUP awaits (at most --l2-prefetch-wait) before it looks in L1, or None."""
+        if self.closed:
+            return None
+        return self.prefetcher.before_lookup(model, kv_world_size, items)
+
+    def snapshot(self) -> L2Counters:
+        """The counters as they are now."""
+        self.counters.bytes_held = self.ledger.bytes_held
+        return self.counters
+
+    async def close(self) -> None:
+        self.closed = True
+        await self.prefetcher.close()
+        await self.writer.close()
+        await self.offload.close()  # no thread touches the pool after this
+        try:
+            await self.health.call("close", self.backend.close())
+        except L2Error:
+            pass  # the connections are gone either way

@@ -1,0 +1,181 @@
+"""Write-behind: chunks committed in L1 go to L2 after their STORE is answered, off its path.
+
+The queue is bounded in bytes: when it is full, or L2 is down, a chunk is dropped and
+counted instead of waiting. A queued chunk is held in L1 (never evicted) until its bytes
+are copied out; a chunk this server knows to be in L2 is not written again, and a batch
+asks L2 which of its chunks are there before sending any bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..quotas import QuotaBook
+from ..store import Chunk, ChunkStore
+from .base import L2, L2Counters, L2Error
+from .codec import HEADER_BYTES, l2_key, namespace, value_buffer, write_header
+from .health import Health
+from .ledger import Ledger
+from .offload import Offload
+
+logger = logging.getLogger("lmcache_mp.server.l2")
+
+BATCH_BYTES = 64 * 1024**2  # value bytes sent in one pipeline (at least one chunk)
+
+
+@dataclass
+class _Queued:
+    chunk: Chunk
+    key: bytes
+
+
+class WriteBehind:
+    def __init__(self, backend: L2, health: Health, counters: L2Counters, ledger: Ledger,
+                 store: ChunkStore, quotas: QuotaBook,
+                 chunk_view: Callable[[Chunk], torch.Tensor], queue_limit: int,
+                 offload: Offload):
+        """`chunk_view(chunk)`: the chunk's bytes in its pool (either tier)."""
+        self.backend = backend
+        self.health = health
+        self.counters = counters
+        self.ledger = ledger
+        self.store = store
+        self.quotas = quotas
+        self.chunk_view = chunk_view
+        self.queue_limit = queue_limit
+        self.offload = offload
+        self._queue: deque[_Queued] = deque()
+        self._queued: set[bytes] = set()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="l2-write-behind")
+
+    def offer(self, chunks: Sequence[Chunk]) -> None:
+        """Queue chunks a STORE has just committed (loop thread; never waits)."""
+        counters = self.counters
+        for chunk in chunks:
+            if not self.health.available():
+                counters.dropped += 1
+                continue
+            key = l2_key(namespace(chunk.key.model, chunk.geometry), chunk.key)
+            if key in self._queued or self.ledger.known(key):
+                counters.chunks_skipped += 1
+                continue
+            if counters.queue_bytes + chunk.nbytes > self.queue_limit:
+                counters.dropped += 1
+                continue
+            if self.store.hold_if_stored(chunk.key, chunk.geometry) is None:
+                continue  # evicted or cleared already
+            self._queue.append(_Queued(chunk, key))
+            self._queued.add(key)
+            counters.queue_bytes += chunk.nbytes
+            counters.queue_chunks += 1
+        if self._queue:
+            self._wake.set()
+
+    def _take(self) -> list[_Queued]:
+        batch, size = [], 0
+        while self._queue and (not batch or size + self._queue[0].chunk.nbytes <= BATCH_BYTES):
+            batch.append(self._queue.popleft())
+            size += batch[-1].chunk.nbytes
+        return batch
+
+    def _settle(self, batch: list[_Queued]) -> None:
+        """The batch's bytes are out of L1 (or will not be): let go of its chunks."""
+        for queued in batch:
+            self._queued.discard(queued.key)
+            self.counters.queue_bytes -= queued.chunk.nbytes
+            self.counters.queue_chunks -= 1
+        self.store.unhold([queued.chunk for queued in batch])
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                batch = self._take()
+                try:
+                    await self._write(batch)
+                except Exception:  # a bug here must not end write-behind, nor reach a STORE
+                    logger.exception("L2 write-behind failed")
+                if not self.health.available():  # L2 is down: drop what waits
+                    self.counters.dropped += len(self._queue)
+                    self._settle(list(self._queue))
+                    self._queue.clear()
+
+    async def _write(self, batch: list[_Queued]) -> None:
+        counters = self.counters
+        try:
+            present = await self.health.call("EXISTS", self.backend.exists(
+                [queued.key for queued in batch]))
+        except L2Error:
+            counters.dropped += len(batch)
+            self._settle(batch)
+            return
+        except BaseException:
+            self._settle(batch)
+            raise
+        todo, victims = [], []
+        for queued, here in zip(batch, present):
+            if here:
+                self.ledger.seen(queued.key)
+                counters.chunks_skipped += 1
+                continue
+            salt = queued.chunk.key.cache_salt
+            room = self.ledger.make_room(salt, queued.chunk.nbytes, self.quotas.get(salt).cap)
+            if room is None:
+                counters.dropped += 1
+                continue
+            victims.extend(room)
+            self.ledger.add(queued.key, salt, queued.chunk.nbytes)
+            todo.append(queued)
+        try:
+            values = await self.offload.run(lambda: self._encode(todo),
+                                            lambda: self._settle(batch))
+        except asyncio.CancelledError:
+            raise  # settled when the copy thread is done
+        except BaseException:
+            self._settle(batch)
+            raise
+        self._settle(batch)
+        try:
+            if victims:
+                await self.health.call("UNLINK", self.backend.delete(victims))
+            await self.health.call("SET", self.backend.put(
+                [(queued.key, memoryview(value)) for queued, value in zip(todo, values)],
+                self.ledger.ttl_s))
+        except L2Error:
+            for queued in todo:
+                self.ledger.discard(queued.key)
+            counters.dropped += len(todo)
+            return
+        counters.chunks_written += len(todo)
+        counters.bytes_written += sum(len(value) for value in values)
+
+    def _encode(self, todo: list[_Queued]) -> list[bytearray]:
+        """Copy each chunk out of its pool into a sealed value (a copy thread)."""
+        values = []
+        for queued in todo:
+            value = value_buffer(queued.chunk.nbytes)
+            torch.frombuffer(value, dtype=torch.uint8, offset=HEADER_BYTES).copy_(
+                self.chunk_view(queued.chunk))
+            write_header(queued.key, value)
+            values.append(value)
+        return values
+
+    async def close(self) -> None:
+        """Stop writing; the queue's chunks are let go (a batch being copied out, once its
+        copy is done: the tier closes the Offload after this)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._settle(list(self._queue))
+        self._queue.clear()

@@ -1,0 +1,133 @@
+"""Real redis-server processes for the L2 tests: one standalone, or a three-master cluster.
+
+Each binds 127.0.0.1 on a free port with persistence off, in a temporary directory,
+and is always stopped; tests are skipped where redis-server is not installed (and fail
+under CI=true, where .ci/run installs it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+
+redis = pytest.importorskip("redis")
+
+
+CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on its port + 10000
+
+
+def free_port(cluster: bool = False) -> int:
+    """A free loopback port; for a cluster node, one whose bus port is free too."""
+    if not cluster:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return probe.getsockname()[1]
+    while True:
+        port = random.randrange(20000, 65536 - CLUSTER_BUS_OFFSET)
+        try:
+            with socket.socket() as first, socket.socket() as second:
+                first.bind(("127.0.0.1", port))
+                second.bind(("127.0.0.1", port + CLUSTER_BUS_OFFSET))
+            return port
+        except OSError:
+            continue
+
+
+def _binary(name: str) -> str:
+    """The program's path; skip without it, except under CI=true, where it must be there."""
+    path = shutil.which(name)
+    if path is None:
+        message = f"{name} is not installed (apt-get install redis-server redis-tools)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+class RedisProcess:
+    """One redis-server on a fixed port: start(), kill() and start() again on the same port."""
+
+    def __init__(self, directory: str, port: int | None = None, cluster: bool = False,
+                 password: str | None = None):
+        self.port = port or free_port(cluster)
+        self.password = password
+        self.directory = directory
+        self.cluster = cluster
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 20.0) -> None:
+        args = [_binary("redis-server"), "--bind", "127.0.0.1", "--port", str(self.port),
+                "--save", "", "--appendonly", "no", "--dir", self.directory,
+                "--logfile", f"{self.directory}/redis-{self.port}.log"]
+        if self.password is not None:
+            args += ["--requirepass", self.password]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file",
+                     f"nodes-{self.port}.conf", "--cluster-node-timeout", "5000"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        client = self.client()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.ping()
+                client.close()
+                return
+            except redis.ConnectionError:
+                assert self.proc.poll() is None, f"redis-server exited: {self.proc.returncode}"
+                assert time.monotonic() < deadline, "redis-server did not answer in time"
+                time.sleep(0.05)
+
+    def client(self):
+        return redis.Redis(port=self.port, password=self.password, socket_timeout=5)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@contextlib.contextmanager
+def redis_server(password: str | None = None) -> Iterator[RedisProcess]:
+    with tempfile.TemporaryDirectory(prefix="lmcache-mp-redis-") as directory:
+        server = RedisProcess(directory, password=password)
+        try:
+            server.start()
+            yield server
+        finally:
+            server.kill()
+
+
+@contextlib.contextmanager
+def redis_cluster(masters: int = 3) -> Iterator[list[RedisProcess]]:
+    """`masters` cluster-enabled redis-servers joined by `redis-cli --cluster create`."""
+    cli = _binary("redis-cli")
+    with tempfile.TemporaryDirectory(prefix="lmcache-mp-redis-cluster-") as directory, \
+            contextlib.ExitStack() as stack:
+        nodes = [RedisProcess(directory, cluster=True) for _ in range(masters)]
+        for node in nodes:
+            stack.callback(node.kill)
+            node.start()
+        subprocess.run([cli, "--cluster", "create",
+                        *(f"127.0.0.1:{node.port}" for node in nodes),
+                        "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)
+        probe = redis.RedisCluster(host="127.0.0.1", port=nodes[0].port, socket_timeout=5)
+        deadline = time.monotonic() + 30
+        while probe.cluster_info()["cluster_state"] != "ok":
+            assert time.monotonic() < deadline, "the cluster did not come up"
+            time.sleep(0.1)
+        probe.close()
+        yield nodes

@@ -1,0 +1,91 @@
+"""Two servers ("nodes") sharing one Redis, or a Redis Cluster: what one stores, the other
+hits and retrieves byte for byte, with salts apart, through real worker processes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lmcache_mp.client import CacheClient, LookupItem, StoreStatus
+
+from ...redis_servers import redis_cluster, redis_server
+from ...utils import run_server
+from ...workers import (
+    BLOCKS_PER_CHUNK, MODEL, Job, chunk_blocks, expected_blocks, prompt, retrieve_worker, run,
+    store_worker,
+)
+
+NUM_BLOCKS = 8 * BLOCKS_PER_CHUNK
+# Generous: these tests ask whether the chunks arrive, not how fast.
+L2_FLAGS = ("--l2-prefetch-wait", "20", "--l2-timeout", "5")
+
+
+def wait_for(condition, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return result
+
+
+def written(server, chunks: int) -> None:
+    """Wait until `server` has written `chunks` chunks to L2 in all."""
+    with CacheClient(server.url, timeout=10) as client:
+        wait_for(lambda: client.stats().l2_chunks_written >= chunks, f"{chunks} chunks in L2")
+
+
+def store_through(server, hashes, seed: int, salt: str = "") -> None:
+    statuses = run(store_worker, Job(server.url, NUM_BLOCKS, seed, hashes,
+                                     chunk_blocks(list(range(len(hashes)))), cache_salt=salt))
+    assert statuses == [bytes([StoreStatus.STORED] * len(hashes))]
+
+
+def retrieve_through(server, hashes, seed: int, salt: str = "") -> None:
+    """B has none of it in L1: its LOOKUP pulls from L2, and RETRIEVE lands every byte."""
+    target = chunk_blocks(list(reversed(range(8 - len(hashes), 8))))
+    result = run(retrieve_worker, Job(server.url, NUM_BLOCKS, None, hashes, target,
+                                      cache_salt=salt))
+    assert (result.hit, result.retrieved) == (len(hashes), len(hashes))
+    assert torch.equal(result.blocks, expected_blocks(
+        NUM_BLOCKS, seed, chunk_blocks(list(range(len(hashes))))))
+
+
+def two_nodes_share(url: str) -> None:
+    with run_server("--l2", url, *L2_FLAGS) as node_a, run_server("--l2", url, *L2_FLAGS) as node_b:
+        hashes = prompt(tag=1501, num_chunks=4)
+        store_through(node_a, hashes, seed=41, salt="tenant-a")
+        written(node_a, 4)
+        # The same prompt under another salt finds nothing, in L1 or L2.
+        other = run(retrieve_worker, Job(node_b.url, NUM_BLOCKS, None, hashes,
+                                         chunk_blocks([4, 5, 6, 7]), cache_salt="tenant-b"))
+        assert (other.hit, other.retrieved) == (0, 0)
+        retrieve_through(node_b, hashes, seed=41, salt="tenant-a")
+        with CacheClient(node_b.url, timeout=10) as client:
+            stats = client.stats()
+            assert stats.l2_enabled and stats.l2_up and stats.l2_errors == 0
+            assert stats.l2_hits == 4 and stats.chunks == 4
+            # Now in B's L1: a second LOOKUP needs no L2.
+            assert client.lookup(MODEL, 1, [LookupItem.build("again", hashes, "tenant-a")]) \
+                == [4]
+            assert client.stats().l2_hits == 4
+        # B pulled them from L2 and writes nothing back.
+        with CacheClient(node_b.url, timeout=10) as client:
+            assert client.stats().l2_chunks_written == 0
+
+
+def test_two_nodes_share_one_redis():
+    with redis_server() as redis:
+        two_nodes_share(redis.url)
+        keys = redis.client().keys("lmcache-mp:1:*")
+        assert len(keys) == 4
+
+
+@pytest.mark.slow
+def test_two_nodes_share_a_redis_cluster():
+    with redis_cluster(3) as nodes:
+        # Two seed nodes are enough: the client learns the third.
+        two_nodes_share("redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in nodes[:2]))
+        keys = [key for node in nodes for key in node.client().keys("lmcache-mp:1:*")]
+        assert len(keys) == 4
