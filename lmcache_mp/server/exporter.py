@@ -137,7 +137,39 @@ def stats_metrics(stats: StatsReply, labels: TenantLabels) -> Iterator[Metric]:
     yield gauge("connected_clients", "Connections with a session", stats.clients)
     yield gauge("event_loop_lag_seconds", "How late the event loop last woke for a timer",
                 stats.loop_lag_seconds)
+    if stats.l2_enabled:
+        yield from _l2_metrics(stats)
     yield from _tenant_metrics(fold_tenants(stats.tenants, labels))
+
+
+def _l2_metrics(stats: StatsReply) -> Iterator[Metric]:
+    """The L2 tier's figures (a server with --l2 only)."""
+    def counter(name: str, doc: str, value: int) -> CounterMetricFamily:
+        return CounterMetricFamily(PREFIX + "l2_" + name, doc, value=value)
+
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        return GaugeMetricFamily(PREFIX + "l2_" + name, doc, value=value)
+
+    yield gauge("up", "1 unless the last L2 operation failed", int(stats.l2_up))
+    yield counter("hits", "Chunks a LOOKUP's prefetch found in L2", stats.l2_hits)
+    yield counter("misses", "Chunks a prefetch asked L2 for that it did not hold",
+                  stats.l2_misses)
+    yield counter("corrupt", "L2 values that failed their checks (counted as misses)",
+                  stats.l2_corrupt)
+    yield counter("read_bytes", "Value bytes fetched from L2", stats.l2_bytes_read)
+    yield counter("written_bytes", "Value bytes written to L2", stats.l2_bytes_written)
+    yield counter("written_chunks", "Chunks written to L2", stats.l2_chunks_written)
+    yield counter("skipped_chunks", "Write-behind chunks not written: in L2 already",
+                  stats.l2_chunks_skipped)
+    yield counter("dropped_chunks", "Write-behind chunks dropped: queue full, L2 down or "
+                  "over a budget", stats.l2_dropped)
+    yield gauge("queue_bytes", "Chunk bytes waiting for write-behind", stats.l2_queue_bytes)
+    yield gauge("queue_chunks", "Chunks waiting for write-behind", stats.l2_queue_chunks)
+    yield gauge("held_bytes", "Bytes this server wrote that are still in L2 (its budget's "
+                "usage)", stats.l2_bytes_held)
+    yield counter("errors", "Failed L2 operations", stats.l2_errors)
+    yield counter("prefetch_timeouts", "LOOKUPs answered before their prefetch finished",
+                  stats.l2_prefetch_timeouts)
 
 
 def _tenant_metrics(tenants: dict[str, TenantStats]) -> Iterator[Metric]:

@@ -3,12 +3,14 @@
 With --pool-segment NAME the pool is the file /dev/shm/NAME, mapped shared. A server
 that stops on SIGTERM or SIGINT writes /dev/shm/NAME.snapshot (the format version, the
 pool's size, the chunk size, and per committed chunk its key, salt included, offset,
-size, geometry and CRC-32) once every copy has finished. The next server with the same
-name reads the snapshot and deletes it at once (a crash from then on leaves none);
-if its format version is one this server reads, it matches this pool and chunk size,
-and a sample of the chunks' checksums still match the segment, the server adopts every
-chunk where it lies. Otherwise it starts cold: the stale segment is removed and a new
-one made. The segment is locked while a server uses it, so no two servers share one.
+size, geometry, CRC-32 and parent, the chunk before it in its prompt) once every copy
+has finished. The next server with the same name reads the snapshot and deletes it at
+once (a crash from then on leaves none); if its format version is one this server reads,
+it matches this pool and chunk size, and a sample of the chunks' checksums still match
+the segment, the server adopts every chunk where it lies, parents before children, with
+its parent link: a chunk whose parent is not adopted is dropped (no lookup could reach
+it). Otherwise it starts cold: the stale segment is removed and a new one made. The
+segment is locked while a server uses it, so no two servers share one.
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ from .store import ChunkKey, ChunkStore
 logger = logging.getLogger("lmcache_mp.server.warm")
 
 SHM_DIR = Path("/dev/shm")
-SNAPSHOT_FORMAT = 1  # written by this server
-READABLE_FORMATS = frozenset({1})  # snapshots this server adopts
+SNAPSHOT_FORMAT = 2  # written by this server; 2 added each chunk's parent
+# Snapshots this server adopts. Not 1: its chunks name no parents, and adopted without
+# them, eviction could take a prompt's first chunk and keep the rest, which no lookup
+# reaches; a format 1 snapshot starts cold.
+READABLE_FORMATS = frozenset({2})
 SAMPLE_CHUNKS = 32  # checksums verified before adopting
 SEGMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 ADOPT_MODES = ("auto", "require", "never")
@@ -55,6 +60,7 @@ class SavedChunk:
     nbytes: int
     geometry: Geometry
     checksum: int
+    parent: ChunkKey | None  # the chunk before it in its prompt: same kv worker and salt
 
 
 def _checksums(fd: int, size: int, extents: list[tuple[int, int]]) -> list[int]:
@@ -71,15 +77,45 @@ def _checksums(fd: int, size: int, extents: list[tuple[int, int]]) -> list[int]:
 
 def _parse_chunk(entry: list) -> SavedChunk:
     """One snapshot entry; raises ValueError, TypeError or KeyError if malformed."""
-    model, world, worker, salt, chunk_hash, offset, nbytes, shape, checksum = entry
+    model, world, worker, salt, chunk_hash, offset, nbytes, shape, checksum, parent = entry
     layout, num_layers, block_shape, dtype, blocks_per_chunk = shape
     geometry = Geometry(str(layout), int(num_layers), tuple(int(n) for n in block_shape),
                         str(dtype), int(blocks_per_chunk))
     DTYPES[geometry.dtype]  # a dtype this server knows
-    if not isinstance(chunk_hash, bytes) or geometry.chunk_bytes != nbytes:
+    if not isinstance(chunk_hash, bytes) or geometry.chunk_bytes != nbytes or \
+            not (parent is None or isinstance(parent, bytes)):
         raise ValueError("an entry does not describe a chunk")
-    return SavedChunk(ChunkKey(str(model), int(world), int(worker), str(salt), chunk_hash),
-                      int(offset), int(nbytes), geometry, int(checksum))
+    key = ChunkKey(str(model), int(world), int(worker), str(salt), chunk_hash)
+    return SavedChunk(key, int(offset), int(nbytes), geometry, int(checksum),
+                      None if parent is None else key._replace(chunk_hash=parent))
+
+
+def _parents_first(saved: list[SavedChunk]) -> list[SavedChunk]:
+    """The chunks ordered so that each comes after its parent (by depth in its prompt, in
+    snapshot order otherwise); chunks whose parent is not in the snapshot, or on a cycle,
+    are left out."""
+    by_key = {chunk.key: chunk for chunk in saved}
+    depths: dict[ChunkKey, int | None] = {}  # None: left out
+    for chunk in saved:
+        chain, on_chain = [], set()  # the chunk and its ancestors of unknown depth
+        walk: SavedChunk | None = chunk
+        while walk is not None and walk.key not in depths and walk.key not in on_chain:
+            chain.append(walk)
+            on_chain.add(walk.key)
+            walk = None if walk.parent is None else by_key.get(walk.parent)
+        if walk is None:  # reached a root, or a parent the snapshot lacks
+            top = chain[-1]
+            depth = 0 if top.parent is None else None
+        elif walk.key in depths:
+            depth = depths[walk.key]
+            depth = None if depth is None else depth + 1
+        else:
+            depth = None  # a cycle
+        for link in reversed(chain):
+            depths[link.key] = depth
+            depth = None if depth is None else depth + 1
+    kept = [chunk for chunk in saved if depths[chunk.key] is not None]
+    return sorted(kept, key=lambda chunk: depths[chunk.key])
 
 
 class WarmStart:
@@ -203,17 +239,23 @@ class WarmStart:
         return fd
 
     def adopt(self, store: ChunkStore) -> int:
-        """Index the snapshot's chunks in the new store; return how many."""
-        adopted = sum(1 for c in self.saved
-                      if store.adopt(c.key, c.offset, c.nbytes, c.geometry))
+        """Index the snapshot's chunks in the new store, parents first; return how many.
+        A chunk whose parent was not adopted is not either: its extent stays free."""
+        ordered = _parents_first(self.saved)
+        adopted = sum(1 for c in ordered
+                      if store.adopt(c.key, c.offset, c.nbytes, c.geometry, c.parent))
+        if adopted < len(self.saved):
+            logger.info("warm start: dropped %d chunks whose prompt's earlier chunks were "
+                        "not adopted", len(self.saved) - adopted)
         self.saved = []
         store.enforce_caps()  # quotas may have changed between the two servers
         return adopted
 
     def save(self, store: ChunkStore) -> int:
         """Write the snapshot of every committed CPU chunk (once no copy runs); return how
-        many chunks it names."""
-        chunks = store.committed_chunks()
+        many chunks it names. Not orphans: their parent went while they were held, so no
+        lookup reaches them (nor the chunks after them, which the next start drops)."""
+        chunks = [chunk for chunk in store.committed_chunks() if not chunk.orphaned]
         checksums = _checksums(self.fd, self.capacity, [(c.offset, c.nbytes) for c in chunks])
         snapshot = {"format": SNAPSHOT_FORMAT, "capacity": self.capacity,
                     "chunk_size": self.chunk_size, "chunks": [
@@ -221,7 +263,8 @@ class WarmStart:
                          c.key.cache_salt, c.key.chunk_hash, c.offset, c.nbytes,
                          [c.geometry.layout, c.geometry.num_layers,
                           list(c.geometry.block_shape), c.geometry.dtype,
-                          c.geometry.blocks_per_chunk], crc]
+                          c.geometry.blocks_per_chunk], crc,
+                         None if c.parent is None else c.parent.key.chunk_hash]
                         for c, crc in zip(chunks, checksums)]}
         partial = self.snapshot_path.with_name(self.snapshot_path.name + ".partial")
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW

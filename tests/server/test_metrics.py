@@ -1,5 +1,6 @@
 """/metrics against a real server: figures move as requests are made, STATS carries the same,
-and tenants are labelled by name or digest, never by salt, at most --metrics-tenants of them."""
+and tenants are labelled by name or digest, never by salt, at most --metrics-tenants of them;
+with --l2, the L2 tier's figures move too, against a real redis-server."""
 
 import re
 
@@ -9,8 +10,11 @@ from lmcache_mp.client import LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import BadRequest
 from lmcache_mp.server.exporter import OTHER, TenantLabels
 
+from ..redis_servers import redis_server
 from ..utils import run_server
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
+from .l2.test_failures import l2_keys
+from .l2.test_shared_tier import wait_for
 from .http_probe import free_port, get, samples, scrape, value
 
 CHUNK = 512 * 1024  # a W2 chunk
@@ -63,6 +67,7 @@ def test_metrics_move_as_requests_are_made(cache):
         assert value(after, "lmcache_mp_pool_capacity_bytes", tier="cpu") == 64 * 1024**2
         assert value(after, "lmcache_mp_registered_workers") == 1
         assert value(after, "lmcache_mp_connected_clients") >= 1
+        assert not [name for name, _ in after if name.startswith("lmcache_mp_l2_")]  # no --l2
         assert value(after, "lmcache_mp_copy_duration_seconds_count", direction="store") == 1
         assert value(after, "lmcache_mp_copy_duration_seconds_count", direction="retrieve") == 1
         # A histogram's buckets are cumulative, and +Inf counts every observation.
@@ -140,3 +145,57 @@ def test_tenant_labels_are_keyed_stable_and_bounded():
     assert TenantLabels({}, b"admin-token-1", 2).digest("a") == labels.digest("a")
     assert TenantLabels({}, b"admin-token-2", 2).digest("a") != labels.digest("a")
     assert labels.assign(["c", "a"]) == {"c": labels.digest("c"), "a": labels.digest("a")}
+
+
+def test_l2_metrics_move_with_writes_pulls_corruption_and_an_outage(cache):
+    port_a, port_b = free_port(), free_port()
+    l2 = ("--l2-timeout", "5")
+    with redis_server() as redis, \
+            run_server("--l2", redis.url, *l2, "--metrics-port", str(port_a)) as node_a, \
+            run_server("--l2", redis.url, *l2, "--metrics-port", str(port_b),
+                       "--l2-prefetch-wait", "0.000001") as node_b, \
+            node_a.client() as client_a, node_b.client() as client_b:
+        start = scrape(port_b)
+        assert value(start, "lmcache_mp_l2_up") == 1
+        assert value(start, "lmcache_mp_l2_hits_total") == 0
+        on_a, on_b = (client.register_kv_cache(cache.handles(), model=MODEL, layout="mha",
+                                               block_size=16)
+                      for client in (client_a, client_b))
+        hashes, other = prompt(40, 4), prompt(41, 2)
+        assert store(client_a, on_a, "", hashes) == [StoreStatus.STORED] * 4
+        assert store(client_a, on_a, "", other) == [StoreStatus.STORED] * 2
+        a = wait_for(lambda: (m := scrape(port_a)).get(
+            ("lmcache_mp_l2_written_chunks_total", ())) == 6 and
+            value(m, "lmcache_mp_l2_queue_chunks") == 0 and m, "six chunks in L2")
+        assert value(a, "lmcache_mp_l2_written_bytes_total") > 6 * CHUNK  # values have headers
+        assert value(a, "lmcache_mp_l2_held_bytes") == 6 * CHUNK
+        assert value(a, "lmcache_mp_l2_queue_bytes") == 0
+        # The prompt's last value is spoilt: B pulls three chunks and finds one corrupt.
+        direct = redis.client()
+        (last,) = l2_keys(redis, hashes[3:])
+        direct.setrange(last, 4000, bytes(b ^ 0xFF for b in direct.getrange(last, 4000, 4003)))
+        assert client_b.lookup(MODEL, 1, [LookupItem.build("r", hashes)]) == [0]  # 1 µs wait
+        wait_for(lambda: client_b.lookup(MODEL, 1, [LookupItem.build("r", hashes)]) == [3],
+                 "the pull to land")
+        b = scrape(port_b)
+        assert value(b, "lmcache_mp_l2_hits_total") == 3
+        assert value(b, "lmcache_mp_l2_corrupt_total") >= 1
+        assert value(b, "lmcache_mp_l2_misses_total") >= value(b, "lmcache_mp_l2_corrupt_total")
+        assert value(b, "lmcache_mp_l2_read_bytes_total") > 3 * CHUNK
+        assert value(b, "lmcache_mp_l2_prefetch_timeouts_total") >= 1
+        assert value(b, "lmcache_mp_l2_written_chunks_total") == 0  # pulled, not written back
+        # B stores what A wrote already: L2 says so, and nothing is written again.
+        assert store(client_b, on_b, "", other) == [StoreStatus.STORED] * 2
+        wait_for(lambda: value(scrape(port_b), "lmcache_mp_l2_skipped_chunks_total") == 2,
+                 "two skipped chunks")
+        # Redis goes away: B's next writes fail, are counted, and L2 is down.
+        redis.kill()
+        assert store(client_b, on_b, "", prompt(42, 2)) == [StoreStatus.STORED] * 2
+        down = wait_for(lambda: (m := scrape(port_b)).get(("lmcache_mp_l2_up", ())) == 0 and m,
+                        "L2 down")
+        assert value(down, "lmcache_mp_l2_errors_total") >= 1
+        wait_for(lambda: value(scrape(port_b), "lmcache_mp_l2_dropped_chunks_total") >= 2,
+                 "dropped chunks")
+        assert not client_b.stats().l2_up
+        client_a.unregister(on_a)
+        client_b.unregister(on_b)

@@ -1,7 +1,8 @@
 """Warm restart: a server stopped with SIGTERM leaves its pool segment and an index snapshot,
-and the next one serves every committed chunk again byte for byte; after SIGKILL, a bad
-checksum, an unknown snapshot format or another pool size it starts cold and leaves no
-stale segment; two servers never share a segment."""
+and the next one serves every committed chunk again byte for byte, with the chunks'
+parent links, so a squeeze still leaves prefixes; after SIGKILL, a bad checksum, an
+unknown (or parentless, older) snapshot format or another pool size it starts cold and
+leaves no stale segment; two servers never share a segment."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ import msgpack
 import pytest
 import torch
 
-from lmcache_mp.client import CacheClient, LookupItem, StoreStatus
+from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
 from lmcache_mp.spawn import ServerProcess
 from lmcache_mp.server.warm import SHM_DIR
 
 from ..utils import run_server
 from ..workers import (
-    BLOCKS_PER_CHUNK, MODEL, Job, chunk_blocks, expected_blocks, prompt, retrieve_worker, run,
-    store_worker,
+    BLOCKS_PER_CHUNK, MODEL, Job, chunk_blocks, expected_blocks, make_cache, prompt,
+    retrieve_worker, run, store_worker,
 )
 
 NUM_BLOCKS = 8 * BLOCKS_PER_CHUNK
@@ -113,6 +114,11 @@ def rewrite_snapshot(segment: str, **changes) -> None:
 @pytest.mark.parametrize("spoil, restart_args, reason", [
     (flip_chunk_byte, (), "do not match their checksums"),
     (lambda name: rewrite_snapshot(name, format=99), (), "snapshot format 99"),
+    # Format 1 named no parents: adopting its chunks as roots would break prefixes.
+    (lambda name: rewrite_snapshot(name, format=1, chunks=[
+        entry[:9] for entry in msgpack.unpackb(
+            (SHM_DIR / f"{name}.snapshot").read_bytes())["chunks"]]),
+     (), "snapshot format 1 is not one this server reads"),
     (lambda name: (SHM_DIR / f"{name}.snapshot").write_bytes(b"\xc1garbage"), (),
      "malformed"),
     (lambda name: None, ("--cpu-size", "32MiB"), "pool"),
@@ -170,3 +176,158 @@ def test_adopting_takes_exactly_the_saved_extents():
     assert allocator.take(0, 4096) and allocator.take(15 * 4096, 4096)
     assert [allocator.allocate(4096) for _ in range(3)] == [4096, 2 * 4096, 3 * 4096]
     assert allocator.allocate(4096) == 6 * 4096
+
+
+def test_adopt_needs_the_parent_adopted_first():
+    from lmcache_mp.server.pool import ExtentAllocator
+    from lmcache_mp.server.quotas import Quota
+    from lmcache_mp.server.store import ChunkKey, ChunkStore
+
+    allocator = ExtentAllocator(16 * 4096)
+    store = ChunkStore(allocator, lease_timeout=60)
+    first, second = (ChunkKey(MODEL, 1, 0, "", bytes([n] * 16)) for n in (1, 2))
+    assert not store.adopt(second, 4096, 4096, "g", parent=first)
+    assert store.bytes_used == 0  # its extent was not taken
+    assert store.adopt(first, 0, 4096, "g") and store.adopt(second, 4096, 4096, "g", first)
+    assert store.enforce_cap("") == 0
+    store.quotas.set("", Quota(cap=4096))
+    assert store.enforce_cap("") == 1  # the child, though adopted last
+    assert store.lookup(MODEL, 1, "", [first.chunk_hash, second.chunk_hash]) == 1
+    store.check_invariants()
+
+
+class ChunkedPrompts:
+    """Prompts stored through one registered cache the way vLLM stores them: a STORE per
+    chunk, each naming the chunk before it; read back into other blocks and compared."""
+
+    PROMPTS = {"a": (1630, 3, 0), "b": (1631, 2, 3)}  # name: (tag, chunks, first slot)
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.hashes = {name: prompt(tag, n) for name, (tag, n, _) in self.PROMPTS.items()}
+
+    def register(self, client):
+        return client.register_kv_cache(self.cache.handles(), model=MODEL, layout="mha",
+                                        block_size=16)
+
+    def store(self, client) -> None:
+        registration = self.register(client)
+        for name, (_, _, first) in self.PROMPTS.items():
+            hashes = self.hashes[name]
+            for i, chunk_hash in enumerate(hashes):
+                (statuses,) = client.store(registration, [TransferItem.build(
+                    "r", [chunk_hash], chunk_blocks([first + i]), "t",
+                    parent_hash=hashes[i - 1] if i else b"")])
+                assert statuses == bytes([StoreStatus.STORED])
+        client.unregister(registration)
+
+    def hit(self, client, name: str) -> int:
+        (hit,) = client.lookup(MODEL, 1, [LookupItem.build("q", self.hashes[name], "t")])
+        return hit
+
+    def retrieves_byte_exact(self, client, name: str, count: int) -> None:
+        """The prompt's first `count` chunks land in slots 5 on, equal to where they
+        were stored from."""
+        first = self.PROMPTS[name][2]
+        registration = self.register(client)
+        target = chunk_blocks(list(range(5, 5 + count)))
+        assert client.retrieve(registration, [TransferItem.build(
+            "q", self.hashes[name][:count], target, "t")]) == [count]
+        assert torch.equal(
+            self.cache.blocks(target).view(torch.uint8),
+            self.cache.blocks(chunk_blocks(list(range(first, first + count)))).view(torch.uint8))
+        client.unregister(registration)
+
+
+def test_adopted_chunks_keep_their_parents_so_a_quota_cut_leaves_prefixes(segment):
+    with make_cache(NUM_BLOCKS, 51) as cache:
+        prompts = ChunkedPrompts(cache)
+        with run_server("--pool-segment", segment) as server, \
+                CacheClient(server.url, timeout=10) as client:
+            prompts.store(client)
+        with run_server("--pool-segment", segment) as server, \
+                CacheClient(server.url, admin=True, timeout=10) as client:
+            for name, (_, chunks, _) in prompts.PROMPTS.items():
+                assert prompts.hit(client, name) == chunks
+                prompts.retrieves_byte_exact(client, name, chunks)
+            # Each prompt's last chunk is used last: without their parents, the first
+            # chunks would be the least recently used and go first.
+            for hashes in prompts.hashes.values():
+                assert client.lookup(MODEL, 1, [LookupItem.build("e", hashes[-1:], "t")]) \
+                    == [1]
+            stats = client.stats()
+            chunk_bytes = stats.tenants["t"].bytes_used // stats.chunks
+            client.quota_set("t", 2 * chunk_bytes)
+            hits = {name: prompts.hit(client, name) for name in prompts.PROMPTS}
+            assert sum(hits.values()) == client.stats().chunks == 2
+            for name, hit in hits.items():
+                if hit:
+                    prompts.retrieves_byte_exact(client, name, hit)
+
+
+def test_chunks_after_one_the_snapshot_lacks_are_dropped_and_their_room_freed(segment):
+    with make_cache(NUM_BLOCKS, 52) as cache:
+        prompts = ChunkedPrompts(cache)
+        with run_server("--pool-segment", segment) as server, \
+                CacheClient(server.url, timeout=10) as client:
+            prompts.store(client)
+            chunk_bytes = client.stats().bytes_used // 5
+        # Prompt a's first chunk leaves the snapshot, as a GPU-tier chunk would.
+        first_of_a = prompts.hashes["a"][0]
+        rewrite_snapshot(segment, chunks=[
+            entry for entry in msgpack.unpackb(
+                (SHM_DIR / f"{segment}.snapshot").read_bytes())["chunks"]
+            if entry[4] != first_of_a])
+        with run_server("--pool-segment", segment, "--log-level", "info") as server, \
+                CacheClient(server.url, timeout=10) as client:
+            assert "adopted 2 chunks" in server.output()
+            assert "dropped 2 chunks" in server.output()
+            assert (prompts.hit(client, "a"), prompts.hit(client, "b")) == (0, 2)
+            stats = client.stats()
+            assert (stats.chunks, stats.bytes_used) == (2, 2 * chunk_bytes)
+            prompts.retrieves_byte_exact(client, "b", 2)
+
+
+def test_a_snapshot_keeps_parent_links_and_leaves_out_orphans(tmp_path):
+    """save() and adopt() on stores of their own: links survive, and a chunk whose parent
+    CLEAR took while it was held is not saved, so the next store never has it."""
+    from lmcache_mp.server.pool import ExtentAllocator
+    from lmcache_mp.server.quotas import Quota
+    from lmcache_mp.server.registry import Geometry
+    from lmcache_mp.server.store import ChunkKey, ChunkStore
+    from lmcache_mp.server.warm import WarmStart
+
+    geometry = Geometry("mha", 1, (2, 16, 1, 64), "float16", 1)  # 4 KiB chunks
+    capacity = 64 * geometry.chunk_bytes
+
+    def chunk_key(n: int, salt: str = "") -> ChunkKey:
+        return ChunkKey(MODEL, 1, 0, salt, bytes([n] * 16))
+
+    def stored(store, keys) -> None:
+        for k, parent in zip(keys, [None, *keys[:-1]]):
+            store.commit(store.reserve(k, geometry.chunk_bytes, geometry, parent=parent).chunk)
+
+    first = WarmStart("seg", capacity, 256, directory=tmp_path)
+    first.open()
+    store = ChunkStore(ExtentAllocator(capacity), lease_timeout=60)
+    kept = [chunk_key(n) for n in range(3)]
+    orphaned = [chunk_key(n, "t") for n in range(3)]
+    stored(store, kept)
+    stored(store, orphaned)
+    assert store.hold_if_stored(orphaned[1], geometry) is not None  # as a read would
+    assert store.clear("t") == 2  # chunks 0 and 2 of the salt go; chunk 1, held, is orphaned
+    assert first.save(store) == 3
+    first.close()
+
+    second = WarmStart("seg", capacity, 256, directory=tmp_path)
+    second.open()
+    assert second.cold_reason is None
+    adopted = ChunkStore(ExtentAllocator(capacity), lease_timeout=60)
+    assert second.adopt(adopted) == 3
+    second.close()
+    adopted.check_invariants()
+    assert adopted.num_chunks == 3 and "t" not in adopted.tenants
+    assert [adopted._chunks[k].parent for k in kept[1:]] == [adopted._chunks[k] for k in kept[:2]]
+    adopted.quotas.set("", Quota(cap=geometry.chunk_bytes))
+    assert adopted.enforce_cap("") == 2
+    assert adopted.lookup(MODEL, 1, "", [k.chunk_hash for k in kept]) == 1

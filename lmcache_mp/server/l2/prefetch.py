@@ -3,9 +3,12 @@
 A LOOKUP item whose run of chunks stops short in L1 starts a pull of the rest: one
 pipelined EXISTS finds how far L2's run goes, then GETs in windows bring the values,
 which are verified (a bad value ends the run, as a miss) and copied into reserved L1
-chunks, committed in prompt order. The LOOKUP waits for its pulls at most
---l2-prefetch-wait, then answers from L1 with whatever has landed; the pull goes on for
-the next LOOKUP. Two LOOKUPs of the same run share one pull. RETRIEVE never waits on L2.
+chunks, committed in prompt order. Each pulled chunk is reserved with its parent (the
+chunk before it in the prompt, of the same kv worker: for the first, the last one L1
+had), so that what L1 keeps of the prompt stays a prefix of it. The LOOKUP waits for
+its pulls at most --l2-prefetch-wait, then answers from L1 with whatever has landed; the
+pull goes on for the next LOOKUP. Two LOOKUPs of the same run share one pull. RETRIEVE
+never waits on L2.
 """
 
 from __future__ import annotations
@@ -93,8 +96,9 @@ class Prefetcher:
             if pull is None:
                 if len(self._pulls) >= MAX_PULLS:
                     continue
+                after = hashes[stored - 1] if stored else None
                 pull = asyncio.ensure_future(self._pull(model, kv_world_size, cache_salt,
-                                                        wanted, geometries))
+                                                        after, wanted, geometries))
                 self._pulls[ident] = pull
                 pull.add_done_callback(lambda _, ident=ident: self._pulls.pop(ident, None))
             pulls.append(pull)
@@ -108,8 +112,13 @@ class Prefetcher:
             self.counters.prefetch_timeouts += 1
 
     async def _pull(self, model: str, kv_world_size: int, cache_salt: str,
-                    hashes: Sequence[bytes], geometries: list[Geometry]) -> None:
-        """Bring L2's run of `hashes` into L1; never raises (an L2 failure is counted)."""
+                    after: bytes | None, hashes: Sequence[bytes],
+                    geometries: list[Geometry]) -> None:
+        """Bring L2's run of `hashes` into L1, the prompt's chunks after the one of hash
+        `after` (None: from its start); never raises (an L2 failure is counted)."""
+        parents = [None if after is None else
+                   ChunkKey(model, kv_world_size, worker, cache_salt, after)
+                   for worker in range(kv_world_size)]
         spaces = [namespace(model, geometry) for geometry in geometries]
         keys = [[(ChunkKey(model, kv_world_size, worker, cache_salt, chunk_hash),
                   l2_key(spaces[worker], ChunkKey(model, kv_world_size, worker, cache_salt,
@@ -128,8 +137,9 @@ class Prefetcher:
             per_window = max(1, WINDOW_BYTES // chunk_bytes)
             for start in range(0, run, per_window):
                 window = keys[start:min(run, start + per_window)]
-                landed = await self._land(window, geometries)
+                landed = await self._land(window, parents, geometries)
                 counters.hits += landed
+                parents = [chunk_key for chunk_key, _ in window[-1]]
                 if landed < len(window):
                     counters.misses += run - start - landed
                     return
@@ -139,9 +149,10 @@ class Prefetcher:
             logger.exception("L2 prefetch failed")
 
     async def _land(self, window: list[list[tuple[ChunkKey, bytes]]],
-                    geometries: list[Geometry]) -> int:
-        """Fetch, verify and commit one window of chunks, in order; return how many chunks
-        are in L1 after it (a bad value or a full pool ends the run there)."""
+                    parents: list[ChunkKey | None], geometries: list[Geometry]) -> int:
+        """Fetch, verify and commit one window of chunks, in order, the first after
+        `parents` (per kv worker); return how many chunks are in L1 after it (a bad value,
+        a full pool or a parent gone from L1 ends the run there)."""
         flat = [pair for chunk in window for pair in chunk]
         values = await self.health.call("GET", self.backend.get([key for _, key in flat]))
         self.counters.bytes_read += sum(len(value) for value in values if value is not None)
@@ -149,7 +160,8 @@ class Prefetcher:
         intact = await self.offload.run(lambda: [
             value is not None and verified_payload(key, value, size) is not None
             for (_, key), value, size in zip(flat, values, sizes)], lambda: None)
-        reserved: list[tuple[Chunk, bytes]] = []  # L1 chunks to fill, with their values
+        # L1 chunks to fill, with their values and the window's chunk they are of.
+        reserved: list[tuple[Chunk, bytes, int]] = []
         chunks_ready = 0
         workers = len(geometries)
         for c in range(len(window)):
@@ -159,36 +171,40 @@ class Prefetcher:
                 break
             placed = []
             for (chunk_key, key), value in zip(flat[ranks], values[ranks]):
+                worker = chunk_key.kv_worker_id
+                parent = window[c - 1][worker][0] if c else parents[worker]
                 reservation = self.store.reserve(chunk_key, len(value) - HEADER_BYTES,
-                                                 geometries[chunk_key.kv_worker_id])
+                                                 geometries[worker], parent=parent)
                 if reservation.status == StoreStatus.STORED:
-                    placed.append((reservation.chunk, value))
+                    placed.append((reservation.chunk, value, c))
                 elif reservation.status != StoreStatus.ALREADY_STORED:
-                    break  # no room, or over the salt's cap: the run ends here
+                    break  # no room, over the salt's cap, or its parent left L1: it ends here
                 self.ledger.seen(key)
             else:
                 reserved.extend(placed)
                 chunks_ready += 1
                 continue
-            for chunk, _ in placed:
+            for chunk, _, _ in placed:
                 self.store.abort(chunk)
             break
 
         def abort() -> None:
-            for chunk, _ in reserved:
+            for chunk, _, _ in reserved:
                 self.store.abort(chunk)
         try:
             await self.offload.run(lambda: [
                 _copy_payload(value, self.pool.view(chunk.offset, chunk.nbytes))
-                for chunk, value in reserved], abort)
+                for chunk, value, _ in reserved], abort)
         except asyncio.CancelledError:
             raise  # aborted when the copy thread is done
         except BaseException:
             abort()
             raise
-        # Later chunks first, as STORE commits them: eviction trims prompts from the end.
-        for chunk, _ in reversed(reserved):
-            self.store.commit(chunk)
+        # In prompt order, as STORE commits: a chunk whose parent went while it was copied
+        # (a CLEAR) is dropped by its commit, and so is every chunk after it.
+        for chunk, _, c in reserved:
+            if not self.store.commit(chunk):
+                chunks_ready = min(chunks_ready, c)
         return chunks_ready
 
     async def close(self) -> None:

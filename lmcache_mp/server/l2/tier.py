@@ -54,9 +54,9 @@ class L2Tier:
         self.writer.start()
 
     def after_store(self, chunks: Sequence[Chunk]) -> None:
-        """A STORE committed these chunks, each request's later ones first (so that the
-        budget, which deletes the oldest values, trims prompts from the end): queue them
-        for L2 (loop thread; never waits)."""
+        """A STORE committed these chunks, each request's in prompt order (so that a full
+        queue drops a prompt's end, not its start): queue them for L2 (loop thread; never
+        waits)."""
         if chunks and not self.closed:
             self.writer.offer(chunks)
 

@@ -124,7 +124,9 @@ class WriteBehind:
             self._settle(batch)
             raise
         todo, victims = [], []
-        for queued, here in zip(batch, present):
+        # A batch's later chunks first (a queue holds prompts in order): the budget deletes
+        # the oldest values first, so a prompt's end leaves L2 before its start.
+        for queued, here in reversed(list(zip(batch, present))):
             if here:
                 self.ledger.seen(queued.key)
                 counters.chunks_skipped += 1

@@ -118,22 +118,24 @@ def test_queue_bound_budget_and_ttl():
         with CacheClient(node_a.url, timeout=10) as client:
             stats = wait_for(lambda: (s := client.stats()).l2_queue_chunks == 0 and s,
                              "an empty queue")
-        # Queued later chunks first: the third chunk, then the second; the first did not fit.
+        # Queued in prompt order: the first and second chunks; the third did not fit.
         assert (stats.l2_chunks_written, stats.l2_dropped) == (2, 1)
         assert stats.l2_bytes_held == 2 * chunk
         second = prompt(tag=1541, num_chunks=1)
         store_through(node_a, second, seed=72)
         written(node_a, 3)
-        # The budget holds two values: the oldest (the first prompt's last chunk) went.
+        # The budget holds two values: the oldest went, which within a batch is the later
+        # chunk (the first prompt's second), so L2 keeps a prefix of the prompt.
         assert len(redis.client().keys("lmcache-mp:1:*")) == 2
-        assert l2_keys(redis, [first[1], second[0]])
+        assert l2_keys(redis, [first[0], second[0]])
         assert 0 < redis.client().ttl(l2_keys(redis, second)[0]) <= 100
         with CacheClient(node_a.url, timeout=10) as client:
             assert client.stats().l2_bytes_held == 2 * chunk
-        # B finds no first chunk in L2, so no run: a miss.
+        # B's run from L2 is the prompt's first chunk, byte for byte.
         result = run(retrieve_worker, Job(node_b.url, NUM_BLOCKS, None, first,
                                           chunk_blocks([5, 6, 7])))
-        assert (result.hit, result.retrieved) == (0, 0)
+        assert (result.hit, result.retrieved) == (1, 1)
+        assert torch.equal(result.blocks, expected_blocks(NUM_BLOCKS, 71, chunk_blocks([0])))
 
 
 def test_a_lookup_past_its_wait_answers_from_l1_and_the_pull_goes_on():

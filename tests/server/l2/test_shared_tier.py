@@ -89,3 +89,28 @@ def test_two_nodes_share_a_redis_cluster():
         two_nodes_share("redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in nodes[:2]))
         keys = [key for node in nodes for key in node.client().keys("lmcache-mp:1:*")]
         assert len(keys) == 4
+
+
+def test_pulled_chunks_name_their_parents_so_a_squeeze_leaves_a_prefix():
+    """B has the prompt's first chunk; its LOOKUP pulls the other three from L2. When a cap
+    cut leaves two chunks, they are the prompt's first two, even though the last chunk
+    was used last: pulled chunks are linked to the chunk before them, L1's one included."""
+    with redis_server() as redis, run_server("--l2", redis.url, *L2_FLAGS) as node_a, \
+            run_server("--l2", redis.url, *L2_FLAGS) as node_b, \
+            CacheClient(node_b.url, admin=True, timeout=10) as client:
+        hashes = prompt(tag=1502, num_chunks=4)
+        store_through(node_a, hashes, seed=43, salt="t")
+        written(node_a, 4)
+        store_through(node_b, hashes[:1], seed=43, salt="t")
+        retrieve_through(node_b, hashes, seed=43, salt="t")
+        stats = client.stats()
+        assert (stats.l2_hits, stats.chunks) == (3, 4)
+        # The prompt's last chunk is now the most recently used one.
+        assert client.lookup(MODEL, 1, [LookupItem.build("end", hashes[3:], "t")]) == [1]
+        chunk_bytes = stats.tenants["t"].bytes_used // 4
+        client.quota_set("t", 2 * chunk_bytes)
+        remaining = client.stats().chunks
+        assert remaining == 2
+        # Pulling the rest again is over the cap: what B keeps is all a LOOKUP finds.
+        assert client.lookup(MODEL, 1, [LookupItem.build("q", hashes, "t")]) == [remaining]
+        retrieve_through(node_b, hashes[:remaining], seed=43, salt="t")
