@@ -183,6 +183,49 @@ class Report:
     phases: list[PhaseResult]
     lookup_samples_us: list[float] = field(default_factory=list, repr=False)
     echo_samples_us: list[float] = field(default_factory=list, repr=False)
+    # --profile: "OP\tside phase" -> [nanoseconds, spans, items], every process summed
+    profile: dict[str, list[int]] | None = None
+
+
+# The phases of one request in the order they happen (lmcache_mp/phases.py stamps them).
+PROFILE_PHASES = ("client encode", "server decode", "server handle", "server index",
+                  "server submit", "server copy", "server complete", "server reply",
+                  "client decode")
+
+
+def render_profile(profile: dict[str, list[int]]) -> str:
+    """Time per request in each phase, per op: where a request's time goes. `server handle`
+    is validation (and, for LOOKUP, the index probes, shown apart too); `server reply`
+    encodes the reply; `socket and waits` is the client's round trip less the server's
+    phases: the wire, sends, both loops' queues and the waits between a transfer's
+    slices."""
+    rows = []
+    for op in sorted({key.split("\t")[0] for key in profile}):
+        spans = {phase: profile.get(f"{op}\t{phase}") for phase in (*PROFILE_PHASES,
+                                                                    "client round trip")}
+        trip = spans["client round trip"]
+        requests = trip[1] if trip else max(v[1] for v in spans.values() if v)
+        # LOOKUP probes the index inside `server handle`; transfers after it, in slices.
+        nested = ("server index",) if op == "LOOKUP" else ()
+        server = sum(spans[p][0] for p in PROFILE_PHASES
+                     if p.startswith("server") and p not in nested and spans[p])
+        for phase in PROFILE_PHASES:
+            total = spans[phase]
+            if total is None:
+                continue
+            unit = "key" if op == "LOOKUP" else "chunk"
+            per_item = (f"{total[0] / total[2] / 1e3:.2f} µs per {unit}"
+                        if total[2] and phase in ("server index", "server submit",
+                                                  "server copy", "server complete") else "")
+            rows.append([op, phase, f"{total[0] / requests / 1e3:.1f} µs", per_item])
+        if trip:
+            rows.append([op, "socket and waits", f"{(trip[0] - server) / requests / 1e3:.1f} µs",
+                         ""])
+            rows.append([op, "client round trip (all)", f"{trip[0] / requests / 1e3:.1f} µs",
+                         f"{requests} requests"])
+    lines = ["| op | phase | per request | |", "| --- | --- | --- | --- |"]
+    lines += [f"| {' | '.join(row)} |" for row in rows]
+    return "\n".join(lines)
 
 
 def _finite(value: object) -> object:

@@ -8,6 +8,7 @@ import os
 import platform
 import secrets
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import torch
 import zmq
 from tqdm import tqdm
 
-from .. import __version__
+from .. import __version__, phases
 from ..client import CacheClient
 from ..protocol import StatsReply
 from ..spawn import ServerProcess
@@ -58,6 +59,7 @@ class BenchOptions:
     lookup_seconds: float
     timeout: float
     progress: bool
+    profile: bool = False  # time each phase of a request in every process (phases.py)
 
 
 def _blocks_per_request(options: BenchOptions, workload: Workload) -> int:
@@ -110,6 +112,16 @@ def run(options: BenchOptions, log: Callable[[str], None]) -> Report:
     kv_world_size = options.pp if options.shape.layout == "mla" else world
     workload = _workload(options, salt)
     with contextlib.ExitStack() as stack:
+        profile: dict[str, list[int]] = {}
+        if options.profile:
+            # Before the server and the ranks start: they inherit it and time themselves.
+            profile_dir = stack.enter_context(tempfile.TemporaryDirectory(
+                prefix="lmcache-mp-profile-"))
+            os.environ[phases.ENV] = profile_dir
+            stack.callback(os.environ.pop, phases.ENV, None)
+            phases.enable(profile_dir)
+            # Last out: every process has written its totals once the others are closed.
+            stack.callback(lambda: profile.update(_read_profile(profile_dir)))
         url, spawned = options.url, options.url is None
         server = None
         if spawned:
@@ -168,7 +180,7 @@ def run(options: BenchOptions, log: Callable[[str], None]) -> Report:
         bound = copy_bound_gbs(min(max(step_bytes, 64 * MiB), 1024 * MiB))
         log(f"single-thread copy bound: {bound:.2f} GB/s")
 
-        phases = _run_phases(options, workload, engines, client, capacity, log)
+        results = _run_phases(options, workload, engines, client, capacity, log)
         log(f"LOOKUP latency: {options.lookup_rounds} rounds × {options.lookup_iters}, "
             f"batched LOOKUP {options.lookup_seconds:g} s")
         prefixes = [prefix for engine in engines for prefix in engine.recent_prefixes]
@@ -177,7 +189,14 @@ def run(options: BenchOptions, log: Callable[[str], None]) -> Report:
                                   options.lookup_seconds)
         final = client.stats()
         meta = _meta(options, redis)
-    return _report(options, meta, bound, phases, lookups, final, url, spawned, capacity)
+    report = _report(options, meta, bound, results, lookups, final, url, spawned, capacity)
+    report.profile = profile if options.profile else None
+    return report
+
+
+def _read_profile(directory: str) -> dict[str, list[int]]:
+    phases.disable()  # writes this process's own: the LOOKUP latency and batched clients
+    return phases.read(directory)
 
 
 def _forget(client: CacheClient, workload: Workload) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .. import protocol, runtime
+from .. import phases, protocol, runtime
 from ..errors import (RequestTimeout, ServerError, ServerUnavailable, Unauthenticated,
                       error_from_reply)
 
@@ -40,6 +40,7 @@ class _Call:
     attended: bool  # a thread in call() waits on it
     retried: bool = False  # sent again after HELLO, once, when the server had no session
     wait_for_connection: bool = True  # False: fail at once when it cannot be sent now
+    sent: int = 0  # phases.now() when it was queued (lmcache-mp-bench --profile)
 
 
 class RpcClient:
@@ -195,13 +196,16 @@ class RpcClient:
     def _submit(self, request: Any, timeout: float | None, attended: bool,
                 wait_for_connection: bool = True) -> Future:
         op = protocol.op_name(request)
+        stamp = phases.now()
         payload = protocol.pack(request)
+        stamp = phases.add(op, "client encode", stamp)
         future: Future = Future()
         with self._state:
             if self._closed:
                 raise ServerUnavailable("the client is closed")
             call = self._new_call(op, payload, timeout, future, attended)
             call.wait_for_connection = wait_for_connection
+            call.sent = stamp
             self._unsent.append(call)
             if attended:
                 if self._leader is None:  # lead straight away: no hand-off on the way back
@@ -363,7 +367,10 @@ class RpcClient:
             return
         try:
             if status == protocol.STATUS_OK:
-                call.future.set_result(protocol.unpack(call.reply_type, payload))
+                stamp = phases.add(call.frames[1], "client round trip", call.sent)
+                reply = protocol.unpack(call.reply_type, payload)
+                phases.add(call.frames[1], "client decode", stamp)
+                call.future.set_result(reply)
                 return
             reply = protocol.unpack(protocol.ErrorReply, payload)
         except ServerError as exc:  # the server's payload did not decode

@@ -460,7 +460,12 @@ def build_parser() -> argparse.ArgumentParser:
                "the engine token in HELLO, admin ops the admin token (docs/security.md). "
                "SIGINT/SIGTERM drain in-flight requests and exit 0; a second signal exits at "
                "once. SIGHUP reloads --quota-file. `lmcache-mp-server quota --help` shows the "
-               "admin command that edits quotas of a running server.")
+               "admin command that edits quotas of a running server. Diagnostics: with "
+               "LMCACHE_MP_PROFILE=DIR in its environment the server times each phase of "
+               "every request (decode, validation, index, copy submission, copy, completion, "
+               "reply) and writes the totals to DIR as JSON when it exits; "
+               "`lmcache-mp-bench --profile` sets it and prints the table (docs/benchmarks.md, "
+               "Profiling). Off, it costs nothing.")
     parser.add_argument("--config", metavar="PATH", default=argparse.SUPPRESS,
                         help="TOML file of options, keyed by the flags' names with - written _ "
                              "(e.g. cpu_size = \"8GiB\"); flags and environment variables "

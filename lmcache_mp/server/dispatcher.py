@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import resource
 import time
 from collections import Counter
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from .. import __version__
+from .. import __version__, phases
 from ..errors import BadRequest, Forbidden, InternalError, UnsupportedVersion
 from ..protocol import (
     ADMIN_OPS,
@@ -119,32 +120,15 @@ class _Transfer:
     """One validated STORE or RETRIEVE item: its keys and, per chunk, its block ids."""
 
     def __init__(self, session: Session, instance: KVCacheInstance, item: TransferItem,
-                 path: str, allow_skip: bool):
+                 path: str, block_ids: torch.Tensor, skips: list[bool]):
+        """`block_ids`: the item's ids, checked, as [chunks, blocks per chunk]; `skips`:
+        per chunk, whether some id is SKIP_BLOCK (both from _BlockIds, off the copy path)."""
         self.owner = _lease_owner(session, item.cache_salt, item.request_id, f"{path}.")
         if not 0 <= item.load_seq <= MAX_INSTANCE_ID:
             raise BadRequest(f"`{path}.load_seq`: must be in [0, {MAX_INSTANCE_ID}]")
         self.load_seq = item.load_seq
         salt = self.owner.cache_salt
         hashes = unpack_hashes(item.chunk_hashes, f"{path}.chunk_hashes")
-        if len(item.block_ids) % BLOCK_ID_BYTES:
-            raise BadRequest(f"`{path}.block_ids`: length {len(item.block_ids)} is not a "
-                             f"multiple of {BLOCK_ID_BYTES}")
-        per_chunk = instance.geometry.blocks_per_chunk
-        count = len(item.block_ids) // BLOCK_ID_BYTES
-        if count != len(hashes) * per_chunk:
-            raise BadRequest(f"`{path}.block_ids`: {len(hashes)} chunks need "
-                             f"{len(hashes) * per_chunk} block ids ({per_chunk} per chunk), "
-                             f"got {count}")
-        # One tensor op per check, not a Python loop per block: thousands of chunks stay cheap.
-        ids = (torch.frombuffer(bytearray(item.block_ids), dtype=torch.int32).to(torch.int64)
-               if count else torch.empty(0, dtype=torch.int64))
-        skipped = ids == SKIP_BLOCK if allow_skip else None
-        written = ids[~skipped] if skipped is not None else ids
-        if written.numel() and not (0 <= int(written.min()) and
-                                    int(written.max()) < instance.num_blocks):
-            skip = f" (or {SKIP_BLOCK} to leave a block alone)" if allow_skip else ""
-            raise BadRequest(f"`{path}.block_ids`: ids must be in [0, {instance.num_blocks})"
-                             f"{skip}, got range [{int(written.min())}, {int(written.max())}]")
         self.keys = [ChunkKey(instance.model, instance.kv_world_size, instance.kv_worker_id,
                               salt, h) for h in hashes]
         parent = unpack_hashes(item.parent_hash, f"{path}.parent_hash")
@@ -153,10 +137,62 @@ class _Transfer:
         # STORE: each chunk's parent, the prompt's chunk before it
         self.parents = [self.keys[0]._replace(chunk_hash=parent[0]) if parent and hashes
                         else None, *self.keys[:-1]]
-        self.block_ids = ids.view(len(hashes), per_chunk) if count else ids
-        # Per chunk: whether some block is SKIP_BLOCK (decided here, off the copy path).
-        self.skips = (skipped.view(len(hashes), per_chunk).any(1).tolist()
-                      if skipped is not None and count else [])
+        self.block_ids = block_ids
+        self.skips = skips
+
+
+class _BlockIds:
+    """The block ids of all of a message's items, checked at once: one tensor and a few
+    tensor ops per message, not per item, so that many small items stay cheap."""
+
+    def __init__(self, instance: KVCacheInstance, items: list[TransferItem], allow_skip: bool):
+        per_chunk = instance.geometry.blocks_per_chunk
+        self.chunks: list[int] = []
+        for i, item in enumerate(items):
+            path = f"items[{i}]"
+            if len(item.chunk_hashes) % CHUNK_HASH_BYTES:  # unpack_hashes's message
+                unpack_hashes(item.chunk_hashes, f"{path}.chunk_hashes")
+            chunks = len(item.chunk_hashes) // CHUNK_HASH_BYTES
+            if len(item.block_ids) % BLOCK_ID_BYTES:
+                raise BadRequest(f"`{path}.block_ids`: length {len(item.block_ids)} is not a "
+                                 f"multiple of {BLOCK_ID_BYTES}")
+            count = len(item.block_ids) // BLOCK_ID_BYTES
+            if count != chunks * per_chunk:
+                raise BadRequest(f"`{path}.block_ids`: {chunks} chunks need "
+                                 f"{chunks * per_chunk} block ids ({per_chunk} per chunk), "
+                                 f"got {count}")
+            self.chunks.append(chunks)
+        packed = b"".join(item.block_ids for item in items)
+        ids = (torch.frombuffer(bytearray(packed), dtype=torch.int32).to(torch.int64)
+               if packed else torch.empty(0, dtype=torch.int64))
+        skipped = ids == SKIP_BLOCK if allow_skip else None
+        written = ids[~skipped] if skipped is not None else ids
+        if written.numel():
+            low, high = (int(bound) for bound in written.aminmax())
+            if low < 0 or high >= instance.num_blocks:
+                self._refuse(instance, ids, skipped, allow_skip)
+        rows = ids.view(-1, per_chunk)
+        self.per_item = rows.split(self.chunks)
+        flags = (skipped.view(-1, per_chunk).any(1).tolist() if skipped is not None
+                 else [False] * rows.shape[0])
+        starts = itertools.accumulate(self.chunks, initial=0)
+        self.skips = [flags[start:start + n] for start, n in zip(starts, self.chunks)]
+
+    def _refuse(self, instance: KVCacheInstance, ids: torch.Tensor,
+                skipped: torch.Tensor | None, allow_skip: bool) -> None:
+        """Name the first item with an id out of range, and its range."""
+        per_chunk = instance.geometry.blocks_per_chunk
+        start = 0
+        for i, chunks in enumerate(self.chunks):
+            end = start + chunks * per_chunk
+            written = ids[start:end] if skipped is None else ids[start:end][~skipped[start:end]]
+            start = end
+            if written.numel() and not (0 <= int(written.min()) and
+                                        int(written.max()) < instance.num_blocks):
+                skip = f" (or {SKIP_BLOCK} to leave a block alone)" if allow_skip else ""
+                raise BadRequest(f"`items[{i}].block_ids`: ids must be in "
+                                 f"[0, {instance.num_blocks}){skip}, got range "
+                                 f"[{int(written.min())}, {int(written.max())}]")
 
 
 class Dispatcher:
@@ -302,9 +338,12 @@ class Dispatcher:
     def _lookup_now(self, req: LookupRequest, parsed, probes: int
                     ) -> LookupReply | Awaitable[LookupReply]:
         if probes <= LOOKUP_SLICE_PROBES:
-            return LookupReply([self.store.lookup(req.model, req.kv_world_size, salt, hashes,
-                                                  holder)
-                                for salt, hashes, holder in parsed])
+            stamp = phases.now()
+            reply = LookupReply([self.store.lookup(req.model, req.kv_world_size, salt, hashes,
+                                                   holder)
+                                 for salt, hashes, holder in parsed])
+            phases.add("LOOKUP", "server index", stamp, probes)
+            return reply
         return self._sliced_lookup(req, parsed)
 
     async def _lookup_after(self, prefetch: Awaitable[None], req: LookupRequest, parsed,
@@ -341,8 +380,10 @@ class Dispatcher:
     def _transfers(self, session: Session, instance: KVCacheInstance,
                    items: list[TransferItem], allow_skip: bool = False) -> list[_Transfer]:
         self._check_batch_size([item.chunk_hashes for item in items])
-        return [_Transfer(session, instance, item, f"items[{i}]", allow_skip)
-                for i, item in enumerate(items)]
+        block_ids = _BlockIds(instance, items, allow_skip)
+        return [_Transfer(session, instance, item, f"items[{i}]", ids, skips)
+                for i, (item, ids, skips) in enumerate(zip(items, block_ids.per_item,
+                                                           block_ids.skips))]
 
     def _chunk_bytes(self, chunk: Chunk) -> torch.Tensor:
         pool = self.gpu_pool if chunk.tier == GPU_TIER else self.pool
@@ -412,6 +453,7 @@ class Dispatcher:
             settle = self.store.finish_demotion if demotions_landed else self.store.abort_demotion
             for demotion in demotions:
                 settle(demotion)
+        stamp = phases.now()
         try:
             await self._each(places, lambda place: self.store.reserve(
                 place[2], geometry.chunk_bytes, geometry, on_gpu,
@@ -419,9 +461,11 @@ class Dispatcher:
             pending = [(i, c, r.chunk) for (i, c, _), r in zip(places, reservations)
                        if r.chunk is not None]
             demotions = [r.demotion for r in reservations if r.demotion is not None]
+            stamp = phases.add("STORE", "server index", stamp, len(places))
             jobs: list = []
             await self._each(pending, lambda p: (transfers[p[0]].block_ids[p[1]],
                                                  self._chunk_tensor(p[2], instance)), jobs)
+            stamp = phases.add("STORE", "server submit", stamp, len(jobs))
             copy_started = time.perf_counter()
             if instance.lane is not None:
                 moves = [(self._chunk_bytes(d.chunk), self.gpu_pool.view(d.gpu_offset,
@@ -432,6 +476,7 @@ class Dispatcher:
                 errors = await self.copy_engine.run([partial(instance.gather, ids, out)
                                                      for ids, out in jobs], deadline)
             self.metrics.copied("store", time.perf_counter() - copy_started)
+            stamp = phases.add("STORE", "server copy", stamp, len(jobs))
         except DeviceStalled as stall:
             # The device may still write into those chunks; when it is done, demotions landed.
             stall.after(partial(abort_all, True))
@@ -469,6 +514,7 @@ class Dispatcher:
         if self.l2 is not None:  # written behind: after this reply has gone
             self.l2.after_store([chunk for (_, _, chunk), stays in zip(copied, kept)
                                  if stays])
+        phases.add("STORE", "server complete", stamp, len(places))
         return StoreReply([bytes(s) for s in statuses])
 
     def retrieve_chunks(self, session: Session, req: RetrieveRequest
@@ -499,15 +545,18 @@ class Dispatcher:
                 chunk = self.store.hold_if_stored(key, geometry)
                 if chunk is not None:
                     held[i].append(chunk)
+        stamp = phases.now()
         try:
             places = [(i, c, key) for i, t in enumerate(transfers) for c, key in enumerate(t.keys)]
             await self._each(places, hold, [])
+            stamp = phases.add("RETRIEVE", "server index", stamp, len(places))
             flat = [(t, c, chunk) for t, chunks in zip(transfers, held)
                     for c, chunk in enumerate(chunks)]
             jobs: list = []
             await self._each(flat, lambda f: (f[0].block_ids[f[1]],
                                               self._chunk_tensor(f[2], leader), f[0].skips[f[1]]),
                              jobs)
+            stamp = phases.add("RETRIEVE", "server submit", stamp, len(jobs))
             copy_started = time.perf_counter()
             if leader.lane is not None:
                 per_target = await self.copier.retrieve(targets, jobs, deadline)
@@ -517,6 +566,7 @@ class Dispatcher:
                     [partial(target.scatter, *job) for target in targets for job in jobs],
                     deadline)
             self.metrics.copied("retrieve", time.perf_counter() - copy_started)
+            stamp = phases.add("RETRIEVE", "server copy", stamp, len(jobs) * len(targets))
         except DeviceStalled as stall:
             stall.after(unhold)  # the device may still read those chunks
             stall.after(unpin)
@@ -540,6 +590,7 @@ class Dispatcher:
             self.push(follower.owner, LoadDone(follower.instance_id, [
                 LoadDoneItem(t.owner.request_id, t.owner.cache_salt, n, t.load_seq)
                 for t, n in zip(transfers, landed[follower.instance_id])]))
+        phases.add("RETRIEVE", "server complete", stamp, len(flat))
         return RetrieveReply(landed[leader.instance_id])
 
     def release(self, session: Session, req: ReleaseRequest) -> ReleaseReply:

@@ -21,7 +21,7 @@ import torch
 import uvloop
 import zmq
 
-from .. import __version__, cuda, protocol, runtime
+from .. import __version__, cuda, phases, protocol, runtime
 from ..errors import InternalError, ServerError, ShuttingDown
 from ..sizes import format_size
 from .access import Sessions, load_or_create_token, prepare_runtime_dir, read_token_file
@@ -316,6 +316,7 @@ class Server:
 
     def _dispatch(self, frames: list[bytes]) -> None:
         started = time.perf_counter()
+        stamp = phases.now()
         client, body = frames[0], frames[1:]
         request_id = protocol.request_id_of(body)
         op = "invalid"
@@ -329,9 +330,12 @@ class Server:
             self.dispatcher.admit(client, parsed.op)
             request = protocol.unpack(protocol.OPS[parsed.op].request, parsed.payload,
                                       bounded=True)
+            stamp = phases.add(op, "server decode", stamp)
             result = self.dispatcher.handle(client, parsed.op, request)
+            stamp = phases.add(op, "server handle", stamp)
             if not inspect.isawaitable(result):
                 reply = protocol.reply_frames(request_id, result)
+                phases.add(op, "server reply", stamp)
         except Exception as exc:
             self._send_error(client, request_id, exc, op, started)
             return
@@ -346,7 +350,10 @@ class Server:
 
     async def _finish(self, pending: _InFlight, result: Awaitable) -> None:
         try:
-            reply = protocol.reply_frames(pending.request_id, await result)
+            value = await result
+            stamp = phases.now()
+            reply = protocol.reply_frames(pending.request_id, value)
+            phases.add(pending.op, "server reply", stamp)
         except Exception as exc:
             if asyncio.current_task() not in self._answered:
                 self._send_error(pending.client, pending.request_id, exc, pending.op,

@@ -244,9 +244,15 @@ class ChunkStore:
     def _probe(self, model: str, kv_world_size: int, cache_salt: str, chunk_hash: bytes
                ) -> list[Chunk] | None:
         """The visible chunk of every kv worker for one hash, or None if any is missing."""
-        chunks = [self._visible(ChunkKey(model, kv_world_size, worker, cache_salt, chunk_hash))
-                  for worker in range(kv_world_size)]
-        return None if None in chunks else chunks
+        # _visible inlined, stopping at the first miss: the LOOKUP hot path, per key.
+        get = self._chunks.get
+        chunks = []
+        for worker in range(kv_world_size):
+            chunk = get(ChunkKey(model, kv_world_size, worker, cache_salt, chunk_hash))
+            if chunk is None or not chunk.committed or chunk.moving:
+                return None
+            chunks.append(chunk)
+        return chunks
 
     def _touch_and_lease(self, cache_salt: str, hashes: int, hit: int, found: list[Chunk],
                          holder: LeaseOwner | None, held: bool) -> int:
@@ -352,12 +358,23 @@ class ChunkStore:
         self._remove(demotion.chunk, evicted=False)
         self._bring_under_cap([salt])
 
-    def adopt(self, key: ChunkKey, offset: int, nbytes: int, geometry: Hashable) -> bool:
+    def adopt(self, key: ChunkKey, offset: int, nbytes: int, geometry: Hashable,
+              parent: ChunkKey | None = None) -> bool:
         """Index a chunk a warm restart found in the CPU pool at `offset` as committed (most
-        recently used); False if its key is taken or its extent is not free."""
-        if key in self._chunks or not self.allocator.take(offset, nbytes):
+        recently used), after `parent` (adopt parents first); False if its key is taken, its
+        parent is not stored, or its extent is not free."""
+        parent_chunk = None if parent is None else self._chunks.get(parent)
+        if key in self._chunks or (parent is not None and parent_chunk is None) \
+                or not self.allocator.take(offset, nbytes):
             return False
-        chunk = self._chunks[key] = Chunk(key, offset, nbytes, geometry)
+        chunk = self._chunks[key] = Chunk(key, offset, nbytes, geometry, parent=parent_chunk)
+        if parent_chunk is not None:
+            if parent_chunk.successors is None:
+                parent_chunk.successors = set()
+            if parent_chunk.evictable:  # no longer: a stored chunk follows it
+                self._policies[parent_chunk.tier].remove(parent_chunk.key.cache_salt,
+                                                         parent_chunk.key)
+            parent_chunk.successors.add(chunk)
         self._tenant(key.cache_salt).bytes_used += chunk.footprint
         self._pending += 1
         self.commit(chunk)

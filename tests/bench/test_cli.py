@@ -195,3 +195,32 @@ def test_a_server_that_does_not_answer_fails_the_run_in_bounded_time():
                    *TINY, timeout=60)
     assert result.returncode == 3, result.stderr[-2000:]
     assert "the run failed" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_profile_prints_time_per_phase(tmp_path):
+    """--profile: every process's phases, from a real run, add up per request and op."""
+    data = run_json(tmp_path, "--workload", "W2", "--requests", "4", "--chunks", "2",
+                    "--batch", "2", "--profile")
+    profile = data["profile"]
+    for op in ("STORE", "RETRIEVE", "LOOKUP"):
+        trips = profile[f"{op}\tclient round trip"][1]
+        assert trips > 0
+        # one span per request on each side, whatever the process that stamped it
+        for phase in ("client encode", "server decode", "server handle", "server reply",
+                      "client decode"):
+            assert profile[f"{op}\t{phase}"][1] == trips, (op, phase)
+        server = sum(profile[f"{op}\t{phase}"][0] for phase in (
+            "server decode", "server handle", "server reply"))
+        assert 0 < server < profile[f"{op}\tclient round trip"][0]
+    for op in ("STORE", "RETRIEVE"):  # every chunk went through one copy
+        assert profile[f"{op}\tserver copy"][2] == profile[f"{op}\tserver submit"][2] > 0
+    assert profile["LOOKUP\tserver index"][2] >= profile["LOOKUP\tserver index"][1]
+    assert data["figures"]["store"]["measured"] > 0
+
+
+def test_phases_cost_nothing_when_off():
+    from lmcache_mp import phases
+
+    assert not phases.enabled  # only LMCACHE_MP_PROFILE or --profile turns it on
+    assert phases.now() == 0 and phases.add("STORE", "server copy", 0) == 0
+    assert phases.totals() == {}
