@@ -10,9 +10,9 @@ import torch
 
 from ..errors import LMCacheMPError
 from ..runtime import default_url
-from . import vllm_ttft
+from . import nodes, vllm_ttft
 from .redis_peer import PeerUnavailable, check_redis_available
-from .report import render, to_json
+from .report import render, render_profile, to_json
 from .run import UNIFORM, WORKLOADS, BenchOptions, run
 from .shapes import SHAPES
 
@@ -43,6 +43,7 @@ examples:
   lmcache-mp-bench --workload W1 --peer redis
   lmcache-mp-bench --workload W3 --tp 2 --json w3.json
   lmcache-mp-bench --workload chat --duration 60 --plot chat.png
+  lmcache-mp-bench --workload chat --nodes 2 --adopt-restart   # two servers, one Redis
   lmcache-mp-bench --workload W2 --url   # the server running at this user's default endpoint
   LMCACHE_MP_TOKEN=... LMCACHE_MP_ADMIN_TOKEN=... \
     lmcache-mp-bench --workload W2 --url tcp://127.0.0.1:5555
@@ -146,8 +147,29 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds of batched LOOKUP throughput, half of it echo (default 4)")
     parser.add_argument("--timeout", type=positive_float, default=120.0,
                         help="seconds any one server reply or rank step may take (default 120)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also time each phase of a request in every process (client "
+                             "encode, server decode, validation, index, copy submission, copy, "
+                             "completion, reply, client decode) and print time per request "
+                             "per phase; the figures include the stamps' own small cost")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
                         help="no progress bar (it is off anyway when stderr is not a terminal)")
+    parser.add_argument("--nodes", type=positive_int, default=1, metavar="N",
+                        help="chat only: spread the conversations over N spawned servers "
+                             "sharing one Redis as L2 (--workers engines each) and report "
+                             "the hit rate across nodes against a node alone's and an "
+                             "unbounded cache's, LOOKUP latency of a cross-node hit (L2 "
+                             "prefetch) against an L1 hit, write-behind throughput against "
+                             "Redis's own pipelined SET, and tokens loaded (default 1)")
+    parser.add_argument("--l2", metavar="URL",
+                        help="with --nodes: the Redis the nodes share (redis://host:port[/db] "
+                             "or rediss://; default: a redis-server started here on a free "
+                             "loopback port); the run's chunks stay there for an hour (TTL)")
+    parser.add_argument("--adopt-restart", action="store_true",
+                        help="with --nodes: keep each node's pool in a shared-memory segment "
+                             "(--pool-segment), SIGTERM the last node halfway through and "
+                             "start it again with --adopt require; report its hit rate before "
+                             "and after")
     return parser
 
 
@@ -185,7 +207,7 @@ def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> B
         seed=args.seed, peer=args.peer, cpu_size=args.cpu_size, verify=args.verify,
         lookup_rounds=args.lookup_rounds, lookup_iters=args.lookup_iters,
         lookup_seconds=args.lookup_seconds, timeout=args.timeout,
-        progress=args.progress and sys.stderr.isatty())
+        progress=args.progress and sys.stderr.isatty(), profile=args.profile)
 
 
 def log(message: str) -> None:
@@ -197,8 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.workload == "engine":
         return engine_main(args)
+    nodes.check_flags(args, parser)
     options = options_from(args, parser)
     torch.set_num_threads(1)
+    if args.nodes > 1:
+        return nodes.nodes_main(args, options, log)
     try:
         report = run(options, log)
     except PeerUnavailable as exc:
@@ -213,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({'spawned' if report.server.spawned else 'given'}), pool "
           f"{report.meta['server_pool']}; {report.meta['cpus']} CPUs.\n")
     print(render(report))
+    if report.profile is not None:
+        print(f"\n### Time per request, by phase (--profile)\n\n{render_profile(report.profile)}")
     if args.json is not None:
         args.json.write_text(to_json(report))
         log(f"wrote {args.json}")
