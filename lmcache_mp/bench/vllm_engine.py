@@ -125,6 +125,7 @@ class EngineSettings:
     chunk_size: int = 64  # the server's --chunk-size
     cache_name: str = "tiny-llama"  # the connector's `model`: the name in cache keys
     max_model_len: int = 2048
+    sync_load_max_bytes: int | None = None  # the connector's option; None: its default
 
 
 @dataclass
@@ -217,12 +218,14 @@ def _build_engine(settings: EngineSettings):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
+    extra = {"url": settings.server_url, "chunk_size": settings.chunk_size,
+             "model": settings.cache_name}
+    if settings.sync_load_max_bytes is not None:
+        extra["sync_load_max_bytes"] = settings.sync_load_max_bytes
     transfer = KVTransferConfig(
         kv_connector="LMCacheMPServerConnector",
         kv_connector_module_path="lmcache_mp.integrations.vllm", kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"url": settings.server_url, "chunk_size": settings.chunk_size,
-                                   "model": settings.cache_name})
+        kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     return LLM(model=settings.model_dir, skip_tokenizer_init=True, block_size=BLOCK_SIZE,
                max_model_len=settings.max_model_len, max_num_seqs=8, enforce_eager=True,
                dtype="float32", seed=0, enable_prefix_caching=True,

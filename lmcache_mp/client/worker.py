@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, replace
 
+from ..errors import RequestTimeout
 from ..protocol import CHUNK_HASH_BYTES, SKIP_BLOCK, TransferItem, unpack_block_ids
 from .api import DEADLINE_MARGIN_S, CacheClient, Registration
 from .parallel import ParallelStrategy
@@ -31,13 +33,15 @@ class _Load:
     index: int  # this item's place in the batch's reply
     deadline: float  # past it the server writes the blocks no more, answer or not
     disconnects: int  # the client's count at the start: when it changes, the server is gone
+    landed: int | None = None  # on a follower, what wait_for_loads got: chunks landed
 
 
 class WorkerAdapter:
     """Called by each worker process (one per rank) around its forward passes; no method
-    blocks on the server (but wait_for_stores, when asked to), and a server that cannot be
-    reached never hangs a forward pass: stores are skipped, loads report their blocks as
-    failed so the engine recomputes them.
+    blocks on the server (but wait_for_stores and wait_for_loads, when asked to), and a
+    server that cannot be reached never hangs a forward pass for longer than a transfer's
+    deadline: stores are skipped, loads report their blocks as failed so the engine
+    recomputes them.
 
     The blocks of a transfer are the engine's again once the adapter reports it finished:
     every STORE and RETRIEVE carries a budget (`load_timeout`), the server starts no copy
@@ -126,6 +130,26 @@ class WorkerAdapter:
                 if store.future is not None and left > 0:
                     wait([store.future], timeout=left)
 
+    def wait_for_loads(self, request_ids: Iterable[str]) -> None:
+        """Worker, before a forward pass that reads these requests' loads (an engine's
+        synchronous loads): blocks until each has landed or failed, at most until its
+        deadline, after which the server writes its blocks no more. They are reported by
+        get_finished as usual."""
+        for request_id in request_ids:
+            load = self._loads.get(request_id)
+            if load is None:
+                continue
+            if load.future is not None:
+                # (a timed wait may end a little early: get_finished must find it settled)
+                while not load.future.done() and (left := load.deadline - time.monotonic()) > 0:
+                    wait([load.future], timeout=left)
+                continue
+            left = load.deadline - time.monotonic()
+            if left > 0 and not self.parallel.sends_transfers:
+                with contextlib.suppress(RequestTimeout):
+                    load.landed = self.client.wait_for_load(
+                        request_id, load.item.cache_salt, left, load.item.load_seq)
+
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(requests whose stores finished, requests whose loads finished) since the last
         call; called after every forward pass. A failed store is logged and finished."""
@@ -160,6 +184,8 @@ class WorkerAdapter:
 
     def _landed(self, load: _Load, now: float) -> int | None:
         """Chunks that landed in this rank's blocks, or None while the load is on its way."""
+        if load.landed is not None:
+            return load.landed
         if not self.parallel.sends_transfers:
             landed = self.client.poll_load(load.item.request_id, load.item.cache_salt,
                                            load.item.load_seq)

@@ -46,7 +46,8 @@ def models(python, tmp_path_factory) -> dict[int, str]:
 class Engines:
     server: ServerProcess
     writer: EngineProcess  # seed 1: computes and stores prefixes
-    reader: EngineProcess  # seed 1, another process: loads them
+    reader: EngineProcess  # seed 1, another process: loads them (sync loads: small ones)
+    async_reader: EngineProcess  # seed 1, with every load async (sync_load_max_bytes 0)
     impostor: EngineProcess  # seed 2 under the same cache name: stores KV of other weights
 
 
@@ -55,14 +56,16 @@ def engines(python, models, tmp_path_factory) -> Iterator[Engines]:
     logs = tmp_path_factory.mktemp("engine-logs")
     with run_server("--chunk-size", str(CHUNK_SIZE), "--cpu-size", "256MiB") as server, \
             ExitStack() as stack:
-        def engine(name: str, seed: int) -> EngineProcess:
+        def engine(name: str, seed: int, **options) -> EngineProcess:
             settings = EngineSettings(models[seed], server_url=server.url, chunk_size=CHUNK_SIZE,
-                                      cache_name=CACHE_NAME)
+                                      cache_name=CACHE_NAME, **options)
             return stack.enter_context(EngineProcess(python, settings, logs / f"{name}.log"))
 
         started = Engines(server, engine("writer", 1), engine("reader", 1),
+                          engine("async-reader", 1, sync_load_max_bytes=0),
                           engine("impostor", 2))
-        for process in (started.writer, started.reader, started.impostor):
+        for process in (started.writer, started.reader, started.async_reader,
+                        started.impostor):
             process.wait_ready()
         yield started
 

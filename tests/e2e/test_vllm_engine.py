@@ -67,14 +67,17 @@ def store_prefix(engine: EngineProcess, admin, prompt: list[int], salt: str) -> 
     wait_stored(admin, salt, len(prompt) // CHUNK_SIZE)
 
 
-def test_loaded_prefix_gives_the_cold_output(engines, admin):
-    rng = random.Random(11)
+@pytest.mark.parametrize("reader", ["reader", "async_reader"])
+def test_loaded_prefix_gives_the_cold_output(engines, admin, reader):
+    """Loaded synchronously (the forward pass of the step that looks the request up reads
+    it) or asynchronously (the request waits outside the batch): the cold run's output."""
+    rng = random.Random(11 if reader == "reader" else 16)
     prompt = tokens(5 * CHUNK_SIZE + 17, rng)
     salt = fresh_salt()
     store_prefix(engines.writer, admin, prompt, salt)
-    expected = cold(engines.reader, prompt)
+    expected = cold(getattr(engines, reader), prompt)
     before = retrieves(admin)
-    loaded = run(engines.reader, Prompt(prompt, salt))[0]
+    loaded = run(getattr(engines, reader), Prompt(prompt, salt))[0]
     assert retrieves(admin) > before, "the reader loaded nothing"
     assert tenant_hits(admin, salt) >= 5
     assert loaded == expected

@@ -164,6 +164,8 @@ class Engine:
         self.aggregator = KVOutputAggregator(tp)
         self.block_tables: dict[str, list[int]] = {}
         self.first_computed: dict[str, int] = {}  # the first position a forward pass wrote
+        # the first position a forward pass wrote, and each it went back to since
+        self.computed_from: dict[str, list[int]] = {}
         self.statuses: dict[str, list[RequestStatus]] = {}
         self.reports: list[KVConnectorOutput] = []
 
@@ -194,9 +196,14 @@ class Engine:
             meta = pickle.loads(pickle.dumps(output.kv_connector_metadata))  # as to a worker
             connector.handle_preemptions(meta)
             connector.bind_connector_metadata(meta)
+            # As vLLM's model runner: sync loads feed this step's forward pass, so they
+            # start (and our connector waits for them) before it; async ones after it.
+            if output.has_sync_kv_loads:
+                connector.start_load_kv(None)
             for request_id, count in output.num_scheduled_tokens.items():
                 self._forward(request_id, starts[request_id], count, caches, rank)
-            connector.start_load_kv(None)
+            if not output.has_sync_kv_loads:
+                connector.start_load_kv(None)
             connector.wait_for_save()
             results = connector.get_transfer_results(output.finished_req_ids)
             report = KVConnectorOutput(
@@ -212,6 +219,8 @@ class Engine:
     def _forward(self, request_id, start, count, caches, rank) -> None:
         tokens = self.scheduler.requests[request_id].all_token_ids
         self.first_computed.setdefault(request_id, start)
+        if start < self.computed_from.setdefault(request_id, [start])[-1]:
+            self.computed_from[request_id].append(start)  # vLLM computes again from here
         table = self.block_tables[request_id]
         for position in range(start, start + count):
             block, slot = table[position // self.block_size], position % self.block_size
@@ -279,9 +288,16 @@ def engine_of(connector) -> str:
 
 # -- vLLM's scheduler, end to end ----------------------------------------------------------------
 
+SYNC = {}  # the default sync_load_max_bytes: these tests' loads (~1.5 MiB) are sync
+ASYNC = {"sync_load_max_bytes": 0}
+
+
+@pytest.mark.parametrize("load", [SYNC, ASYNC], ids=["sync", "async"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_a_second_engine_loads_what_the_first_computed_byte_for_byte(engines, server, tp):
-    tokens = prompt(tp, 3 * 256 + 100)  # 3 full chunks; more than one step's 512 tokens
+def test_a_second_engine_loads_what_the_first_computed_byte_for_byte(engines, server, tp,
+                                                                     load):
+    tag = tp + (0 if load is SYNC else 10)
+    tokens = prompt(tag, 3 * 256 + 100)  # 3 full chunks; more than one step's 512 tokens
     first = engines(tp=tp)
     first.add("a", tokens)
     first.run_until_idle()
@@ -289,12 +305,12 @@ def test_a_second_engine_loads_what_the_first_computed_byte_for_byte(engines, se
     assert first.first_computed["a"] == 0
 
     # A restarted engine (fresh KV cache) with a prompt sharing 808 tokens: our 3 chunks.
-    second = engines(tp=tp)
-    longer = tokens[:808] + prompt(50 + tp, 300)
+    second = engines(tp=tp, **load)
+    longer = tokens[:808] + prompt(50 + tag, 300)
     second.add("b", longer)
     second.add("other-tenant", tokens, cache_salt="tenant-b")
     second.run_until_idle()
-    assert RequestStatus.WAITING_FOR_REMOTE_KVS in second.statuses["b"]
+    assert (RequestStatus.WAITING_FOR_REMOTE_KVS in second.statuses["b"]) == (load is ASYNC)
     assert second.first_computed["b"] == 768  # the forward passes never computed the hit
     second.assert_kv("b", longer)  # so these bytes are the ones the first engine wrote
     assert second.first_computed["other-tenant"] == 0  # a different salt never hits
@@ -310,7 +326,7 @@ def test_an_abort_during_the_load_frees_the_blocks_once_the_load_is_reported(eng
     writer = engines()
     writer.add("w", tokens)
     writer.run_until_idle()
-    reader = engines()
+    reader = engines(**ASYNC)
     reader.add("r", tokens)
     for _ in range(50):
         reader.step()
@@ -368,7 +384,10 @@ class StandInModelConfig:
 
 
 def hand_config(url: str | None, tp: int = 1, mla: bool = False, **extra):
-    """A VllmConfig without a ModelConfig, and a stand-in with what the connector reads."""
+    """A VllmConfig without a ModelConfig, and a stand-in with what the connector reads.
+    Its loads are async unless `sync_load_max_bytes` says otherwise: the tests that drive
+    the hooks by hand follow vLLM's async protocol."""
+    extra.setdefault("sync_load_max_bytes", 0)
     config = VllmConfig(cache_config=CacheConfig(block_size=BLOCK),
                         parallel_config=ParallelConfig(tensor_parallel_size=tp),
                         kv_transfer_config=transfer_config(url, **extra))
@@ -431,8 +450,12 @@ def step_until_reported(workers, scheduler, meta, kind: int, request_id: str, fi
     raise AssertionError(f"{request_id} not reported by ranks {waiting}")
 
 
-def test_mla_tp2_the_leader_stores_and_loads_and_the_follower_gets_the_bytes(server):
-    config = hand_config(server.url, tp=2, mla=True)
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_mla_tp2_the_leader_stores_and_loads_and_the_follower_gets_the_bytes(server, sync):
+    """A sync load (vLLM schedules the request in the step that looks it up) has landed
+    on both ranks once their start_load_kv returns, and is never reported as received."""
+    config = hand_config(server.url, tp=2, mla=True,
+                         sync_load_max_bytes=ConnectorConfig().sync_load_max_bytes if sync else 0)
     spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     kvcc = kv_cache_config(spec)
     scheduler = LMCacheMPServerConnector(config, KVConnectorRole.SCHEDULER, kvcc)
@@ -444,7 +467,7 @@ def test_mla_tp2_the_leader_stores_and_loads_and_the_follower_gets_the_bytes(ser
             raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
         for leader_layer, follower_layer in zip(caches[0], caches[1]):
             follower_layer.copy_(leader_layer)
-        tokens = prompt(9, 2 * 256 + 30)
+        tokens = prompt(9 + sync, 2 * 256 + 30)
         source, target = list(range(0, 34)), list(range(100, 134))
 
         first = Request("first", tokens, SamplingParams(max_tokens=1), None)
@@ -461,17 +484,24 @@ def test_mla_tp2_the_leader_stores_and_loads_and_the_follower_gets_the_bytes(ser
         step_until_reported(workers, scheduler, meta, 0, "first", finished={"first"})
 
         second = Request("second", tokens, SamplingParams(max_tokens=1), None)
-        assert lookup(scheduler, second) == (512, True)
+        assert lookup(scheduler, second) == (512, not sync)
         scheduler.update_state_after_alloc(second, blocks_of(target), 512)
-        meta = scheduler.build_connector_meta(scheduler_output())
-        assert [load.request_id for load in meta.loads] == ["second"]
-        assert step_until_reported(workers, scheduler, meta, 1, "second") == set()
+        if sync:  # scheduled in this step: the forward pass computes the last 30 tokens
+            meta = scheduler.build_connector_meta(scheduler_output(
+                new=[(second, target)], num_scheduled={"second": 30}))
+            assert [(load.request_id, load.sync) for load in meta.loads] == [("second", True)]
+            assert worker_step(workers, meta) == [(set(), set(), set())] * 2
+        else:
+            meta = scheduler.build_connector_meta(scheduler_output())
+            assert [(load.request_id, load.sync) for load in meta.loads] == [("second", False)]
+            assert step_until_reported(workers, scheduler, meta, 1, "second") == set()
         for rank in range(2):
             for layer, cache in enumerate(caches[rank]):
                 assert torch.equal(cache[target[:32]].view(torch.uint8),
                                    leader_bytes[layer][source[:32]]), (rank, layer)
         second.status = RequestStatus.FINISHED_STOPPED
-        scheduler.update_connector_output(KVConnectorOutput(finished_recving={"second"}))
+        scheduler.update_connector_output(KVConnectorOutput(
+            finished_recving=None if sync else {"second"}))
         assert scheduler.request_finished(second, target) == (False, None)
         instances = {i.tp_rank: i for i in stats(server).instances
                      if i.model.startswith("tiny-mla@")}
@@ -635,6 +665,9 @@ def test_extra_config_is_typed_and_unknown_keys_are_refused():
         ConnectorConfig.from_extra_config({"lookup_wait": -1})
     with pytest.raises(ValueError, match="'lookup_timeout'.*a positive number, got 0"):
         ConnectorConfig.from_extra_config({"lookup_timeout": 0})
+    assert ConnectorConfig.from_extra_config({"sync_load_max_bytes": 0}).sync_load_max_bytes == 0
+    with pytest.raises(ValueError, match="'sync_load_max_bytes'.*an integer, 0 or more, got 1.5"):
+        ConnectorConfig.from_extra_config({"sync_load_max_bytes": 1.5})
 
 
 def kv_memfds(table: str) -> set[str]:
@@ -993,6 +1026,47 @@ def test_a_new_request_is_admitted_in_the_step_that_looks_it_up(engines, server,
         assert steps >= 2 and miss_steps >= 2
 
 
+TOKEN_KV_BYTES = LAYERS * 2 * 2 * 64 * 2  # K and V, 2 heads of 64, float16: 2 KiB
+
+
+@pytest.mark.parametrize("load, sync", [
+    (SYNC, True), ({"sync_load_max_bytes": 512 * TOKEN_KV_BYTES}, True),
+    ({"sync_load_max_bytes": 512 * TOKEN_KV_BYTES - 1}, False), (ASYNC, False),
+], ids=["default", "at-the-bound", "above-the-bound", "never"])
+def test_a_sync_load_is_computed_over_in_the_step_that_looks_it_up(engines, server, load, sync):
+    """Engine steps from a hit's arrival to its first forward pass. A load of at most
+    sync_load_max_bytes is sync: the forward pass of the step whose schedule() looked the
+    request up reads it (the workers wait for it before the pass): 1 step. A larger one is
+    async: that step sends it, a later step's get_finished reports it, and only the step
+    after that schedules the request: 2 steps at least."""
+    tag = 45 + len(load) + sync
+    tokens = prompt(tag, 2 * 256 + 9)  # a hit of 512 tokens: 1 MiB of KV
+    writer = engines()
+    writer.add("w", tokens)
+    writer.run_until_idle()
+    engine = engines(lookup_wait=5.0, **load)  # a generous bound for the LOOKUP reply
+    engine.add("hit", tokens)
+    for steps in range(1, 50):
+        engine.step()
+        if "hit" in engine.first_computed:
+            break
+        time.sleep(0.001)
+    assert engine.first_computed["hit"] == 512
+    if sync:
+        assert steps == 1
+        assert RequestStatus.WAITING_FOR_REMOTE_KVS not in engine.statuses["hit"]
+    else:
+        assert steps >= 2
+        assert RequestStatus.WAITING_FOR_REMOTE_KVS in engine.statuses["hit"]
+    engine.run_until_idle()
+    engine.assert_kv("hit", tokens)
+    # vLLM waits for an async load's report; a sync one is never reported (vLLM 0.32
+    # asserts that a request reported loaded is waiting for its load, or finished)
+    assert any(r.finished_recving for r in engine.reports) == (not sync)
+    assert not any(r.invalid_block_ids for r in engine.reports)
+    assert stats(server).leases_held == 0
+
+
 def test_a_prompt_of_embeddings_is_never_looked_up_or_stored(engines, server):
     """Its KV depends on the embeddings, not on the placeholder token ids it carries."""
     tokens = prompt(33, 2 * 256 + 9)
@@ -1028,38 +1102,45 @@ def test_another_kv_cache_dtype_or_block_size_is_another_key(engines, server):
     assert any(m.endswith("@mha-float16-L4-pp1-H2x64-B32") for m in models), models
 
 
-def test_a_failed_load_is_not_offered_again(engines, server):
+@pytest.mark.parametrize("load", [SYNC, ASYNC], ids=["sync", "async"])
+def test_a_failed_load_is_not_offered_again(engines, server, load):
     """Workers whose cache has another shape than vLLM's config says (so the same key):
-    the server refuses the RETRIEVE, vLLM recomputes and asks us again, and we answer 0
-    instead of offering the same chunks forever."""
-    tokens = prompt(35, 2 * 256 + 9)
+    the server refuses the RETRIEVE, vLLM recomputes (an async load: before the request
+    runs; a sync one: it discards the step's output and computes again from the first
+    failed block) and we offer the same chunks no more."""
+    tokens = prompt(35 if load is SYNC else 39, 2 * 256 + 9)
     writer = engines()
     writer.add("w", tokens)
     writer.run_until_idle()
     odd = FullAttentionSpec(block_size=BLOCK, num_kv_heads=4, head_size=32, dtype=torch.float16)
-    engine = engines(kv_spec=odd)
+    engine = engines(kv_spec=odd, **load)
     before = lookups_served(server)
     engine.add("r", tokens)
     engine.run_until_idle(max_steps=60)
-    assert engine.statuses["r"].count(RequestStatus.WAITING_FOR_REMOTE_KVS) >= 1
+    waited = engine.statuses["r"].count(RequestStatus.WAITING_FOR_REMOTE_KVS)
+    assert waited >= 1 if load is ASYNC else waited == 0
     assert any(r.invalid_block_ids for r in engine.reports)
-    assert engine.first_computed["r"] == 0
+    # a sync load's step computed the tail over the failed load (vLLM dropped its output)
+    assert engine.first_computed["r"] == (0 if load is ASYNC else 512)
+    assert engine.computed_from["r"][-1] == 0  # then everything was computed again
     engine.assert_kv("r", tokens)
     assert lookups_served(server) - before == 1
     assert stats(server).leases_held == 0
 
 
-def test_block_size_1_loads_a_whole_prompt_hit_into_the_blocks_vllm_allocated(engines, server):
+@pytest.mark.parametrize("load", [SYNC, ASYNC], ids=["sync", "async"])
+def test_block_size_1_loads_a_whole_prompt_hit_into_the_blocks_vllm_allocated(engines, server,
+                                                                              load):
     """vLLM allocates blocks for the 511 tokens it takes of a 512-token hit: one block
     fewer than the two chunks hold; the last block is left to vLLM, which computes it."""
     tokens = prompt(36, 512)
     writer = engines(block_size=1, num_blocks=1100)
     writer.add("w", tokens)
     writer.run_until_idle()
-    engine = engines(block_size=1, num_blocks=1100)
+    engine = engines(block_size=1, num_blocks=1100, **load)
     engine.add("r", tokens)
     engine.run_until_idle()
-    assert RequestStatus.WAITING_FOR_REMOTE_KVS in engine.statuses["r"]
+    assert (RequestStatus.WAITING_FOR_REMOTE_KVS in engine.statuses["r"]) == (load is ASYNC)
     assert engine.first_computed["r"] == 511
     assert not any(r.invalid_block_ids for r in engine.reports)
     engine.assert_kv("r", tokens)

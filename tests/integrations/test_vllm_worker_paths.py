@@ -93,8 +93,7 @@ def test_the_first_store_after_a_server_restart_lands_and_loads_byte_for_byte():
         assert lookup(scheduler, reader) == (512, True)
         target = list(range(100, 133))
         scheduler.update_state_after_alloc(reader, blocks_of(target), 512)
-        meta = scheduler.build_connector_meta(scheduler_output(
-            new=[(reader, target)], num_scheduled={"reader": 3}))
+        meta = scheduler.build_connector_meta(scheduler_output())  # it waits for the load
         assert step_until_reported([worker], scheduler, meta, 1, "reader") == set()
         for cache in caches:
             raw = cache.view(torch.uint8)

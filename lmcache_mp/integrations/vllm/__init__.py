@@ -18,8 +18,11 @@ RequestTracker, the metadata of each step) or a WorkerSide (each worker process,
 rank: registers its KV cache, starts the stores and loads the metadata asks for, reports
 what finished). The scheduler tells the workers what to do only through StepMetadata.
 
-Loads are asynchronous: a request with a hit waits in vLLM's WAITING_FOR_REMOTE_KVS state
-while the server copies its chunks into its blocks, and no forward pass waits for them.
+A load of at most sync_load_max_bytes is synchronous: vLLM schedules the request in the
+step that looks it up, and the workers wait for the load (bounded by its deadline) before
+that step's forward pass. A larger one is asynchronous: the request waits in vLLM's
+WAITING_FOR_REMOTE_KVS state while the server copies its chunks into its blocks, and no
+forward pass waits for them.
 Stores start after the forward pass that computed them; a finished request's blocks are
 freed only once its stores have been read. A server that cannot be reached turns lookups
 into misses (after lookup_timeout), stores into no-ops and loads into recomputation.

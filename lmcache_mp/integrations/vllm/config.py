@@ -7,6 +7,8 @@ import logging
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ...client.parallel import ParallelStrategy
 from ...protocol import MAX_MODEL_CHARS, is_valid_salt
 
@@ -31,6 +33,12 @@ class ConnectorConfig:
     # sent it, so that the request is admitted in that step (a LOOKUP takes ~0.2 ms);
     # 0: never wait (the request is tried again in the next step)
     lookup_wait: float = 0.002
+    # a load of at most this many bytes (per rank) is synchronous: vLLM schedules the
+    # request in the step that looks it up, and each worker waits for the load before that
+    # step's forward pass (at most load_timeout and a 1 s margin); a larger load is async
+    # (the request waits for it outside the batch, and is scheduled a step after it
+    # landed); 0: every load is async
+    sync_load_max_bytes: int = 16 * 1024 * 1024
     # seconds the server may take to start a store's or load's copies; past it (and a
     # 1 s margin) the blocks are vLLM's again: a store is skipped, a load recomputed
     load_timeout: float = 5.0
@@ -61,8 +69,9 @@ class ConnectorConfig:
                 zero_ok = name in _MAY_BE_ZERO
                 ok = (isinstance(value, (int, float) if kind is float else int)
                       and not isinstance(value, bool) and (value > 0 or zero_ok and value == 0))
-                expected = ("a number, 0 or more" if zero_ok else "a positive number"
-                            ) if kind is float else "a positive integer"
+                expected = (("a number, 0 or more" if zero_ok else "a positive number")
+                            if kind is float else
+                            "an integer, 0 or more" if zero_ok else "a positive integer")
             if not ok:
                 raise ValueError(f"kv_connector_extra_config[{name!r}]: expected {expected}, "
                                  f"got {value!r}")
@@ -75,7 +84,7 @@ class ConnectorConfig:
         return cls(**values)
 
 
-_MAY_BE_ZERO = frozenset({"lookup_wait"})
+_MAY_BE_ZERO = frozenset({"lookup_wait", "sync_load_max_bytes"})
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,13 @@ class KVGeometry:
                    parallel_config.pipeline_parallel_size,
                    model_config.get_num_kv_heads(parallel_config), model_config.get_head_size(),
                    vllm_config.cache_config.block_size)
+
+    def bytes_per_token(self) -> int:
+        """Bytes of one token's KV in one rank's cache (its pipeline stage's layers)."""
+        dtype = getattr(torch, self.dtype, None)  # none for vLLM's fp8 variants: 1 byte
+        itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 1
+        per_layer = (1 if self.layout == "mla" else 2) * self.heads_per_rank * self.head_size
+        return -(-self.num_layers // self.pipeline_parallel_size) * per_layer * itemsize
 
     def key(self) -> str:
         return (f"{self.layout}-{self.dtype}-L{self.num_layers}-pp{self.pipeline_parallel_size}"

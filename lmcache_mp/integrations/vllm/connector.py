@@ -55,8 +55,10 @@ class LMCacheMPServerConnector(KVConnectorBase_V1):
     core's scheduling thread, once per step or per request, and never wait on the server
     longer than `lookup_wait` (a new request's LOOKUP reply, 2 ms by default).
     Worker hooks run in each worker process around every forward pass; only
-    register_kv_caches (once, at start-up) and handle_preemptions (only while a preempted
-    request's store is still being read) wait, each for a bounded time.
+    register_kv_caches (once, at start-up), handle_preemptions (only while a preempted
+    request's store is still being read) and start_load_kv (only for a sync load, one of
+    at most `sync_load_max_bytes`, which this step's forward pass reads) wait, each for a
+    bounded time.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -94,7 +96,9 @@ class LMCacheMPServerConnector(KVConnectorBase_V1):
                                    ) -> tuple[int | None, bool]:
         """Scheduler, each step, for each waiting request vLLM tries to admit; waits at most
         lookup_wait, for a new request's LOOKUP reply. (None, False) while the lookup is
-        still in flight after that: vLLM asks again next step."""
+        still in flight after that: vLLM asks again next step. A hit of at most
+        sync_load_max_bytes loads synchronously (False): vLLM schedules the request in
+        this step; a larger one asynchronously (True)."""
         return self._on_scheduler("get_num_new_matched_tokens").get_num_new_matched_tokens(
             request, num_computed_tokens)
 
@@ -141,11 +145,13 @@ class LMCacheMPServerConnector(KVConnectorBase_V1):
         self._on_worker("handle_preemptions").handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Worker, every step, around the forward pass (after it, as our loads are async)."""
+        """Worker, every step: before the forward pass when the step has a sync load (then
+        it waits for the load, bounded by load_timeout and a margin), else after it."""
         self._on_worker("start_load_kv").start_loads(self._step_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Worker, in each attention layer: nothing to wait for, as no forward reads a load."""
+        """Worker, in each attention layer: nothing to wait for, as start_load_kv waited for
+        the sync loads this forward pass reads."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:

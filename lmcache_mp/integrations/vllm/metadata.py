@@ -16,11 +16,14 @@ class LoadSpec:
     """One request's load: workers copy `item`'s chunks into its blocks and report the request
     in finished_recving when they have landed. With item None nothing is read: the request
     is reported at once (vLLM still waits for it). `failed_block_ids` are blocks vLLM
-    expects filled that no chunk covers: workers report them as load errors."""
+    expects filled that no chunk covers: workers report them as load errors. A `sync` load
+    feeds this step's forward pass: workers wait for it before the pass and never report
+    it in finished_recving (vLLM scheduled the request in this step, waiting for nothing)."""
 
     request_id: str
     item: TransferItem | None
     failed_block_ids: tuple[int, ...] = ()
+    sync: bool = False
 
 
 @dataclass

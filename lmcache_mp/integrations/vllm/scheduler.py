@@ -12,8 +12,8 @@ from ...client.api import CacheClient
 from ...client.scheduler import SchedulerAdapter
 from ...client.tracker import ChunkLayout, Phase, RequestTracker, StepPlan
 from ...protocol import MAX_REQUEST_ID_CHARS
-from .config import (ConnectorConfig, engine_secret, model_name, parallel_strategy,
-                     server_salt, warn_if_loads_fail_requests)
+from .config import (ConnectorConfig, KVGeometry, engine_secret, model_name,
+                     parallel_strategy, server_salt, warn_if_loads_fail_requests)
 from .metadata import LoadSpec, StepMetadata
 
 if TYPE_CHECKING:
@@ -50,10 +50,12 @@ class SchedulerSide:
     holds everything known about the request (its Phase, blocks, hold, failed loads).
 
     vLLM admits a request in three hooks of one schedule() call: get_num_new_matched_tokens
-    (our lookup; a hit makes vLLM load asynchronously), update_state_after_alloc (its
-    blocks), and build_connector_meta (the load, and later each step's stores). A request
-    that loads is not scheduled in that step: it waits until the workers report the load,
-    then vLLM schedules it like a new request and calls update_state_after_alloc again.
+    (our lookup), update_state_after_alloc (its blocks), and build_connector_meta (the
+    load, and later each step's stores). A load of at most sync_load_max_bytes is
+    synchronous: vLLM schedules the request in that same step, and the workers wait for
+    the load before its forward pass. A larger one is async: the request is not scheduled
+    in that step; it waits until the workers report the load, then vLLM schedules it like
+    a new request and calls update_state_after_alloc again.
     """
 
     def __init__(self, config: ConnectorConfig, vllm_config: VllmConfig):
@@ -69,6 +71,11 @@ class SchedulerSide:
         self.adapter = SchedulerAdapter(self.client, model_name(config, vllm_config),
                                         parallel_strategy(vllm_config, 0), config.chunk_size)
         self.lookup_wait = config.lookup_wait
+        # loads of more tokens than this are async (0 bytes: all of them)
+        self.sync_load_max_tokens = (config.sync_load_max_bytes
+                                     // KVGeometry.from_vllm(vllm_config).bytes_per_token())
+        # requests whose sync load the last step sent: vLLM reports a failure as blocks
+        self._sync_loads: dict[str, RequestTracker] = {}
         # every request looked up, until it ends (FREEING ones until their stores are read)
         self.trackers: dict[str, RequestTracker] = {}
         warn_if_loads_fail_requests(vllm_config)
@@ -106,7 +113,7 @@ class SchedulerSide:
         # The hold stays until update_state_after_alloc.
         to_load = tracker.record_lookup(num_vllm_hit_tokens=num_computed_tokens,
                                         num_lmcache_hit_chunks=hit, from_chunk=from_chunk)
-        return to_load, to_load > 0
+        return to_load, to_load > self.sync_load_max_tokens
 
     def _tracker(self, request: Request) -> RequestTracker | None:
         """The request's tracker, made at its first lookup; None if it cannot be cached."""
@@ -182,12 +189,20 @@ class SchedulerSide:
         stores of every scheduled request (RequestTracker.plan_step), the holds to drop."""
         meta, self._next = self._next, StepMetadata()
         self.adapter.poll()  # holds of lookups dropped in flight, answered since
+        scheduled = scheduler_output.num_scheduled_tokens
         for tracker in self.trackers.values():
             if tracker.phase is Phase.LOAD_PLANNED:  # vLLM waits for it: always reported
                 plan = tracker.plan_step(0)
                 item = plan.retrieve.transfer_item() if plan.retrieve is not None else None
-                meta.loads.append(LoadSpec(tracker.request_id, item, plan.unfillable_block_ids))
+                # vLLM schedules a request in the step that plans its load only if the load
+                # is sync: the forward pass reads it (async loads wait outside the batch)
+                sync = tracker.request_id in scheduled
+                meta.loads.append(LoadSpec(tracker.request_id, item, plan.unfillable_block_ids,
+                                           sync))
                 self._apply(tracker, replace(plan, retrieve=None), meta)
+                if sync:
+                    tracker.load_reported()  # the workers wait for it before this step's pass
+                    self._sync_loads[tracker.request_id] = tracker
 
         for new in scheduler_output.scheduled_new_reqs:
             tracker = self.trackers.get(new.req_id)
@@ -225,6 +240,10 @@ class SchedulerSide:
         invalid = connector_output.invalid_block_ids or set()
         failed = connector_output.failed_recving or set()
         landed = connector_output.finished_recving or set()
+        sync_loads, self._sync_loads = self._sync_loads, {}
+        for tracker in sync_loads.values():
+            if invalid and not invalid.isdisjoint(tracker.allocated_block_ids):
+                tracker.mark_load_failed()  # vLLM recomputes from the first bad block
         for request_id, tracker in self.trackers.items():
             if tracker.phase is not Phase.LOADING:
                 continue

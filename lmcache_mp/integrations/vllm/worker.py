@@ -19,7 +19,7 @@ from ...runtime import default_url
 from .allocation import SharedMemoryAllocation
 from .config import ConnectorConfig, engine_secret, model_name, parallel_strategy
 from .layout import as_server_layout
-from .metadata import StepMetadata
+from .metadata import LoadSpec, StepMetadata
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,6 +50,8 @@ class WorkerSide:
         self._pending_stores: set[str] = set()  # sent; the adapter has not reported them
         self._awaiting_stores: set[str] = set()  # finished: report once their stores are read
         self._loads_done: set[str] = set()
+        self._sync_loads: set[str] = set()  # sent; the adapter has not reported them
+        self._sent_this_step: set[str] = set()  # loads sent (sync: in handle_preemptions)
         self._load_errors: set[int] = set()
 
     # -- start-up ----------------------------------------------------------------------------
@@ -121,25 +123,44 @@ class WorkerSide:
     # -- every step --------------------------------------------------------------------------
 
     def handle_preemptions(self, meta: StepMetadata) -> None:
-        """A preempted request's blocks go back to vLLM's pool at once and this step may
-        overwrite them: wait until the server has read them, or can read them no more (it
-        answered, it is gone, or the store's deadline, load_timeout and a margin, passed)."""
+        """Worker, every step, first of its hooks. A preempted request's blocks go back to
+        vLLM's pool at once and this step may overwrite them: wait until the server has
+        read them, or can read them no more (it answered, it is gone, or the store's
+        deadline, load_timeout and a margin, passed). Then send the step's sync loads, so
+        that the server copies while vLLM prepares the step's inputs."""
         self.adapter.wait_for_stores(self._pending_stores.intersection(meta.preempted))
         self._collect()
+        self._send_loads([load for load in meta.loads if load.sync])
 
     def start_loads(self, meta: StepMetadata) -> None:
-        """Worker, every step (start_load_kv): one RETRIEVE for the step's loads. On a GPU
-        the server answers (and tells MLA followers) only once its device copies into the
-        blocks have finished, so a load reported in finished_recving can be read on any
-        stream: nothing more to wait on."""
-        items = [load.item for load in meta.loads if load.item is not None]
+        """Worker, every step (start_load_kv): one RETRIEVE for the step's loads not sent
+        yet. On a GPU the server answers (and tells MLA followers) only once its device
+        copies into the blocks have finished, so a load reported in finished_recving can
+        be read on any stream: nothing more to wait on. Sync loads feed this step's forward
+        pass (vLLM then calls this before the pass): wait until they landed or failed, at
+        most until their deadline (load_timeout and a margin), after which the server
+        writes their blocks no more; their failed blocks go to this step's load_errors,
+        and they are never reported in finished_recving."""
+        self._send_loads(meta.loads)
+        self._sent_this_step = set()
+        for load in meta.loads:
+            self._load_errors.update(load.failed_block_ids)
+            if load.item is None and not load.sync:
+                self._loads_done.add(load.request_id)
+        sync = {load.request_id for load in meta.loads if load.sync and load.item is not None}
+        if sync:
+            self.adapter.wait_for_loads(sync)
+            self._sync_loads |= sync
+            self._collect()
+
+    def _send_loads(self, loads: list[LoadSpec]) -> None:
+        """One RETRIEVE for those of `loads` with an item that this step has not sent."""
+        items = [load.item for load in loads
+                 if load.item is not None and load.request_id not in self._sent_this_step]
         if items:
             self._require_registration()
             self.adapter.start_load(items)
-        for load in meta.loads:
-            self._load_errors.update(load.failed_block_ids)
-            if load.item is None:
-                self._loads_done.add(load.request_id)
+            self._sent_this_step.update(item.request_id for item in items)
 
     def start_stores(self, meta: StepMetadata) -> None:
         """Worker, every step after the forward pass (wait_for_save): one STORE."""
@@ -164,7 +185,8 @@ class WorkerSide:
     def _collect(self) -> None:
         stores, loads = self.adapter.get_finished()
         self._pending_stores -= stores
-        self._loads_done |= loads
+        self._loads_done |= loads - self._sync_loads
+        self._sync_loads -= loads
 
     def load_errors(self) -> set[int]:
         """Worker, every step: blocks of failed loads since the last call."""
