@@ -21,7 +21,9 @@ pytestmark = [
 ]
 
 SMALL = ["--workload", "chat", "--nodes", "2", "--requests", "24", "--batch", "4",
-         "--cpu-size", "256MiB", "--no-progress"]
+         "--cpu-size", "256MiB", "--no-progress",
+         # each wait of the bench well under pytest's 120 s, so a stuck one reports itself
+         "--timeout", "40"]
 
 
 def run_nodes(tmp_path, *args: str) -> tuple[dict, str]:
