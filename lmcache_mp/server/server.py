@@ -48,6 +48,7 @@ _MAX_MESSAGES_PER_WAKE = 64
 _HOUSEKEEPING_S = 0.5
 _BACKLOG_RETRY_S = 0.002  # how soon replies a slow reader could not take are offered again
 _GPU_COPY_TIMEOUT_S = 60.0  # one request's device work; a GPU that takes longer has failed
+_STUCK_REQUESTS_S = 2.0  # at shutdown, once copies ended: what requests still waiting get
 
 
 @dataclass(frozen=True)
@@ -485,16 +486,21 @@ class Server:
         self._copy_engine.shutdown()
         if self._copier is not None:
             self._copier.shutdown()
-        if self._in_flight:
-            await asyncio.wait(list(self._in_flight))
+        if self._in_flight:  # told already; no copy runs for them any more
+            _, stuck = await asyncio.wait(list(self._in_flight), timeout=_STUCK_REQUESTS_S)
+            if stuck:
+                logger.warning("shutdown: %d requests still waiting after the copies ended; "
+                               "cancelling them", len(stuck))
+                for task in stuck:
+                    task.cancel()
+                await asyncio.wait(stuck, timeout=_STUCK_REQUESTS_S)
         self._housekeeping.cancel()
         self._loop_watch_task.cancel()
         asyncio.get_running_loop().remove_reader(self._socket.FD)
         logger.info("shutdown: releasing %d registrations", len(self.dispatcher.registry))
         for instance_id in self.dispatcher.registry.instance_ids():
             self.dispatcher.registry.unregister(instance_id)
-        self._socket.close(linger=0)
-        self._context.term()
+        self._context.destroy(linger=0)  # our socket, and any other this context made
         runtime.unlink_ipc_endpoint(self.config.bind_url)
         self._fd_channel.close()
         if self._warm is not None:
