@@ -11,6 +11,7 @@ from dataclasses import asdict
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
 import torch
 
 from .. import __version__, phases
@@ -64,6 +65,7 @@ from ..protocol import (
     TransferItem,
     UnregisterKVCacheReply,
     UnregisterKVCacheRequest,
+    split_hashes,
     unpack_hashes,
     validate_salt,
 )
@@ -120,7 +122,7 @@ class _Transfer:
     """One validated STORE or RETRIEVE item: its keys and, per chunk, its block ids."""
 
     def __init__(self, session: Session, instance: KVCacheInstance, item: TransferItem,
-                 path: str, block_ids: torch.Tensor, skips: list[bool]):
+                 path: str, block_ids: np.ndarray, skips: list[bool]):
         """`block_ids`: the item's ids, checked, as [chunks, blocks per chunk]; `skips`:
         per chunk, whether some id is SKIP_BLOCK (both from _BlockIds, off the copy path)."""
         self.owner = _lease_owner(session, item.cache_salt, item.request_id, f"{path}.")
@@ -142,44 +144,45 @@ class _Transfer:
 
 
 class _BlockIds:
-    """The block ids of all of a message's items, checked at once: one tensor and a few
-    tensor ops per message, not per item, so that many small items stay cheap."""
+    """The block ids of all of a message's items, checked at once: one array and a few
+    numpy operations per message, not per item, so that many small items stay cheap (and
+    no torch dispatch, whose code runs cold after each request's copies)."""
 
     def __init__(self, instance: KVCacheInstance, items: list[TransferItem], allow_skip: bool):
         per_chunk = instance.geometry.blocks_per_chunk
         self.chunks: list[int] = []
         for i, item in enumerate(items):
-            path = f"items[{i}]"
-            if len(item.chunk_hashes) % CHUNK_HASH_BYTES:  # unpack_hashes's message
-                unpack_hashes(item.chunk_hashes, f"{path}.chunk_hashes")
-            chunks = len(item.chunk_hashes) // CHUNK_HASH_BYTES
-            if len(item.block_ids) % BLOCK_ID_BYTES:
-                raise BadRequest(f"`{path}.block_ids`: length {len(item.block_ids)} is not a "
-                                 f"multiple of {BLOCK_ID_BYTES}")
-            count = len(item.block_ids) // BLOCK_ID_BYTES
-            if count != chunks * per_chunk:
-                raise BadRequest(f"`{path}.block_ids`: {chunks} chunks need "
-                                 f"{chunks * per_chunk} block ids ({per_chunk} per chunk), "
-                                 f"got {count}")
+            chunks, rest = divmod(len(item.chunk_hashes), CHUNK_HASH_BYTES)
+            if rest or len(item.block_ids) != chunks * per_chunk * BLOCK_ID_BYTES:
+                self._refuse_lengths(i, item, per_chunk)
             self.chunks.append(chunks)
         packed = b"".join(item.block_ids for item in items)
-        ids = (torch.frombuffer(bytearray(packed), dtype=torch.int32).to(torch.int64)
-               if packed else torch.empty(0, dtype=torch.int64))
+        ids = np.frombuffer(packed, dtype="<i4").astype(np.int64)
         skipped = ids == SKIP_BLOCK if allow_skip else None
         written = ids[~skipped] if skipped is not None else ids
-        if written.numel():
-            low, high = (int(bound) for bound in written.aminmax())
-            if low < 0 or high >= instance.num_blocks:
-                self._refuse(instance, ids, skipped, allow_skip)
-        rows = ids.view(-1, per_chunk)
-        self.per_item = rows.split(self.chunks)
-        flags = (skipped.view(-1, per_chunk).any(1).tolist() if skipped is not None
-                 else [False] * rows.shape[0])
-        starts = itertools.accumulate(self.chunks, initial=0)
-        self.skips = [flags[start:start + n] for start, n in zip(starts, self.chunks)]
+        if len(written) and (written.min() < 0 or written.max() >= instance.num_blocks):
+            self._refuse_range(instance, ids, skipped, allow_skip)
+        rows = ids.reshape(-1, per_chunk)
+        ends = list(itertools.accumulate(self.chunks))
+        self.per_item: list[np.ndarray] = np.split(rows, ends[:-1]) if items else []
+        flags = (skipped.reshape(-1, per_chunk).any(1).tolist() if skipped is not None
+                 else [False] * len(rows))
+        self.skips = [flags[end - n:end] for end, n in zip(ends, self.chunks)]
 
-    def _refuse(self, instance: KVCacheInstance, ids: torch.Tensor,
-                skipped: torch.Tensor | None, allow_skip: bool) -> None:
+    @staticmethod
+    def _refuse_lengths(i: int, item: TransferItem, per_chunk: int) -> None:
+        path = f"items[{i}]"
+        unpack_hashes(item.chunk_hashes, f"{path}.chunk_hashes")  # a length it refuses
+        if len(item.block_ids) % BLOCK_ID_BYTES:
+            raise BadRequest(f"`{path}.block_ids`: length {len(item.block_ids)} is not a "
+                             f"multiple of {BLOCK_ID_BYTES}")
+        chunks = len(item.chunk_hashes) // CHUNK_HASH_BYTES
+        raise BadRequest(f"`{path}.block_ids`: {chunks} chunks need {chunks * per_chunk} "
+                         f"block ids ({per_chunk} per chunk), got "
+                         f"{len(item.block_ids) // BLOCK_ID_BYTES}")
+
+    def _refuse_range(self, instance: KVCacheInstance, ids: np.ndarray,
+                      skipped: np.ndarray | None, allow_skip: bool) -> None:
         """Name the first item with an id out of range, and its range."""
         per_chunk = instance.geometry.blocks_per_chunk
         start = 0
@@ -187,8 +190,7 @@ class _BlockIds:
             end = start + chunks * per_chunk
             written = ids[start:end] if skipped is None else ids[start:end][~skipped[start:end]]
             start = end
-            if written.numel() and not (0 <= int(written.min()) and
-                                        int(written.max()) < instance.num_blocks):
+            if len(written) and not (0 <= written.min() and written.max() < instance.num_blocks):
                 skip = f" (or {SKIP_BLOCK} to leave a block alone)" if allow_skip else ""
                 raise BadRequest(f"`items[{i}].block_ids`: ids must be in "
                                  f"[0, {instance.num_blocks}){skip}, got range "
@@ -321,13 +323,17 @@ class Dispatcher:
                              f"{req.kv_world_size}) in one LOOKUP; the limit is "
                              f"{MAX_LOOKUP_PROBES}")
         parsed = []
+        salts_seen: set[str] = set()  # a message's items mostly share one salt: checked once
         for i, item in enumerate(req.items):
-            path = f"items[{i}]."
-            salt = _checked_salt(item.cache_salt, item.request_id, path)
+            salt, packed = item.cache_salt, item.chunk_hashes
+            if (salt not in salts_seen or len(item.request_id) > MAX_REQUEST_ID_CHARS
+                    or len(packed) % CHUNK_HASH_BYTES):  # the path only for what may be wrong
+                _checked_salt(salt, item.request_id, f"items[{i}].")
+                unpack_hashes(packed, f"items[{i}].chunk_hashes")
+                salts_seen.add(salt)
             # Only a hold needs a lease owner: plain lookups, the common case, build none.
             holder = LeaseOwner(session.engine, salt, item.request_id) if item.hold else None
-            parsed.append((salt, unpack_hashes(item.chunk_hashes, path + "chunk_hashes"),
-                           holder))
+            parsed.append((salt, split_hashes(packed), holder))
         if self.l2 is not None:
             prefetch = self.l2.before_lookup(req.model, req.kv_world_size,
                                              [(salt, hashes) for salt, hashes, _ in parsed])
@@ -384,6 +390,24 @@ class Dispatcher:
         return [_Transfer(session, instance, item, f"items[{i}]", ids, skips)
                 for i, (item, ids, skips) in enumerate(zip(items, block_ids.per_item,
                                                            block_ids.skips))]
+
+    def _scatter_jobs(self, target: KVCacheInstance, transfers: list[_Transfer]
+                      ) -> Callable[[int, int, Chunk], Callable[[], None]]:
+        """What makes the copy of chunk `c` of item `i` into a CPU target's blocks: through
+        its HostRows (index arrays built here, once per item) where it has them."""
+        host = target.host_rows
+        rows = [host.rows(t.block_ids) for t in transfers] if host is not None else []
+
+        def job(i: int, c: int, chunk: Chunk) -> Callable[[], None]:
+            transfer = transfers[i]
+            if host is None or chunk.tier == GPU_TIER:
+                return partial(target.scatter, torch.from_numpy(transfer.block_ids[c]),
+                               self._chunk_tensor(chunk, target), transfer.skips[c])
+            src = host.chunk(self.pool.array_view(chunk.offset, chunk.nbytes))
+            if transfer.skips[c]:
+                return partial(host.scatter_skipping, transfer.block_ids[c], src)
+            return partial(host.scatter, rows[i][c], src)
+        return job
 
     def _chunk_bytes(self, chunk: Chunk) -> torch.Tensor:
         pool = self.gpu_pool if chunk.tier == GPU_TIER else self.pool
@@ -463,8 +487,16 @@ class Dispatcher:
             demotions = [r.demotion for r in reservations if r.demotion is not None]
             stamp = phases.add("STORE", "server index", stamp, len(places))
             jobs: list = []
-            await self._each(pending, lambda p: (transfers[p[0]].block_ids[p[1]],
-                                                 self._chunk_tensor(p[2], instance)), jobs)
+            host = instance.host_rows if instance.lane is None else None
+            if host is not None:  # one index array per item, one np.take per chunk
+                rows = [host.rows(t.block_ids) for t in transfers]
+                await self._each(pending, lambda p: partial(
+                    host.gather, rows[p[0]][p[1]],
+                    host.chunk(self.pool.array_view(p[2].offset, p[2].nbytes))), jobs)
+            else:
+                await self._each(pending, lambda p: (
+                    torch.from_numpy(transfers[p[0]].block_ids[p[1]]),
+                    self._chunk_tensor(p[2], instance)), jobs)
             stamp = phases.add("STORE", "server submit", stamp, len(jobs))
             copy_started = time.perf_counter()
             if instance.lane is not None:
@@ -472,6 +504,8 @@ class Dispatcher:
                                                                           d.chunk.nbytes))
                          for d in demotions]
                 errors = await self.copier.store(instance, jobs, moves, deadline)
+            elif host is not None:
+                errors = await self.copy_engine.run(jobs, deadline)
             else:
                 errors = await self.copy_engine.run([partial(instance.gather, ids, out)
                                                      for ids, out in jobs], deadline)
@@ -550,21 +584,26 @@ class Dispatcher:
             places = [(i, c, key) for i, t in enumerate(transfers) for c, key in enumerate(t.keys)]
             await self._each(places, hold, [])
             stamp = phases.add("RETRIEVE", "server index", stamp, len(places))
-            flat = [(t, c, chunk) for t, chunks in zip(transfers, held)
+            flat = [(i, c, chunk) for i, chunks in enumerate(held)
                     for c, chunk in enumerate(chunks)]
             jobs: list = []
-            await self._each(flat, lambda f: (f[0].block_ids[f[1]],
-                                              self._chunk_tensor(f[2], leader), f[0].skips[f[1]]),
-                             jobs)
-            stamp = phases.add("RETRIEVE", "server submit", stamp, len(jobs))
+            if leader.lane is not None:
+                await self._each(flat, lambda f: (
+                    torch.from_numpy(transfers[f[0]].block_ids[f[1]]),
+                    self._chunk_tensor(f[2], leader),
+                    transfers[f[0]].skips[f[1]]), jobs)
+            else:  # per target, then per chunk: the order `landed` reads outcomes in
+                for target in targets:
+                    scatter, theirs = self._scatter_jobs(target, transfers), []
+                    await self._each(flat, lambda f: scatter(*f), theirs)
+                    jobs.extend(theirs)
+            stamp = phases.add("RETRIEVE", "server submit", stamp, len(flat))
             copy_started = time.perf_counter()
             if leader.lane is not None:
                 per_target = await self.copier.retrieve(targets, jobs, deadline)
                 outcomes = [error for errors in per_target for error in errors]
             else:
-                outcomes = await self.copy_engine.run(
-                    [partial(target.scatter, *job) for target in targets for job in jobs],
-                    deadline)
+                outcomes = await self.copy_engine.run(jobs, deadline)
             self.metrics.copied("retrieve", time.perf_counter() - copy_started)
             stamp = phases.add("RETRIEVE", "server copy", stamp, len(jobs) * len(targets))
         except DeviceStalled as stall:

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -165,6 +166,7 @@ class CpuPool:
         self.allocator = ExtentAllocator(capacity)
         self._mapping = mmap.mmap(-1 if fd is None else fd, self.allocator.capacity)
         self.buffer = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        self.array = self.buffer.numpy()  # the same bytes, for numpy row copies (HostRows)
         self._pinner = pinner
         self._pieces: list[int] = []  # addresses of the registered pieces, for close()
         self._pinned_bytes = 0
@@ -248,6 +250,9 @@ class CpuPool:
 
     def view(self, offset: int, num_bytes: int) -> torch.Tensor:
         return self.buffer[offset:offset + num_bytes]
+
+    def array_view(self, offset: int, num_bytes: int) -> np.ndarray:
+        return self.array[offset:offset + num_bytes]
 
 
 class DevicePool:

@@ -113,6 +113,106 @@ class Geometry:
         return 1 if self.layout == "mha" else 0
 
 
+class HostRows:
+    """A cache in CPU memory as numpy rows: runs of bytes contiguous both in the cache and
+    in a chunk (a whole block of one layer's K or V when the layout allows, or its
+    innermost dimension, as in vLLM's CPU layout with K and V interleaved). A request's
+    copies then move each row with one memmove, from index arrays built once per request,
+    with no torch view or op per chunk and block (W2's 512 KiB chunks spent more time on
+    views than on their bytes; vLLM's CPU caches took a torch copy per block and layer).
+
+    The rows lie in parts: one for a stacked cache, else one per layer, all of one layout.
+    A chunk's bytes hold each part's rows in turn, in the chunk's own order."""
+
+    MIN_ROW_BYTES = 64  # below this, rows cost more than torch's strided copies
+    # From here up, scatter() assigns byte rows, else np.put()s void rows: per 2 copy
+    # threads on memfd memory, 4 KiB rows 29 vs 19 GB/s, 256-byte rows 10 vs 22 GB/s.
+    WIDE_ROW_BYTES = 1024
+
+    def __init__(self, parts: list[np.ndarray], outer: np.ndarray, block_stride: int,
+                 inner: np.ndarray):
+        """`parts`: each a 1-d array of void rows from the part's first byte. Within a part,
+        the row of outer position o, block b and inner position i is outer[o] + b ×
+        block_stride + inner[i], and a chunk lists them by (o, block, i)."""
+        self.parts = parts
+        row_bytes = parts[0].dtype.itemsize
+        self._byte_rows = ([part.view(np.uint8).reshape(-1, row_bytes) for part in parts]
+                           if row_bytes >= self.WIDE_ROW_BYTES else None)
+        self._outer = outer.reshape(1, -1, 1, 1)
+        self._block_stride = block_stride
+        self._inner = inner.reshape(1, 1, 1, -1)
+        self._row = parts[0].dtype
+
+    @classmethod
+    def of(cls, layers: list[torch.Tensor], stacked: torch.Tensor | None, block_dim: int
+           ) -> HostRows | None:
+        """The rows of a cache on the CPU (its stacked view if it has one, else its layers,
+        when they share one layout); None where its strides allow no rows of at least
+        MIN_ROW_BYTES."""
+        if not layers or layers[0].is_cuda:
+            return None
+        tensors, dim = ([stacked], block_dim + 1) if stacked is not None else (layers, block_dim)
+        shape, strides = tensors[0].shape, tensors[0].stride()
+        if any(t.shape != shape or t.stride() != strides for t in tensors):
+            return None
+        itemsize = tensors[0].element_size()
+        run, last = 1, len(shape)  # the trailing dimensions that merge into one run
+        while last > dim + 1 and (shape[last - 1] == 1 or strides[last - 1] == run):
+            run *= shape[last - 1]
+            last -= 1
+        indexed = [d for d in range(last) if shape[d] > 1]
+        if run * itemsize < cls.MIN_ROW_BYTES or any(strides[d] % run for d in indexed):
+            return None
+
+        def offsets(dims: range) -> np.ndarray:
+            """Row offsets of every position of `dims`, in their order."""
+            grid = np.zeros(1, dtype=np.int64)
+            for d in dims:
+                grid = (grid[:, None] + np.arange(shape[d]) * (strides[d] // run)).reshape(-1)
+            return grid
+        extent = 1 + sum((shape[d] - 1) * (strides[d] // run) for d in indexed)
+        row = np.dtype((np.void, run * itemsize))
+        parts = [torch.empty(0, dtype=torch.uint8).set_(
+            t.untyped_storage(), t.storage_offset() * itemsize, (extent * row.itemsize,), (1,)
+        ).numpy().view(row) for t in tensors]
+        return cls(parts, offsets(range(dim)), strides[dim] // run, offsets(range(dim + 1, last)))
+
+    def rows(self, block_ids: np.ndarray) -> np.ndarray:
+        """The rows of [chunks, blocks] block ids (checked, none SKIP_BLOCK) as [chunks,
+        rows of a part], in the order a chunk's bytes hold them within each part."""
+        chunks, blocks = block_ids.shape
+        return (self._outer + block_ids[:, None, :, None] * self._block_stride
+                + self._inner).reshape(chunks, self._outer.size * blocks * self._inner.size)
+
+    def chunk(self, chunk_bytes: np.ndarray) -> np.ndarray:
+        """A chunk's bytes (a slice of the pool) as [parts, rows of a part]."""
+        return chunk_bytes.view(self._row).reshape(len(self.parts), -1)
+
+    def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """Copy `rows` of every part into `out` (a chunk() view). np.take moves each row with
+        one memmove and releases the GIL; mode "clip" (the ids are checked, so it never
+        clips) writes straight into `out`, where the default mode buffers."""
+        for part, into in zip(self.parts, out):
+            np.take(part, rows, out=into, mode="clip")
+
+    def scatter(self, rows: np.ndarray, src: np.ndarray) -> None:
+        """Copy `src` (a chunk() view, or the same rows of each of its parts) into `rows` of
+        every part; as gather(), without the GIL."""
+        if self._byte_rows is not None:
+            for part, rows_of_part in zip(self._byte_rows, src):
+                part[rows] = rows_of_part.view(np.uint8).reshape(len(rows), -1)
+            return
+        for part, rows_of_part in zip(self.parts, src):
+            np.put(part, rows, rows_of_part, mode="clip")
+
+    def scatter_skipping(self, block_ids: np.ndarray, src: np.ndarray) -> None:
+        """scatter() for one chunk's [blocks] ids, some SKIP_BLOCK: those blocks stay alone."""
+        keep = block_ids != SKIP_BLOCK
+        per_block = src.reshape(len(self.parts), self._outer.size, len(keep), -1)
+        self.scatter(self.rows(block_ids[keep].reshape(1, -1))[0],
+                     per_block[:, :, keep].reshape(len(self.parts), -1))
+
+
 @dataclass(eq=False)
 class KVCacheInstance:
     """One worker's registered paged KV cache, mapped into this process."""
@@ -133,6 +233,7 @@ class KVCacheInstance:
     last_seen: float
     allocations: list[Allocation] = field(default_factory=list)  # cuda_ipc allocations
     lane: Any = None  # its streams.Lane when it lives on a GPU: copies go through the stream copier
+    host_rows: HostRows | None = None  # a cache in CPU memory whose strides allow it
     copies_in_flight: int = 0
     closed: bool = False
     stop_watching: Callable[[], None] | None = None  # lets go of its fd channel watch
@@ -142,9 +243,6 @@ class KVCacheInstance:
     _populating: threading.Thread | None = None
     # `stacked` as [layers × outer, blocks, row] words, per word width (None: no such view)
     _stacked_rows: dict[int, torch.Tensor | None] = field(default_factory=dict)
-    # those rows as one numpy array, per word width, for scatters on the CPU (_flat_rows)
-    _flat: dict[int, tuple[torch.Tensor, np.ndarray] | None] = field(default_factory=dict)
-
     def start_populating(self) -> None:
         """Fault the worker's pages into this process in the background, ahead of the first copy."""
         def run() -> None:
@@ -176,18 +274,6 @@ class KVCacheInstance:
             if rows is not None:
                 return stacked, rows
         return None
-
-    def _flat_rows(self, stacked: torch.Tensor) -> tuple[torch.Tensor, np.ndarray] | None:
-        """`stacked` rows ([outer, blocks, row], from _as_rows) as one numpy array of
-        [outer × blocks, row] and each outer slice's first row index ([outer, 1]); None
-        where the outer slices do not lie back to back."""
-        width = stacked.element_size()
-        if width not in self._flat:
-            outer, blocks, row = stacked.shape
-            self._flat[width] = (
-                (torch.arange(outer).view(-1, 1) * blocks, stacked.view(-1, row).numpy())
-                if stacked.stride(0) == blocks * row else None)
-        return self._flat[width]
 
     def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the given blocks of every layer into `out` (a chunk-shaped tensor on the
@@ -234,16 +320,7 @@ class KVCacheInstance:
                      and self.geometry.block_bytes >= _PER_BLOCK_SCATTER_BYTES)
         rows = None if per_block else self._as_rows(src)
         if rows is not None:
-            # A cache in CPU memory (no lane); the stream copier's GPU caches keep torch.
-            flat = self._flat_rows(rows[0]) if self.lane is None and not src.is_cuda else None
-            if flat is not None:
-                # numpy's row assignment copies each 4 KiB row whole (GIL released), where
-                # index_copy_ moves item by item on the CPU: 1.5-2.5× faster on W2's blocks.
-                offsets, array = flat
-                array[(offsets + block_ids.view(1, -1)).view(-1).numpy()] = (
-                    rows[1].reshape(-1, rows[1].shape[2]).numpy())
-            else:
-                rows[0].index_copy_(1, block_ids, rows[1])
+            rows[0].index_copy_(1, block_ids, rows[1])
             return
         for target, source, block_dim in targets:
             if per_block:  # index_copy_ runs at half the speed of copy_ on large blocks
@@ -258,7 +335,7 @@ class KVCacheInstance:
         self.layers = []
         self.stacked = None
         self._stacked_rows.clear()
-        self._flat.clear()
+        self.host_rows = None
         for mapping in self.mappings:
             try:
                 mapping.close()
@@ -463,7 +540,8 @@ class Registry:
             tp_group=req.tp_group,
             num_blocks=num_blocks, geometry=geometry, layers=layers, stacked=stacked,
             mappings=list(mappings.values()), last_seen=self.clock(),
-            allocations=list(allocations.values()), lane=lane, stop_watching=stop_watching)
+            allocations=list(allocations.values()), lane=lane, stop_watching=stop_watching,
+            host_rows=HostRows.of(layers, stacked, geometry.block_dim))
         self._instances[instance.instance_id] = instance
         instance.start_populating()
         logger.info("registered instance %d: model %s, kv worker %d/%d, %d layers on %s, "

@@ -1,12 +1,13 @@
-"""Gather and scatter through [outer, blocks, row] word views (registry._as_rows), the
-numpy row scatter, and their fallbacks: the same bytes as a plain index_select, whatever
-the row width, alignment or layer layout."""
+"""Gather and scatter through [outer, blocks, row] word views (registry._as_rows) and their
+fallbacks, and through HostRows' numpy rows (caches in CPU memory): the same bytes as a
+plain index_select, whatever the row width, alignment or layer layout."""
 
+import numpy as np
 import pytest
 import torch
 
 from lmcache_mp.protocol import SKIP_BLOCK
-from lmcache_mp.server.registry import Geometry, KVCacheInstance
+from lmcache_mp.server.registry import Geometry, HostRows, KVCacheInstance
 
 
 def instance(block_shape: tuple[int, ...], layers: int, num_blocks: int, dtype: torch.dtype,
@@ -26,7 +27,7 @@ def instance(block_shape: tuple[int, ...], layers: int, num_blocks: int, dtype: 
     return cache, typed
 
 
-SHAPES = [((2, 16, 2, 64), torch.float16, 0, 0),  # W2-like: 8-byte words, numpy scatter
+SHAPES = [((2, 16, 2, 64), torch.float16, 0, 0),  # W2-like: 8-byte words
           ((2, 16, 2, 64), torch.float16, 0, 8),  # layers apart: no flat rows, index_copy_
           ((2, 1, 1, 3), torch.float16, 0, 0),  # 6-byte rows: 2-byte words
           ((2, 1, 1, 3), torch.float16, 1, 0),  # an odd start: 2-byte words
@@ -63,3 +64,79 @@ def test_gather_and_scatter_move_exact_bytes(block_shape, dtype, offset, gap, st
     others = [b for b in range(20) if b not in (5, 6, 9)]
     assert torch.equal(typed.index_select(block_dim, torch.tensor(others)),
                        before.index_select(block_dim, torch.tensor(others)))
+
+
+# -- HostRows: the numpy row copies the dispatcher uses for caches in CPU memory ----------
+
+def _mha_layers(layers: int, num_blocks: int, physical: tuple[int, ...],
+                dtype: torch.dtype = torch.float16, block_size: int = 4, heads: int = 2,
+                head_dim: int = 32, stacked: bool = False):
+    """Layer tensors of logical shape [2, blocks, block_size, heads, head_dim] whose memory
+    is laid out in the `physical` order of those dims (vLLM's CPU backend: blocks first, K
+    and V interleaved per head row), in one buffer; the stacked view when asked."""
+    logical = (2, num_blocks, block_size, heads, head_dim)
+    shape = tuple(logical[d] for d in physical)
+    buffer = torch.randint(-1000, 1000, (layers, *shape)).to(dtype)
+    back = [physical.index(d) for d in range(5)]
+    views = [buffer[layer].permute(*back) for layer in range(layers)]
+    return views, (buffer.permute(0, *(b + 1 for b in back)) if stacked else None)
+
+
+def _host_geometry(layers: list[torch.Tensor], blocks_per_chunk: int) -> Geometry:
+    _, _, block_size, heads, head_dim = layers[0].shape
+    return Geometry("mha", len(layers), (2, block_size, heads, head_dim),
+                    str(layers[0].dtype).removeprefix("torch."), blocks_per_chunk)
+
+
+def _chunk_of(layers: list[torch.Tensor], ids: list[int]) -> torch.Tensor:
+    """The canonical chunk: [layers, 2, blocks, ...] in logical order."""
+    return torch.stack([layer.index_select(1, torch.tensor(ids)) for layer in layers])
+
+
+LAYOUTS = [((0, 1, 2, 3, 4), False),  # contiguous per layer: a block's K (or V) is one row
+           ((0, 1, 2, 3, 4), True),  # the same, stacked: one part
+           ((1, 3, 2, 0, 4), False)]  # vLLM CPU: [blocks, heads, tokens, K/V, head_dim]
+
+
+@pytest.mark.parametrize("physical,stacked", LAYOUTS)
+def test_host_rows_move_the_canonical_chunk_bytes(physical, stacked):
+    layers, stack = _mha_layers(3, 20, physical, stacked=stacked)
+    host = HostRows.of(layers, stack, block_dim=1)
+    assert host is not None
+    geometry = _host_geometry(layers, 2)
+    ids = np.array([[7, 0], [19, 3]], dtype=np.int64)
+    rows = host.rows(ids)
+    pool = np.zeros(2 * geometry.chunk_bytes, dtype=np.uint8)
+    for c in range(2):
+        host.gather(rows[c], host.chunk(pool[c * geometry.chunk_bytes:][:geometry.chunk_bytes]))
+        got = torch.from_numpy(pool[c * geometry.chunk_bytes:][:geometry.chunk_bytes].copy())
+        assert torch.equal(got.view(layers[0].dtype).view(geometry.chunk_shape),
+                           _chunk_of(layers, ids[c].tolist()))
+
+    before = [layer.clone() for layer in layers]
+    source = torch.randint(-1000, 1000, geometry.chunk_shape).to(layers[0].dtype)
+    host.scatter(host.rows(np.array([[4, 11]]))[0], host.chunk(source.view(-1).view(
+        torch.uint8).numpy()))
+    assert torch.equal(_chunk_of(layers, [4, 11]), source)
+    others = [b for b in range(20) if b not in (4, 11)]
+    assert all(torch.equal(layer.index_select(1, torch.tensor(others)),
+                           old.index_select(1, torch.tensor(others)))
+               for layer, old in zip(layers, before))
+
+    # SKIP_BLOCK leaves its block alone, and the other lands
+    before = [layer.clone() for layer in layers]
+    host.scatter_skipping(np.array([SKIP_BLOCK, 9]), host.chunk(
+        source.flip(2).contiguous().view(-1).view(torch.uint8).numpy()))
+    assert torch.equal(_chunk_of(layers, [9]), source.flip(2)[:, :, 1:2])
+    assert all(torch.equal(layer.index_select(1, torch.tensor([0, 5])),
+                           old.index_select(1, torch.tensor([0, 5])))
+               for layer, old in zip(layers, before))
+    assert host.rows(np.zeros((0, 2), dtype=np.int64)).shape[0] == 0  # an empty item
+
+
+def test_host_rows_refuse_what_rows_cannot_copy():
+    layers, _ = _mha_layers(2, 8, (0, 1, 2, 3, 4))
+    assert HostRows.of([layers[0], layers[1][:, :, :, :, :4]], None, 1) is None  # two layouts
+    # a head_dim of 2 float16s (4-byte runs) under vLLM's CPU order: rows too small to pay
+    small, _ = _mha_layers(2, 8, (1, 3, 2, 0, 4), head_dim=2)
+    assert HostRows.of(small, None, 1) is None
