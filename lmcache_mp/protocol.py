@@ -614,10 +614,14 @@ def unpack(cls: type, payload: bytes, bounded: bool = False) -> Any:
     the LIMITS as it reads their headers, before building anything, and the whole payload
     over MAX_REQUEST_VALUES values as it builds them."""
     try:
-        if bounded:
+        # Every value takes a byte at least: a payload of up to MAX_REQUEST_VALUES bytes
+        # cannot hold more values, and skips the count (a Python call per array and map).
+        if bounded and len(payload) > MAX_REQUEST_VALUES:
             budget = _ValueBudget()
             raw = msgpack.unpackb(payload, raw=False, strict_map_key=True, list_hook=budget,
                                   object_hook=budget, **_REQUEST_LIMITS)
+        elif bounded:
+            raw = msgpack.unpackb(payload, raw=False, strict_map_key=True, **_REQUEST_LIMITS)
         else:
             raw = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except BadRequest:
@@ -627,30 +631,49 @@ def unpack(cls: type, payload: bytes, bounded: bool = False) -> Any:
                                                  "the data ends early or holds extra bytes")
         raise BadRequest(f"payload is not valid msgpack ({type(exc).__name__}: {reason})"
                          ) from None
-    return from_wire(cls, raw, "")
+    return from_wire(cls, raw)
 
 
-def from_wire(tp: Any, value: Any, path: str) -> Any:
+def from_wire(tp: Any, value: Any) -> Any:
     """Validate a decoded msgpack value against a type annotation and build it."""
-    return _decoder(tp)(value, path)
+    try:
+        return _decoder(tp)(value)
+    except _Invalid as invalid:
+        raise BadRequest(invalid.message()) from None
 
 
-Decoder = Callable[[Any, str], Any]
+Decoder = Callable[[Any], Any]
 _DECODERS: dict[Any, Decoder] = {}
 _TYPE_NAMES = {int: "int", float: "float", str: "str", bool: "bool", bytes: "bytes"}
 _EXACT_FLOAT_INT = 2**53
+
+
+class _Invalid(Exception):
+    """A value that does not fit its type. Raised where it is found, without its path:
+    each array and map it leaves adds its own step, so that only a wrong value costs a
+    path (a valid request with thousands of fields formats none)."""
+
+    def __init__(self, describe: Callable[[str], str]):
+        """`describe(where)`: the message, given the value's place ("`items[3].model`")."""
+        self.describe = describe
+        self.steps: list[str] = []
+
+    def at(self, step: str) -> _Invalid:
+        """Add the step ("[3]", ".model") from the container it is leaving."""
+        self.steps.append(step)
+        return self
+
+    def message(self) -> str:
+        path = "".join(reversed(self.steps)).removeprefix(".")
+        return self.describe(f"`{path}`" if path else "payload")
 
 
 def _describe(value: Any) -> str:
     return type(value).__name__ if value is not None else "nil"
 
 
-def _where(path: str) -> str:
-    return f"`{path}`" if path else "payload"
-
-
-def _mismatch(expected: str, value: Any, path: str) -> BadRequest:
-    return BadRequest(f"{_where(path)}: expected {expected}, got {_describe(value)}")
+def _mismatch(expected: str, value: Any) -> _Invalid:
+    return _Invalid(lambda where: f"{where}: expected {expected}, got {_describe(value)}")
 
 
 def _decoder(tp: Any) -> Decoder:
@@ -669,65 +692,85 @@ def _build_decoder(tp: Any) -> Decoder:
             return _tagged_decoder(options)
         (inner,) = [o for o in options if o is not type(None)]
         inner_decoder = _decoder(inner)
-        return lambda value, path: None if value is None else inner_decoder(value, path)
+        return lambda value: None if value is None else inner_decoder(value)
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         item_decoder = _decoder(item_tp)
 
-        def decode_list(value: Any, path: str) -> list:
+        def decode_list(value: Any) -> list:
             if not isinstance(value, list):
-                raise _mismatch("array", value, path)
-            return [item_decoder(v, f"{path}[{i}]") for i, v in enumerate(value)]
+                raise _mismatch("array", value)
+            try:
+                return [item_decoder(v) for v in value]
+            except _Invalid as invalid:  # which item: found again, only now
+                for i, v in enumerate(value):
+                    try:
+                        item_decoder(v)
+                    except _Invalid:
+                        raise invalid.at(f"[{i}]") from None
+                raise
         return decode_list
     if origin is dict:
         key_decoder, value_decoder = (_decoder(t) for t in typing.get_args(tp))
 
-        def decode_dict(value: Any, path: str) -> dict:
+        def decode_dict(value: Any) -> dict:
             if not isinstance(value, dict):
-                raise _mismatch("map", value, path)
-            return {key_decoder(k, f"{path}.<key>"): value_decoder(v, f"{path}.{k}")
-                    for k, v in value.items()}
+                raise _mismatch("map", value)
+            decoded = {}
+            for k, v in value.items():
+                try:
+                    key = key_decoder(k)
+                except _Invalid as invalid:
+                    raise invalid.at(".<key>") from None
+                try:
+                    decoded[key] = value_decoder(v)
+                except _Invalid as invalid:
+                    raise invalid.at(f".{k}") from None
+            return decoded
         return decode_dict
     if dataclasses.is_dataclass(tp):
         return _dataclass_decoder(tp)
     name = _TYPE_NAMES[tp]
     if tp is float:
-        def decode_float(value: Any, path: str) -> float:
+        def decode_float(value: Any) -> float:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 return float(value)
-            raise _mismatch(name, value, path)
+            raise _mismatch(name, value)
         return decode_float
     if tp is int:
-        def decode_int(value: Any, path: str) -> int:
+        def decode_int(value: Any) -> int:
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
             # JavaScript's msgpack encoders send integers above 2^32 as float64.
             if isinstance(value, float) and value.is_integer() and abs(value) <= _EXACT_FLOAT_INT:
                 return int(value)
-            raise _mismatch(name, value, path)
+            raise _mismatch(name, value)
         return decode_int
 
-    def decode_scalar(value: Any, path: str) -> Any:
+    def decode_scalar(value: Any) -> Any:
         if isinstance(value, tp):
             return value
-        raise _mismatch(name, value, path)
+        raise _mismatch(name, value)
     return decode_scalar
+
+
+def _unsupported_kind(kind: Any, supported: str) -> _Invalid:
+    return _Invalid(lambda where: f"{where}: unsupported handle kind {kind!r}; this server "
+                                  f"supports {supported}").at(".kind")
 
 
 def _tagged_decoder(options: tuple[type, ...]) -> Decoder:
     """A union of dataclasses told apart by their `kind` field; without one, the first."""
     by_kind = {cls.KIND: cls for cls in options}
 
-    def decode(value: Any, path: str) -> Any:
+    def decode(value: Any) -> Any:
         if not isinstance(value, dict):
-            raise _mismatch("map", value, path)
+            raise _mismatch("map", value)
         kind = value.get("kind", options[0].KIND)
         cls = by_kind.get(kind) if isinstance(kind, str) else None
         if cls is None:
-            raise BadRequest(f"{_where(path + '.kind' if path else 'kind')}: unsupported handle "
-                             f"kind {kind!r}; this server supports "
-                             f"{', '.join(repr(k) for k in by_kind)}")
-        return _decoder(cls)(value, path)
+            raise _unsupported_kind(kind, ", ".join(repr(k) for k in by_kind))
+        return _decoder(cls)(value)
     return decode
 
 
@@ -737,22 +780,30 @@ def _dataclass_decoder(cls: type) -> Decoder:
                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
               for f in dataclasses.fields(cls)]
     kind = getattr(cls, "KIND", None)
-    field_decoders: list[tuple[str, Decoder, bool]] = []
+    # (name, the scalar type a value of which needs no decoding, decoder, required)
+    field_decoders: list[tuple[str, type | None, Decoder, bool]] = []
 
-    def decode(value: Any, path: str) -> Any:
+    def decode(value: Any) -> Any:
         if not field_decoders:  # resolved on first use: fields may refer to later classes
-            field_decoders.extend((n, _decoder(t), required) for n, t, required in fields)
+            field_decoders.extend((n, t if t in _TYPE_NAMES else None, _decoder(t), required)
+                                  for n, t, required in fields)
         if not isinstance(value, dict):
-            raise _mismatch("map", value, path)
+            raise _mismatch("map", value)
         if kind is not None and value.get("kind", kind) != kind:
-            raise BadRequest(f"{_where(path + '.kind' if path else 'kind')}: unsupported handle "
-                             f"kind {value.get('kind')!r}; this server supports {kind!r}")
+            raise _unsupported_kind(value.get("kind"), repr(kind))
         kwargs = {}
-        for name, field_decoder, required in field_decoders:
+        for name, exact, field_decoder, required in field_decoders:
             if name in value:
-                kwargs[name] = field_decoder(value[name], f"{path}.{name}" if path else name)
+                field_value = value[name]
+                if type(field_value) is exact:  # a scalar of its very type: as it is
+                    kwargs[name] = field_value
+                    continue
+                try:
+                    kwargs[name] = field_decoder(field_value)
+                except _Invalid as invalid:
+                    raise invalid.at(f".{name}") from None
             elif required:
-                raise BadRequest(f"`{path + '.' + name if path else name}`: missing")
+                raise _Invalid(lambda where: f"{where}: missing").at(f".{name}")
         # Unknown fields are ignored so that newer clients can talk to this server.
         return cls(**kwargs)
     return decode
@@ -823,6 +874,11 @@ def pack_hashes(hashes: list[bytes]) -> bytes:
 def unpack_hashes(packed: bytes, path: str) -> list[bytes]:
     if len(packed) % CHUNK_HASH_BYTES:
         raise BadRequest(f"`{path}`: length {len(packed)} is not a multiple of {CHUNK_HASH_BYTES}")
+    return split_hashes(packed)
+
+
+def split_hashes(packed: bytes) -> list[bytes]:
+    """unpack_hashes() for a length already checked."""
     return [packed[i:i + CHUNK_HASH_BYTES] for i in range(0, len(packed), CHUNK_HASH_BYTES)]
 
 

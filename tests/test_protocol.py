@@ -57,6 +57,25 @@ def test_errors_name_the_field():
         protocol.unpack(protocol.UnregisterKVCacheRequest, msgpack.packb({"instance_id": True}))
 
 
+def test_paths_are_named_deep_in_arrays_and_maps_for_the_first_wrong_value():
+    """Paths are built only as an error leaves its arrays and maps: they must still name
+    the first wrong value, at any depth, in both."""
+    items = [protocol.LookupItem(f"r{i}", b"", "salt") for i in range(5)]
+    raw = msgpack.unpackb(protocol.pack(protocol.LookupRequest("m", 1, items)))
+    raw["items"][3]["cache_salt"] = 7
+    raw["items"][4]["hold"] = "yes"
+    with pytest.raises(BadRequest, match=r"^`items\[3\].cache_salt`: expected str, got int$"):
+        protocol.unpack(protocol.LookupRequest, msgpack.packb(raw), bounded=True)
+    with pytest.raises(BadRequest, match=r"^`items`: expected array, got str$"):
+        protocol.unpack(protocol.LookupRequest, msgpack.packb({**raw, "items": "x"}))
+    with pytest.raises(BadRequest, match=r"^payload: expected map, got list$"):
+        protocol.unpack(protocol.LookupRequest, msgpack.packb([1]))
+    stats = msgpack.unpackb(protocol.pack(sample(protocol.StatsReply)))
+    stats["requests"] = {"LOOKUP": 1, "STORE": "many"}
+    with pytest.raises(BadRequest, match=r"^`requests.STORE`: expected int, got str$"):
+        protocol.unpack(protocol.StatsReply, msgpack.packb(stats))
+
+
 def test_unknown_fields_are_ignored_and_defaults_fill_in():
     message = protocol.unpack(protocol.HelloRequest,
                               msgpack.packb({"protocol_version": 2, "from_the_future": [1]}))

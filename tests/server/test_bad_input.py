@@ -174,6 +174,22 @@ def test_a_bad_item_refuses_the_whole_batch(client):
             client.rpc.call(protocol.StoreRequest(registration.instance_id, [good]))
 
 
+def test_a_bad_lookup_item_is_named_after_good_items_of_the_same_salt(client):
+    """LOOKUP checks a salt once per message: every item is still checked, and the first
+    bad one named."""
+    good = [LookupItem.build(f"ok{i}", prompt(60 + i, 2), "tenant-a") for i in range(3)]
+    cases = {
+        "cache_salt": LookupItem.build("bad", prompt(70, 1), "has space"),
+        "request_id": LookupItem.build("r" * (protocol.MAX_REQUEST_ID_CHARS + 1),
+                                       prompt(70, 1), "tenant-a"),
+        "chunk_hashes": LookupItem("bad", b"\x00" * 17, "tenant-a"),
+    }
+    for field, bad in cases.items():
+        with pytest.raises(BadRequest, match=rf"`items\[3\]\.{field}`"):
+            client.lookup(MODEL, 1, [*good, bad])
+    assert client.lookup(MODEL, 1, good) == [0, 0, 0]
+
+
 def test_too_many_chunks_in_one_message_is_refused():
     with run_server("--max-chunks-per-message", "4") as server, CacheClient(server.url) as client:
         with pytest.raises(BadRequest, match="5 chunks in one message; the limit is 4"):
