@@ -7,6 +7,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from functools import partial
@@ -281,6 +282,12 @@ class CacheClient:
 
         send(may_retry=True)
         return result
+
+    def wait(self, futures: Iterable[Future], timeout: float) -> None:
+        """Block until every future of the *_async calls is done, or `timeout` seconds have
+        passed, reading this client's socket on the calling thread meanwhile: a reply
+        reaches the waiter without a hand-off between threads (RpcClient.wait)."""
+        self.rpc.wait(futures, timeout)
 
     @property
     def disconnects(self) -> int:

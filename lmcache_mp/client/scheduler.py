@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 
 from ..errors import LMCacheMPError
 from ..protocol import LeaseRef, LookupItem, LookupReply
@@ -78,7 +78,7 @@ class SchedulerAdapter:
                 return 0
             self._lookups[request_id] = state
             if wait_s > 0 and not self._replies_late:
-                wait([state], timeout=wait_s)
+                self.client.wait([state], wait_s)
                 self._replies_late = not state.done()
         if not state.done():
             return None

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 from ..errors import RequestTimeout
@@ -128,7 +128,7 @@ class WorkerAdapter:
             for store in self._stores.get(request_id, ()):
                 left = store.deadline - time.monotonic()
                 if store.future is not None and left > 0:
-                    wait([store.future], timeout=left)
+                    self.client.wait([store.future], left)
 
     def wait_for_loads(self, request_ids: Iterable[str]) -> None:
         """Worker, before a forward pass that reads these requests' loads (an engine's
@@ -142,7 +142,7 @@ class WorkerAdapter:
             if load.future is not None:
                 # (a timed wait may end a little early: get_finished must find it settled)
                 while not load.future.done() and (left := load.deadline - time.monotonic()) > 0:
-                    wait([load.future], timeout=left)
+                    self.client.wait([load.future], left)
                 continue
             left = load.deadline - time.monotonic()
             if left > 0 and not self.parallel.sends_transfers:

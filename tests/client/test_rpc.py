@@ -103,6 +103,40 @@ def test_submitted_futures_complete_without_anyone_waiting(server):
         assert all(isinstance(f.result(), PingReply) for f in done)
 
 
+def test_wait_reads_replies_on_the_waiting_thread_and_ends_at_its_timeout(server):
+    """RpcClient.wait leads the socket itself: each reply is resolved on the thread that
+    waits (no hand-off from the background thread), also while the background thread was
+    leading when the wait began; and a wait ends at its timeout, not at the reply."""
+    with RpcClient(server.url) as client:
+        client.call(PingRequest())  # HELLO is answered: nothing else in flight
+        for _ in range(20):
+            resolved_on = []
+            futures = [client.submit(PingRequest()) for _ in range(3)]
+            for future in futures:
+                future.add_done_callback(
+                    lambda _: resolved_on.append(threading.current_thread().name))
+            client.wait(futures, 10)
+            assert all(future.done() for future in futures)
+            if resolved_on == [threading.current_thread().name] * 3:
+                break
+        else:  # the background thread may win a race now and then, not every time
+            pytest.fail(f"replies were resolved on {resolved_on}, never all on the waiter")
+
+    with ServerProcess() as srv, RpcClient(srv.url, timeout=30) as client:
+        client.call(PingRequest())
+        srv.proc.send_signal(signal.SIGSTOP)  # it cannot answer
+        try:
+            future = client.submit(PingRequest())
+            started = time.monotonic()
+            client.wait([future], 0.3)
+            assert 0.25 <= time.monotonic() - started < 5
+            assert not future.done()
+        finally:
+            srv.proc.send_signal(signal.SIGCONT)
+        client.wait([future], 10)
+        assert isinstance(future.result(), PingReply)
+
+
 def test_heartbeats_keep_an_idle_registration_alive():
     with run_server("--worker-timeout", "1") as server, CacheClient(server.url) as client, \
             make_cache(4 * BLOCKS_PER_CHUNK, 8) as cache:
