@@ -30,16 +30,28 @@ while True:
 """
 
 
-def copy_bound_gbs(num_bytes: int, repeats: int = 5) -> float:
-    """A single-thread copy of num_bytes between two buffers already touched; median GB/s."""
-    src = torch.full((num_bytes,), 7, dtype=torch.uint8)
-    dst = torch.zeros(num_bytes, dtype=torch.uint8)
-    samples = []
-    for _ in range(repeats + 1):  # the first is a warm-up
+class CopyBound:
+    """A single-thread copy of num_bytes between two buffers already touched, sampled
+    before the run and again between its steps (sample()), so that the bound sees the
+    machine the run saw, however its load drifts; gbs is the median sample."""
+
+    def __init__(self, num_bytes: int, repeats: int = 5):
+        self.num_bytes = num_bytes
+        self._src = torch.full((num_bytes,), 7, dtype=torch.uint8)
+        self._dst = torch.zeros(num_bytes, dtype=torch.uint8)
+        self._dst.copy_(self._src)  # a warm-up, not counted
+        self.samples: list[float] = []
+        for _ in range(repeats):
+            self.sample()
+
+    def sample(self) -> None:
         start = time.perf_counter()
-        dst.copy_(src)
-        samples.append(rate(num_bytes, time.perf_counter() - start) / GB)
-    return statistics.median(samples[1:])
+        self._dst.copy_(self._src)
+        self.samples.append(rate(self.num_bytes, time.perf_counter() - start) / GB)
+
+    @property
+    def gbs(self) -> float:
+        return statistics.median(self.samples)
 
 
 class EchoProcess:
@@ -137,8 +149,9 @@ def measure_lookups(client: CacheClient, echo_url: str, model: str, kv_world_siz
         _timed_us(lookup_once, min(100, per_round))  # warm-up
         _timed_us(lambda: echo_once(single_frames), min(100, per_round))
         for _ in range(rounds):
-            echo_samples += _timed_us(lambda: echo_once(single_frames), per_round)
-            lookup_samples += _timed_us(lookup_once, per_round)
+            for _ in range(per_round):  # one each in turn: both see the same machine
+                echo_samples += _timed_us(lambda: echo_once(single_frames), 1)
+                lookup_samples += _timed_us(lookup_once, 1)
 
         hit_fraction = sum(client.lookup(model, kv_world_size, batch)) / keys_per_message
         keys_per_s, echo_keys_per_s = [], []

@@ -174,7 +174,11 @@ class RedisPeer:
 
 
 def _wait(adapter: WorkerAdapter, request_ids: set[str], loads: bool, timeout: float) -> None:
+    """Until get_finished reports every request: blocked on their replies first (as a
+    connector's synchronous loads and its wait before reusing blocks are), so that a
+    step's time is the server's, not a polling interval's."""
     deadline = time.monotonic() + timeout
+    (adapter.wait_for_loads if loads else adapter.wait_for_stores)(request_ids)
     while request_ids:
         stores, finished_loads = adapter.get_finished()
         request_ids -= finished_loads if loads else stores

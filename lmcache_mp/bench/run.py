@@ -23,7 +23,7 @@ from ..client import CacheClient
 from ..protocol import StatsReply
 from ..spawn import ServerProcess
 from ..sizes import format_size
-from .bounds import EchoProcess, LookupFigures, copy_bound_gbs, measure_lookups
+from .bounds import CopyBound, EchoProcess, LookupFigures, measure_lookups
 from .engine import Engine, EngineSetup
 from .redis_peer import RedisServer, check_redis_available
 from .report import Checks, Figures, PhaseResult, Report, ServerFigures
@@ -177,10 +177,11 @@ def run(options: BenchOptions, log: Callable[[str], None]) -> Report:
             engine.start(context)
 
         step_bytes = options.batch * options.chunks * options.shape.chunk_bytes
-        bound = copy_bound_gbs(min(max(step_bytes, 64 * MiB), 1024 * MiB))
-        log(f"single-thread copy bound: {bound:.2f} GB/s")
+        copy_bound = CopyBound(min(max(step_bytes, 64 * MiB), 1024 * MiB))
+        log(f"single-thread copy bound: {copy_bound.gbs:.2f} GB/s (sampled again between steps)")
 
-        results = _run_phases(options, workload, engines, client, capacity, log)
+        results = _run_phases(options, workload, engines, client, capacity, log, copy_bound)
+        bound = copy_bound.gbs
         log(f"LOOKUP latency: {options.lookup_rounds} rounds × {options.lookup_iters}, "
             f"batched LOOKUP {options.lookup_seconds:g} s")
         prefixes = [prefix for engine in engines for prefix in engine.recent_prefixes]
@@ -209,8 +210,8 @@ def _forget(client: CacheClient, workload: Workload) -> None:
 
 
 def _run_phases(options: BenchOptions, workload: Workload, engines: list[Engine],
-                client: CacheClient, capacity: int, log: Callable[[str], None]
-                ) -> list[PhaseResult]:
+                client: CacheClient, capacity: int, log: Callable[[str], None],
+                copy_bound: CopyBound) -> list[PhaseResult]:
     planned = workload.planned_requests()
     results = []
     phase_seconds = options.duration / len(workload.phases) if options.duration else None
@@ -237,6 +238,7 @@ def _run_phases(options: BenchOptions, workload: Workload, engines: list[Engine]
                 reports = [report for engine, _ in active for report in engine.finish_step(computed)]
                 result.add_step(time.monotonic() - started, reports, outcomes, len(active))
                 progress.update(len(outcomes))
+                copy_bound.sample()  # between steps: what the machine allows now
         result.seconds = time.monotonic() - started
         after = client.stats()
         result.server_cpu_seconds = after.cpu_seconds - before.cpu_seconds
