@@ -179,6 +179,8 @@ class RpcClient:
                         self._state.wait(None if end is None else end - time.monotonic())
                     self._followers -= 1
                     if over():
+                        if self._leader is None:  # the socket may need a watcher again
+                            self._background_wake.notify()
                         return
                     self._leader = me
             try:
@@ -440,7 +442,9 @@ class RpcClient:
                         self._heartbeat()
                         due = self._heartbeat_interval
                     idle_wait = due
-                if self._leader is not None or not self._needs_watcher():
+                # Never while a caller waits to lead: taking the socket back from it at once
+                # would pass it to and fro, each pass a pump, until the caller wins a race.
+                if self._leader is not None or self._followers or not self._needs_watcher():
                     self._background_wake.wait(idle_wait)
                     continue
                 self._leader = threading.get_ident()

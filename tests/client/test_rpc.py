@@ -124,13 +124,26 @@ def test_wait_reads_replies_on_the_waiting_thread_and_ends_at_its_timeout(server
 
     with ServerProcess() as srv, RpcClient(srv.url, timeout=30) as client:
         client.call(PingRequest())
+        pumps = {}
+        pump = client._pump
+
+        def counted_pump() -> None:
+            name = threading.current_thread().name
+            pumps[name] = pumps.get(name, 0) + 1
+            pump()
+        client._pump = counted_pump
         srv.proc.send_signal(signal.SIGSTOP)  # it cannot answer
         try:
             future = client.submit(PingRequest())
+            time.sleep(0.1)  # the background thread leads for it meanwhile
+            pumps.clear()
             started = time.monotonic()
             client.wait([future], 0.3)
             assert 0.25 <= time.monotonic() - started < 5
             assert not future.done()
+            # The background thread handed the socket over and stayed away: it once took it
+            # back at once, again and again (hundreds of pumps), until the waiter won a race.
+            assert pumps.get("lmcache-mp-rpc", 0) <= 3, pumps
         finally:
             srv.proc.send_signal(signal.SIGCONT)
         client.wait([future], 10)
