@@ -487,15 +487,19 @@ class Dispatcher:
             demotions = [r.demotion for r in reservations if r.demotion is not None]
             stamp = phases.add("STORE", "server index", stamp, len(places))
             jobs: list = []
-            host = instance.host_rows if instance.lane is None else None
-            if host is not None:  # one index array per item, one np.take per chunk
+            host = instance.host_rows
+            if instance.lane is not None:  # (block ids, chunk) pairs for the stream copier
+                await self._each(pending, lambda p: (
+                    torch.from_numpy(transfers[p[0]].block_ids[p[1]]),
+                    self._chunk_tensor(p[2], instance)), jobs)
+            elif host is not None:  # one index array per item, one np.take per chunk
                 rows = [host.rows(t.block_ids) for t in transfers]
                 await self._each(pending, lambda p: partial(
                     host.gather, rows[p[0]][p[1]],
                     host.chunk(self.pool.array_view(p[2].offset, p[2].nbytes))), jobs)
             else:
-                await self._each(pending, lambda p: (
-                    torch.from_numpy(transfers[p[0]].block_ids[p[1]]),
+                await self._each(pending, lambda p: partial(
+                    instance.gather, torch.from_numpy(transfers[p[0]].block_ids[p[1]]),
                     self._chunk_tensor(p[2], instance)), jobs)
             stamp = phases.add("STORE", "server submit", stamp, len(jobs))
             copy_started = time.perf_counter()
@@ -504,11 +508,8 @@ class Dispatcher:
                                                                           d.chunk.nbytes))
                          for d in demotions]
                 errors = await self.copier.store(instance, jobs, moves, deadline)
-            elif host is not None:
-                errors = await self.copy_engine.run(jobs, deadline)
             else:
-                errors = await self.copy_engine.run([partial(instance.gather, ids, out)
-                                                     for ids, out in jobs], deadline)
+                errors = await self.copy_engine.run(jobs, deadline)
             self.metrics.copied("store", time.perf_counter() - copy_started)
             stamp = phases.add("STORE", "server copy", stamp, len(jobs))
         except DeviceStalled as stall:
