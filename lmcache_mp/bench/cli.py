@@ -223,9 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     nodes.check_flags(args, parser)
     options = options_from(args, parser)
     torch.set_num_threads(1)
-    if args.nodes > 1:
-        return nodes.nodes_main(args, options, log)
     try:
+        if args.nodes > 1:
+            return nodes.nodes_main(args, options, log)
         report = run(options, log)
     except PeerUnavailable as exc:
         print(f"lmcache-mp-bench: {exc}", file=sys.stderr)

@@ -10,7 +10,6 @@ import math
 import multiprocessing
 import random
 import secrets
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -18,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..client import CacheClient, LookupItem, chunk_hashes
-from ..errors import LMCacheMPError
 from ..protocol import StatsReply
 from ..server.l2.codec import HEADER_BYTES
 from ..spawn import ServerProcess
@@ -519,14 +517,8 @@ def check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
 
 def nodes_main(args: argparse.Namespace, options: BenchOptions,
                log: Callable[[str], None]) -> int:
-    try:
-        report = run_nodes(options, NodesOptions(args.nodes, args.l2, args.adopt_restart), log)
-    except PeerUnavailable as exc:
-        print(f"lmcache-mp-bench: {exc}", file=sys.stderr)
-        return 2
-    except (LMCacheMPError, RuntimeError, TimeoutError) as exc:
-        print(f"lmcache-mp-bench: the run failed: {exc}", file=sys.stderr)
-        return 3
+    """Run and print --nodes; a failed run raises (cli.main says why and exits 2 or 3)."""
+    report = run_nodes(options, NodesOptions(args.nodes, args.l2, args.adopt_restart), log)
     print(f"\n## lmcache-mp-bench --workload chat --nodes {report.nodes}\n")
     print(f"{report.shape}; {options.workers} engine(s) per node × TP {options.tp} × PP "
           f"{options.pp}; {report.requests} requests in {report.seconds:.1f} s; L2 "
