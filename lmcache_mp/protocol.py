@@ -8,6 +8,7 @@ PROTOCOL_VERSION.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import struct
 import sys
@@ -874,12 +875,26 @@ def pack_hashes(hashes: list[bytes]) -> bytes:
 def unpack_hashes(packed: bytes, path: str) -> list[bytes]:
     if len(packed) % CHUNK_HASH_BYTES:
         raise BadRequest(f"`{path}`: length {len(packed)} is not a multiple of {CHUNK_HASH_BYTES}")
-    return split_hashes(packed)
+    return list(split_hashes(packed))
 
 
-def split_hashes(packed: bytes) -> list[bytes]:
+# Up to this many hashes, split_hashes() unpacks with one cached struct format, in C:
+# ~10-20 ns a hash, where slicing in a Python loop took 50-130 (a batched LOOKUP's 512
+# hashes spent more time being split than being looked up).
+_SPLIT_IN_C = 1024
+
+
+@functools.lru_cache(maxsize=64)
+def _hash_splitter(count: int) -> Callable[[bytes], tuple[bytes, ...]]:
+    return struct.Struct(f"{CHUNK_HASH_BYTES}s" * count).unpack
+
+
+def split_hashes(packed: bytes) -> tuple[bytes, ...]:
     """unpack_hashes() for a length already checked."""
-    return [packed[i:i + CHUNK_HASH_BYTES] for i in range(0, len(packed), CHUNK_HASH_BYTES)]
+    count = len(packed) // CHUNK_HASH_BYTES
+    if count <= _SPLIT_IN_C:
+        return _hash_splitter(count)(packed)
+    return tuple(packed[i:i + CHUNK_HASH_BYTES] for i in range(0, len(packed), CHUNK_HASH_BYTES))
 
 
 def pack_block_ids(block_ids: list[int]) -> bytes:

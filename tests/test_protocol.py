@@ -211,3 +211,10 @@ def test_packed_arrays():
         protocol.unpack_hashes(b"\x00" * 17, "items[0].chunk_hashes")
     with pytest.raises(BadRequest, match="multiple of 4"):
         protocol.unpack_block_ids(b"\x00" * 6, "items[0].block_ids")
+
+
+@pytest.mark.parametrize("count", [0, 1, 8, 1024, 1025, 3000])
+def test_split_hashes_keeps_every_byte(count):
+    """Any count, on both sides of the C path's limit; NUL bytes at either end stay."""
+    hashes = [bytes([0]) + i.to_bytes(14, "big") + bytes([i % 2]) for i in range(count)]
+    assert list(protocol.split_hashes(protocol.pack_hashes(hashes))) == hashes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,23 +23,17 @@ def expired(deadline: float | None) -> DeadlinePassed | None:
     return None
 
 
-def _run_group(jobs: Sequence[CopyJob], deadline: float | None) -> list[BaseException | None]:
-    errors: list[BaseException | None] = []
-    for job in jobs:
-        late = expired(deadline)
-        if late is not None:
-            errors.append(late)
-            continue
-        try:
-            job()
-            errors.append(None)
-        except Exception as exc:  # one bad chunk must not fail its neighbours
-            errors.append(exc)
-    return errors
+def attempt(job: CopyJob) -> BaseException | None:
+    """Run the job; None, or what it raised (one bad chunk must not fail its neighbours)."""
+    try:
+        job()
+    except Exception as exc:  # noqa: BLE001
+        return exc
+    return None
 
 
 class CopyEngine:
-    """Runs copy jobs on `threads` threads; torch releases the GIL inside each copy."""
+    """Runs copy jobs on `threads` threads; numpy and torch release the GIL inside each copy."""
 
     def __init__(self, threads: int):
         self.threads = threads
@@ -51,12 +46,21 @@ class CopyEngine:
         if not jobs:
             return []
         loop = asyncio.get_running_loop()
-        groups = min(self.threads, len(jobs))
-        bounds = [len(jobs) * g // groups for g in range(groups + 1)]
-        futures = [loop.run_in_executor(self._executor, _run_group, jobs[lo:hi], deadline)
-                   for lo, hi in zip(bounds, bounds[1:])]
-        results = await asyncio.gather(*futures)
-        return [error for group in results for error in group]
+        outcomes: list[BaseException | None] = [None] * len(jobs)
+        # Each thread takes the next job not taken (next() on a count is atomic under the
+        # GIL) rather than a fixed share: the OS may queue two copy threads on one CPU
+        # while another idles, and then a fixed share waits for the thread ahead of it
+        # (half of W2's requests copied one share after the other on 2 CPUs).
+        taken = itertools.count()
+
+        def take_jobs() -> None:
+            for index in taken:
+                if index >= len(jobs):
+                    return
+                outcomes[index] = expired(deadline) or attempt(jobs[index])
+        await asyncio.gather(*[loop.run_in_executor(self._executor, take_jobs)
+                               for _ in range(min(self.threads, len(jobs)))])
+        return outcomes
 
     def shutdown(self) -> None:
         """Wait for copies already running: they write into memory about to be released."""

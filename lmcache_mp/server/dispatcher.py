@@ -264,7 +264,12 @@ class Dispatcher:
         return session
 
     def handle(self, client: bytes, op: str, request: Any) -> Any | Awaitable[Any]:
-        session = self.admit(client, op)
+        """admit(), then serve(): the reply, or an awaitable of it."""
+        return self.serve(client, op, request, self.admit(client, op))
+
+    def serve(self, client: bytes, op: str, request: Any, session: Session | None
+              ) -> Any | Awaitable[Any]:
+        """The reply to a request admit() let in as `session`, or an awaitable of it."""
         if op == "HELLO":
             return self.hello(client, request)
         if op == "PING":

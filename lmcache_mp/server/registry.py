@@ -470,6 +470,9 @@ class Registry:
         self.cuda_ipc = cuda_ipc
         self.watch = watch
         self._instances: dict[int, KVCacheInstance] = {}
+        # The same, by the connection that owns them: every request refreshes its
+        # connection's registrations, which must not cost a walk over everyone's (4,096).
+        self._by_owner: dict[bytes, dict[int, KVCacheInstance]] = {}
 
     def __len__(self) -> int:
         return len(self._instances)
@@ -481,7 +484,7 @@ class Registry:
         # the server's descriptors (and with them every other client's connections).
         _check(len(self._instances) < MAX_REGISTRATIONS,
                f"the server holds {MAX_REGISTRATIONS} registrations already (MAX_REGISTRATIONS)")
-        mine = sum(1 for instance in self._instances.values() if instance.owner == owner)
+        mine = len(self._by_owner.get(owner, ()))
         _check(mine < MAX_REGISTRATIONS_PER_CONNECTION,
                f"this connection holds {mine} registrations already; the limit is "
                f"{MAX_REGISTRATIONS_PER_CONNECTION} (MAX_REGISTRATIONS_PER_CONNECTION): "
@@ -543,6 +546,7 @@ class Registry:
             allocations=list(allocations.values()), lane=lane, stop_watching=stop_watching,
             host_rows=HostRows.of(layers, stacked, geometry.block_dim))
         self._instances[instance.instance_id] = instance
+        self._by_owner.setdefault(owner, {})[instance.instance_id] = instance
         instance.start_populating()
         logger.info("registered instance %d: model %s, kv worker %d/%d, %d layers on %s, "
                     "%d blocks, %d bytes per chunk%s", instance.instance_id, req.model,
@@ -583,16 +587,21 @@ class Registry:
         return instance
 
     def owns_any(self, owner: bytes) -> bool:
-        return any(instance.owner == owner for instance in self._instances.values())
+        return owner in self._by_owner
 
     def seen(self, owner: bytes) -> None:
-        now = self.clock()
-        for instance in self._instances.values():
-            if instance.owner == owner:
+        mine = self._by_owner.get(owner)
+        if mine:
+            now = self.clock()
+            for instance in mine.values():
                 instance.last_seen = now
 
     def unregister(self, instance_id: int) -> None:
         instance = self._instances.pop(instance_id)
+        mine = self._by_owner[instance.owner]
+        del mine[instance_id]
+        if not mine:
+            del self._by_owner[instance.owner]
         instance.closed = True
         if instance.stop_watching is not None:
             instance.stop_watching()

@@ -330,19 +330,20 @@ class Server:
             # its payload is then refused.
             self.dispatcher.note_request(client, parsed.op)
             # Who may send it is known from the frames: no decoding for those who may not.
-            self.dispatcher.admit(client, parsed.op)
+            session = self.dispatcher.admit(client, parsed.op)
             request = protocol.unpack(protocol.OPS[parsed.op].request, parsed.payload,
                                       bounded=True)
             stamp = phases.add(op, "server decode", stamp)
-            result = self.dispatcher.handle(client, parsed.op, request)
+            result = self.dispatcher.serve(client, parsed.op, request, session)
             stamp = phases.add(op, "server handle", stamp)
-            if not inspect.isawaitable(result):
+            awaitable = inspect.isawaitable(result)
+            if not awaitable:
                 reply = protocol.reply_frames(request_id, result)
                 phases.add(op, "server reply", stamp)
         except Exception as exc:
             self._send_error(client, request_id, exc, op, started)
             return
-        if inspect.isawaitable(result):
+        if awaitable:
             pending = _InFlight(client, request_id, op, started)
             task = asyncio.ensure_future(self._finish(pending, result))
             self._in_flight[task] = pending

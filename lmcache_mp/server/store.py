@@ -44,6 +44,8 @@ class LeaseOwner(NamedTuple):
 
 
 CPU_TIER, GPU_TIER = 0, 1
+# The scope (model, kv worker, salt) of no chunks, for lookups: never written.
+_NO_CHUNKS: dict[bytes, Chunk] = {}
 
 
 @dataclass(eq=False)
@@ -136,10 +138,10 @@ class PrefixScan:
     def step(self, budget: int) -> int:
         """Probe up to `budget` keys (at least one hash's worth); return how many it used."""
         store = self.store
+        scopes = store._scopes(self.model, self.kv_world_size, self.cache_salt)
         used = 0
         while not self.done and (used == 0 or used + self.kv_world_size <= budget):
-            chunks = store._probe(self.model, self.kv_world_size, self.cache_salt,
-                                  self.hashes[self._next])
+            chunks = store._probe(scopes, self.hashes[self._next])
             used += self.kv_world_size
             if chunks is None:
                 self.done = True
@@ -182,6 +184,10 @@ class ChunkStore:
         self.tenants: dict[str, TenantUsage] = {}
         self._departed = TenantUsage()
         self._chunks: dict[ChunkKey, Chunk] = {}
+        # The same chunks by scope (model, kv_world_size, kv_worker_id, salt), then by hash:
+        # a LOOKUP finds its scope once and probes each key by its hash alone, where a
+        # ChunkKey would build and hash a 5-field tuple per key.
+        self._by_scope: dict[tuple[str, int, int, str], dict[bytes, Chunk]] = {}
         self._stamps = itertools.count(1)  # one recency order across both tiers
         self._policies = {tier: TenantLRUPolicy() for tier in self.allocators}
         self._leases: dict[LeaseOwner, Lease] = {}
@@ -223,6 +229,21 @@ class ChunkStore:
             usage = self.tenants[cache_salt] = TenantUsage()
         return usage
 
+    def _index(self, chunk: Chunk) -> None:
+        key = chunk.key
+        self._chunks[key] = chunk
+        scope = self._by_scope.get(key[:4])
+        if scope is None:
+            scope = self._by_scope[key[:4]] = {}
+        scope[key.chunk_hash] = chunk
+
+    def _unindex(self, key: ChunkKey) -> None:
+        del self._chunks[key]
+        scope = self._by_scope[key[:4]]
+        del scope[key.chunk_hash]
+        if not scope:  # any number of scopes, salts above all, costs nothing once empty
+            del self._by_scope[key[:4]]
+
     def _visible(self, key: ChunkKey) -> Chunk | None:
         chunk = self._chunks.get(key)
         return chunk if chunk is not None and chunk.committed and not chunk.moving else None
@@ -234,32 +255,36 @@ class ChunkStore:
         found: list[Chunk] = []
         hit = 0
         if kv_world_size == 1:  # the common case, per key: one dict probe, nothing built
-            get = self._chunks.get
+            get = self._by_scope.get((model, 1, 0, cache_salt), _NO_CHUNKS).get
             for chunk_hash in hashes:
-                chunk = get((model, 1, 0, cache_salt, chunk_hash))
+                chunk = get(chunk_hash)
                 if chunk is None or not chunk.committed or chunk.moving:
                     break
                 found.append(chunk)
             hit = len(found)
         else:
+            scopes = self._scopes(model, kv_world_size, cache_salt)
             for chunk_hash in hashes:
-                chunks = self._probe(model, kv_world_size, cache_salt, chunk_hash)
+                chunks = self._probe(scopes, chunk_hash)
                 if chunks is None:
                     break
                 found.extend(chunks)
                 hit += 1
         return self._touch_and_lease(cache_salt, len(hashes), hit, found, holder, held=False)
 
-    def _probe(self, model: str, kv_world_size: int, cache_salt: str, chunk_hash: bytes
-               ) -> list[Chunk] | None:
+    def _scopes(self, model: str, kv_world_size: int, cache_salt: str
+                ) -> list[dict[bytes, Chunk]]:
+        """Each kv worker's chunks by hash (empty for a worker with none), for _probe(): valid
+        until the index changes, so taken again for each slice of a sliced scan."""
+        return [self._by_scope.get((model, kv_world_size, worker, cache_salt), _NO_CHUNKS)
+                for worker in range(kv_world_size)]
+
+    @staticmethod
+    def _probe(scopes: list[dict[bytes, Chunk]], chunk_hash: bytes) -> list[Chunk] | None:
         """The visible chunk of every kv worker for one hash, or None if any is missing."""
-        # _visible inlined, stopping at the first miss: the LOOKUP hot path, per key. A
-        # plain tuple hashes and compares as the ChunkKey of the same fields, and costs a
-        # fraction of building one.
-        get = self._chunks.get
         chunks = []
-        for worker in range(kv_world_size):
-            chunk = get((model, kv_world_size, worker, cache_salt, chunk_hash))
+        for scope in scopes:  # _visible inlined, stopping at the first miss: per key
+            chunk = scope.get(chunk_hash)
             if chunk is None or not chunk.committed or chunk.moving:
                 return None
             chunks.append(chunk)
@@ -327,7 +352,7 @@ class ChunkStore:
                 parent_chunk.successors = set()
             parent_chunk.successors.add(chunk)  # from now on, it keeps the parent instead
             parent_chunk.holds -= 1
-        self._chunks[key] = chunk
+        self._index(chunk)
         self._pending += 1
         self._tenant(key.cache_salt).bytes_used += size
         return Reservation(StoreStatus.STORED, chunk, demotion)
@@ -378,7 +403,8 @@ class ChunkStore:
         if key in self._chunks or (parent is not None and parent_chunk is None) \
                 or not self.allocator.take(offset, nbytes):
             return False
-        chunk = self._chunks[key] = Chunk(key, offset, nbytes, geometry, parent=parent_chunk)
+        chunk = Chunk(key, offset, nbytes, geometry, parent=parent_chunk)
+        self._index(chunk)
         if parent_chunk is not None:
             if parent_chunk.successors is None:
                 parent_chunk.successors = set()
@@ -497,7 +523,7 @@ class ChunkStore:
                 policy = self._policies[chunk.tier]
                 if (salt, chunk.key) in policy:  # not moving, nor an orphan its hold just left
                     policy.remove(salt, chunk.key)
-            del self._chunks[chunk.key]
+            self._unindex(chunk.key)
             usage.bytes_used -= chunk.footprint
             usage.evictions += evicted
             if free:
@@ -633,6 +659,11 @@ class ChunkStore:
             assert usage.chunks == sum(1 for c in mine if c.committed)
             assert mine or self.quotas.has_own(salt), f"idle salt {salt!r} still listed"
         assert all(c.key.cache_salt in self.tenants for c in chunks)
+        assert {(key[:4], key.chunk_hash) for key in self._chunks} == {
+            (scope, chunk_hash) for scope, by_hash in self._by_scope.items()
+            for chunk_hash in by_hash}, "the scope index disagrees with the chunks"
+        assert all(self._by_scope[key[:4]][key.chunk_hash] is chunk
+                   for key, chunk in self._chunks.items())
         for chunk in chunks:
             # A chunk's parent is stored; an orphan is on its way out, once it is unheld,
             # copied or moved.

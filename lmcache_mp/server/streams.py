@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..protocol import SKIP_BLOCK
-from .copy_engine import expired
+from .copy_engine import attempt, expired
 from .device import Device
 from .registry import RAW_DTYPES, Geometry, KVCacheInstance, raw
 
@@ -95,14 +95,6 @@ def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.
     return list(torch.cat(tensors).pin_memory().to(device, non_blocking=True).split(sizes))
 
 
-def _attempt(work: Callable[[], None]) -> BaseException | None:
-    try:
-        work()
-    except Exception as exc:  # noqa: BLE001 (one bad chunk must not fail its neighbours)
-        return exc
-    return None
-
-
 class StreamCopier:
     """Runs the GPU copies of every registration that has a Lane."""
 
@@ -142,10 +134,10 @@ class StreamCopier:
         with lane.lock, device.use(lane.stream):
             if lane.store_event is not None:
                 device.wait(lane.stream, lane.store_event)
-            errors = [_attempt(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True))
+            errors = [attempt(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True))
                       for dst, src in moves]
             ids = _to_device([ids for ids, _ in jobs], lane.staging[0].device)
-            errors += [expired(deadline) or _attempt(
+            errors += [expired(deadline) or attempt(
                 lambda ids=ids, chunk=chunk: self._gather(instance, ids, chunk))
                 for ids, (_, chunk) in zip(ids, jobs)]
             return errors, [device.record(lane.stream), device.record(lane.copy_stream)]
@@ -203,12 +195,12 @@ class StreamCopier:
             where_on_device = [None if p is None else next(found) for p in positions]
             for (_, chunk, _), ids, where in zip(jobs, block_ids, where_on_device):
                 index = lane.next_staging()
-                error = expired(deadline) or _attempt(
+                error = expired(deadline) or attempt(
                     lambda index=index, ids=ids, chunk=chunk, where=where:
                     self._scatter(leader, index, ids, chunk, where))
                 errors[0].append(error)
                 for k, follower in enumerate(targets[1:], 1):
-                    errors[k].append(error or _attempt(
+                    errors[k].append(error or attempt(
                         lambda index=index, ids=ids, where=where, follower=follower:
                         self._fan_out(leader, index, follower, ids, where)))
             return errors, [device.record(lane.copy_stream),

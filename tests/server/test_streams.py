@@ -123,8 +123,8 @@ class Rig:
                                  self.copier.new_lane)
         self.registry = Registry(256, time.monotonic, lambda ticket: None, support)
         self.pushed: list = []
-        sessions = Sessions("engine-token-0123456789", "admin-token-0123456789",
-                            token_required=False)
+        self.sessions = sessions = Sessions("engine-token-0123456789", "admin-token-0123456789",
+                                            token_required=False)
         self.engine = sessions.open(CLIENT, "", "the rig's engine").engine
         self.dispatcher = Dispatcher(Config(cpu_size=16 * 1024**2), self.store, self.pool,
                                      self.registry, CopyEngine(1), sessions, "",
@@ -146,7 +146,7 @@ class Rig:
         return handle
 
     def register(self, layout: str, tag: int, seed: int | None, tp_rank: int = 0,
-                 store_event: bytes = b"", dtype: str = "float16"
+                 store_event: bytes = b"", dtype: str = "float16", client: bytes = CLIENT
                  ) -> tuple[int, list[torch.Tensor]]:
         """Layers back to back after a 4 KiB gap, so offsets are not 0; returns the views."""
         if layout == "mha":
@@ -159,7 +159,7 @@ class Rig:
         handles = [CudaIpcHandle(handle, 4096 + i * nbytes, "GPU-" + UUID.upper(),
                                  list(shape), list(layer.stride()), dtype)
                    for i in range(LAYERS)]
-        reply = self.dispatcher.handle(CLIENT, "REGISTER_KV_CACHE", RegisterKVCacheRequest(
+        reply = self.dispatcher.handle(client, "REGISTER_KV_CACHE", RegisterKVCacheRequest(
             "m", 1, 0, layout, BLOCK, handles, tp_rank, "g", store_event))
         typed = self.memory[handle][4096:].view(DTYPES[dtype])
         views = [typed[i * layer.numel():(i + 1) * layer.numel()].view(shape)
@@ -289,6 +289,26 @@ def test_a_stalled_device_fails_the_request_and_frees_nothing_until_it_finishes(
         assert rig.log[-1][0] == "close"
         rig.copier.shutdown()
     asyncio.run(scenario())
+
+
+def test_a_request_refreshes_its_own_connections_registrations_only():
+    """Each request marks its connection's registrations alive, found by owner (not by a
+    walk over every registration), and a silent connection's expire on their own."""
+    rig = Rig()
+    other = b"another worker"
+    rig.sessions.open(other, "", "another engine")
+    mine, _ = rig.register("mha", 1, None)
+    theirs, _ = rig.register("mha", 2, None, client=other)
+    for instance in rig.registry.instances():
+        instance.last_seen = 0.0
+    rig.dispatcher.note_request(CLIENT, "LOOKUP")
+    assert rig.registry.expired(timeout=60.0) == [theirs]
+    assert rig.registry.owns_any(other)
+    rig.registry.unregister(theirs)
+    assert not rig.registry.owns_any(other) and rig.registry.owns_any(CLIENT)
+    assert rig.registry.expired(timeout=60.0) == []
+    rig.registry.unregister(mine)
+    assert not rig.registry.owns_any(CLIENT)
 
 
 def test_bad_cuda_ipc_registrations_are_refused_and_close_what_they_opened():

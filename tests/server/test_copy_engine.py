@@ -1,0 +1,59 @@
+"""The copy engine on its own: outcomes in job order, failures kept apart, deadlines, and
+no job waiting behind a stalled copy thread while another thread is free."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from lmcache_mp.server.copy_engine import CopyEngine, DeadlinePassed
+
+
+@pytest.fixture
+def engine():
+    copy_engine = CopyEngine(2)
+    yield copy_engine
+    copy_engine.shutdown()
+
+
+def test_outcomes_come_in_job_order_and_one_failure_stays_its_own(engine):
+    ran = []
+
+    def job(i):
+        def run():
+            if i == 3:
+                raise ValueError("chunk 3 is bad")
+            ran.append(i)
+        return run
+    outcomes = asyncio.run(engine.run([job(i) for i in range(8)]))
+    assert [type(o).__name__ if o else None for o in outcomes] == \
+        [None, None, None, "ValueError", None, None, None, None]
+    assert sorted(ran) == [0, 1, 2, 4, 5, 6, 7]
+
+
+def test_no_job_starts_after_the_deadline(engine):
+    started = []
+    outcomes = asyncio.run(engine.run([lambda: started.append(1)] * 4, time.monotonic() - 1))
+    assert started == []
+    assert all(isinstance(o, DeadlinePassed) for o in outcomes)
+
+
+def test_a_stalled_thread_does_not_hold_back_the_jobs_after_its_own(engine):
+    """The first job blocks its thread until every other job has run: only a free thread
+    taking the next job (not a fixed share per thread) lets it finish."""
+    others_done = threading.Event()
+    remaining = [7]
+    lock = threading.Lock()
+
+    def stalled():
+        if not others_done.wait(10):
+            raise TimeoutError("the other jobs waited behind the stalled thread")
+
+    def quick():
+        with lock:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                others_done.set()
+    outcomes = asyncio.run(engine.run([stalled] + [quick] * 7))
+    assert outcomes == [None] * 8
