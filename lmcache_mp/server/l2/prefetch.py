@@ -137,8 +137,11 @@ class Prefetcher:
             per_window = max(1, WINDOW_BYTES // chunk_bytes)
             for start in range(0, run, per_window):
                 window = keys[start:min(run, start + per_window)]
-                landed = await self._land(window, parents, geometries)
+                landed, corrupt = await self._land(window, parents, geometries)
+                # Counted together, with no await between them and the misses below: a
+                # corrupt value is also a miss, at every moment the counters are read.
                 counters.hits += landed
+                counters.corrupt += corrupt
                 parents = [chunk_key for chunk_key, _ in window[-1]]
                 if landed < len(window):
                     counters.misses += run - start - landed
@@ -149,10 +152,12 @@ class Prefetcher:
             logger.exception("L2 prefetch failed")
 
     async def _land(self, window: list[list[tuple[ChunkKey, bytes]]],
-                    parents: list[ChunkKey | None], geometries: list[Geometry]) -> int:
+                    parents: list[ChunkKey | None], geometries: list[Geometry]
+                    ) -> tuple[int, int]:
         """Fetch, verify and commit one window of chunks, in order, the first after
         `parents` (per kv worker); return how many chunks are in L1 after it (a bad value,
-        a full pool or a parent gone from L1 ends the run there)."""
+        a full pool or a parent gone from L1 ends the run there), and how many values
+        failed their check."""
         flat = [pair for chunk in window for pair in chunk]
         values = await self.health.call("GET", self.backend.get([key for _, key in flat]))
         self.counters.bytes_read += sum(len(value) for value in values if value is not None)
@@ -162,12 +167,12 @@ class Prefetcher:
             for (_, key), value, size in zip(flat, values, sizes)], lambda: None)
         # L1 chunks to fill, with their values and the window's chunk they are of.
         reserved: list[tuple[Chunk, bytes, int]] = []
-        chunks_ready = 0
+        chunks_ready = corrupt = 0
         workers = len(geometries)
         for c in range(len(window)):
             ranks = slice(c * workers, (c + 1) * workers)  # this chunk's value per kv worker
             if not all(intact[ranks]):
-                self.counters.corrupt += intact[ranks].count(False)
+                corrupt = intact[ranks].count(False)
                 break
             placed = []
             for (chunk_key, key), value in zip(flat[ranks], values[ranks]):
@@ -205,7 +210,7 @@ class Prefetcher:
         for chunk, _, c in reserved:
             if not self.store.commit(chunk):
                 chunks_ready = min(chunks_ready, c)
-        return chunks_ready
+        return chunks_ready, corrupt
 
     async def close(self) -> None:
         pulls = list(self._pulls.values())
