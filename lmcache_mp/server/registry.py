@@ -470,9 +470,11 @@ class Registry:
         self.cuda_ipc = cuda_ipc
         self.watch = watch
         self._instances: dict[int, KVCacheInstance] = {}
-        # The same, by the connection that owns them: every request refreshes its
-        # connection's registrations, which must not cost a walk over everyone's (4,096).
+        # The same by the connection that owns them, and by engine: every request refreshes
+        # its connection's registrations, and an MLA RETRIEVE finds its leader's TP group,
+        # neither by a walk over everyone's (up to MAX_REGISTRATIONS).
         self._by_owner: dict[bytes, dict[int, KVCacheInstance]] = {}
+        self._by_engine: dict[bytes, dict[int, KVCacheInstance]] = {}
 
     def __len__(self) -> int:
         return len(self._instances)
@@ -546,7 +548,8 @@ class Registry:
             allocations=list(allocations.values()), lane=lane, stop_watching=stop_watching,
             host_rows=HostRows.of(layers, stacked, geometry.block_dim))
         self._instances[instance.instance_id] = instance
-        self._by_owner.setdefault(owner, {})[instance.instance_id] = instance
+        for index, key in ((self._by_owner, owner), (self._by_engine, engine)):
+            index.setdefault(key, {})[instance.instance_id] = instance
         instance.start_populating()
         logger.info("registered instance %d: model %s, kv worker %d/%d, %d layers on %s, "
                     "%d blocks, %d bytes per chunk%s", instance.instance_id, req.model,
@@ -598,10 +601,11 @@ class Registry:
 
     def unregister(self, instance_id: int) -> None:
         instance = self._instances.pop(instance_id)
-        mine = self._by_owner[instance.owner]
-        del mine[instance_id]
-        if not mine:
-            del self._by_owner[instance.owner]
+        for index, key in ((self._by_owner, instance.owner), (self._by_engine, instance.engine)):
+            group = index[key]
+            del group[instance_id]
+            if not group:
+                del index[key]
         instance.closed = True
         if instance.stop_watching is not None:
             instance.stop_watching()
@@ -630,8 +634,8 @@ class Registry:
         they take the same chunks into the same blocks. Nobody outside the engine can join."""
         if leader.geometry.layout != "mla":
             return []
-        return [i for i in self._instances.values()
-                if i is not leader and i.tp_rank != leader.tp_rank and i.engine == leader.engine
+        return [i for i in self._by_engine[leader.engine].values()
+                if i is not leader and i.tp_rank != leader.tp_rank
                 and i.tp_group == leader.tp_group and i.model == leader.model
                 and i.kv_world_size == leader.kv_world_size
                 and i.kv_worker_id == leader.kv_worker_id and i.geometry == leader.geometry

@@ -311,6 +311,22 @@ def test_a_request_refreshes_its_own_connections_registrations_only():
     assert not rig.registry.owns_any(CLIENT)
 
 
+def test_an_mla_group_is_found_within_its_engine_only():
+    """A leader's followers: the other ranks of its engine (their own connections), never a
+    rank of another engine with the same group, model and shape."""
+    rig = Rig()
+    rank_1, stranger = b"rank 1", b"another engine's rank 1"
+    rig.sessions.open(rank_1, "", "the rig's engine")
+    rig.sessions.open(stranger, "", "another engine")
+    leader_id, _ = rig.register("mla", 1, None)
+    follower_id, _ = rig.register("mla", 2, None, tp_rank=1, client=rank_1)
+    rig.register("mla", 3, None, tp_rank=1, client=stranger)
+    leader = rig.registry.get(leader_id, CLIENT)
+    assert [i.instance_id for i in rig.registry.tp_followers(leader)] == [follower_id]
+    rig.registry.unregister(follower_id)
+    assert rig.registry.tp_followers(leader) == []
+
+
 def test_bad_cuda_ipc_registrations_are_refused_and_close_what_they_opened():
     rig = Rig()
     handle = rig.allocation(9, 4096, seed=None)
