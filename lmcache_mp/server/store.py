@@ -659,11 +659,12 @@ class ChunkStore:
             assert usage.chunks == sum(1 for c in mine if c.committed)
             assert mine or self.quotas.has_own(salt), f"idle salt {salt!r} still listed"
         assert all(c.key.cache_salt in self.tenants for c in chunks)
-        assert {(key[:4], key.chunk_hash) for key in self._chunks} == {
-            (scope, chunk_hash) for scope, by_hash in self._by_scope.items()
-            for chunk_hash in by_hash}, "the scope index disagrees with the chunks"
+        # The scope index holds each chunk under its key's scope and hash, and nothing else.
         assert all(self._by_scope[key[:4]][key.chunk_hash] is chunk
                    for key, chunk in self._chunks.items())
+        assert sum(map(len, self._by_scope.values())) == len(self._chunks), \
+            "the scope index holds chunks that are no longer stored"
+        assert all(self._by_scope.values()), "an empty scope is kept"
         for chunk in chunks:
             # A chunk's parent is stored; an orphan is on its way out, once it is unheld,
             # copied or moved.
