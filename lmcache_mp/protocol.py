@@ -340,6 +340,10 @@ class RetrieveRequest:
     instance_id: int
     items: list[TransferItem]
     budget_ms: int = 0  # as StoreRequest's: no copy into the blocks starts after it
+    # Non-zero: the server may copy layer by layer and push LoadProgress(progress_tag, n)
+    # to the sender as the first n layers settle, so that a forward pass can start on
+    # them before the reply. See docs/protocol.md, "Loads layer by layer".
+    progress_tag: int = 0
 
 
 @dataclass
@@ -531,6 +535,17 @@ class LoadDone:
     instance_id: int  # the follower's own registration
     items: list[LoadDoneItem]
     event: str = "LOAD_DONE"
+
+
+@dataclass
+class LoadProgress:
+    """To a RETRIEVE's sender that set progress_tag: the server writes no more into the
+    first `layers` layers (in registration order) of that RETRIEVE's blocks. Which chunks
+    landed is in the reply; a layer that settled may hold a failed chunk."""
+
+    tag: int  # the RETRIEVE's progress_tag
+    layers: int
+    event: str = "LOAD_PROGRESS"
 
 
 @dataclass(frozen=True)
@@ -851,6 +866,18 @@ def parse_request_frames(frames: list[bytes]) -> RequestFrames:
     if op not in OPS:
         raise UnknownOp(f"unknown op {op[:64]!r}; known ops: {', '.join(OPS)}")
     return RequestFrames(request_id, op, frames[2])
+
+
+PUSH_MESSAGES: dict[str, type] = {"LOAD_DONE": LoadDone, "LOAD_PROGRESS": LoadProgress}
+
+
+def unpack_push(payload: bytes) -> LoadDone | LoadProgress:
+    """A push message, of the type its `event` names; BadRequest if it is none of them."""
+    try:
+        event = msgpack.unpackb(payload, raw=False).get("event")
+    except Exception:  # noqa: BLE001 (not msgpack, or not a map): unpack says what is wrong
+        event = None
+    return unpack(PUSH_MESSAGES.get(event, LoadDone), payload)
 
 
 def push_frames(message: Any) -> list[bytes]:

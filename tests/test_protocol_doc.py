@@ -1055,14 +1055,17 @@ def test_push_messages_and_load_done_match_the_code() -> None:
     assert "event (str)" in frames["2"]
     assert msgpack.unpackb(wire[2], raw=False)["event"] == "LOAD_DONE"
 
-    # The LOAD_DONE table is the LoadDone message, field for field.
-    (load_done,) = [lines for heading, lines in _subsections(_push_section()).items()
-                    if heading == "LOAD_DONE"]
-    rows = table_after(load_done, "**Fields**")
-    assert [tuple(row[:2]) for row in rows] == [(path, tp) for path, tp, _ in
-                                                code_fields(protocol.LoadDone)]
-    (event_row,) = [row for row in rows if row[0] == "event"]
-    assert f'"{protocol.LoadDone.__dataclass_fields__["event"].default}"' in event_row[2]
+    # The LOAD_DONE and LOAD_PROGRESS tables are their messages, field for field, and
+    # each message's `event` is its heading.
+    for event, message in protocol.PUSH_MESSAGES.items():
+        (lines,) = [lines for heading, lines in _subsections(_push_section()).items()
+                    if heading == event]
+        rows = table_after(lines, "**Fields**")
+        assert [tuple(row[:2]) for row in rows] == [(path, tp) for path, tp, _ in
+                                                    code_fields(message)]
+        (event_row,) = [row for row in rows if row[0] == "event"]
+        assert message.__dataclass_fields__["event"].default == event
+        assert f'"{event}"' in event_row[2]
 
     # Pushes exist now: nothing may say otherwise; and STATS documents `instances`.
     flat = re.sub(r"\s+", " ", DOC)

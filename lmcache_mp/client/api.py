@@ -17,11 +17,11 @@ from ..fdpass import Watch, open_watch, send_fds
 from ..errors import LMCacheMPError, RequestTimeout, ServerUnavailable, UnknownInstance
 from ..protocol import (
     MAX_BUDGET_MS, PROTOCOL_VERSION, ClearRequest, EndSessionReply, EndSessionRequest,
-    HelloReply, HelloRequest, LeaseRef, LoadDone, LoadDoneItem, LookupItem, LookupReply,
+    HelloReply, HelloRequest, LeaseRef, LoadDoneItem, LoadProgress, LookupItem, LookupReply,
     LookupRequest, MemfdHandle, PingRequest, QuotaDeleteRequest, QuotaGetRequest, QuotaInfo, QuotaListReply,
     QuotaListRequest, QuotaSetRequest, RegisterKVCacheRequest, ReleaseReply, ReleaseRequest,
     RetrieveReply, RetrieveRequest, StatsReply, StatsRequest, StoreReply, StoreRequest,
-    TensorHandle, TransferItem, UnregisterKVCacheRequest, unpack,
+    TensorHandle, TransferItem, UnregisterKVCacheRequest, unpack_push,
 )
 from .rpc import DEFAULT_TIMEOUT_S, RpcClient
 from .shm import find_segment
@@ -73,14 +73,17 @@ class CacheClient:
         self.client_name = client_name
         hello = HelloRequest(PROTOCOL_VERSION, client_name,
                              runtime.find_token(url, admin) if token is None else token, engine)
+        # Followers need LOAD_DONE as it comes; LOAD_PROGRESS only matters to a waiter.
         self.rpc = RpcClient(url, timeout=timeout, heartbeat_interval=DEFAULT_HEARTBEAT_S,
-                             on_push=self._on_push if mla_follower else None, hello=hello)
+                             on_push=self._on_push, hello=hello, push_watcher=mla_follower)
         self._register_lock = threading.Lock()
         # instance_id -> the fd channel watch that ends it when this process exits
         self._watches: dict[int, Watch] = {}
         # (cache_salt, request_id) -> the last LOAD_DONE item for it, oldest first
         self._loads: OrderedDict[tuple[str, str], LoadDoneItem] = OrderedDict()
         self._loads_landed = threading.Condition()
+        # progress_tag -> layers settled, per RETRIEVE sent with a tag, oldest first
+        self._progress: OrderedDict[int, int] = OrderedDict()
 
     def close(self) -> None:
         """Close the connection; the server drops this client's registrations at once."""
@@ -219,8 +222,9 @@ class CacheClient:
     # step, a forward pass) that must never block on the server.
 
     def lookup_async(self, model: str, kv_world_size: int, items: list[LookupItem],
-                     timeout: float | None = None) -> Future[LookupReply]:
-        return self.rpc.submit(LookupRequest(model, kv_world_size, items), timeout)
+                     timeout: float | None = None, wait: float = 0.0) -> Future[LookupReply]:
+        """`wait`: seconds to wait for the reply before returning (RpcClient.submit)."""
+        return self.rpc.submit(LookupRequest(model, kv_world_size, items), timeout, wait=wait)
 
     def store_async(self, registration: Registration, items: list[TransferItem],
                     budget: float) -> Future[StoreReply]:
@@ -235,13 +239,34 @@ class CacheClient:
         return self._transfer_async(StoreRequest, registration, items, budget)
 
     def retrieve_async(self, registration: Registration, items: list[TransferItem],
-                       budget: float) -> Future[RetrieveReply]:
+                       budget: float, progress_tag: int = 0) -> Future[RetrieveReply]:
         """One RETRIEVE, as store_async: no copy into the blocks starts later than
-        `budget` seconds after the server received it."""
-        return self._transfer_async(RetrieveRequest, registration, items, budget)
+        `budget` seconds after the server received it. A non-zero `progress_tag` (unique
+        among this client's RETRIEVEs in flight) asks the server to write a cache in CPU
+        memory layer by layer and to say as layers settle: see layers_settled()."""
+        return self._transfer_async(RetrieveRequest, registration, items, budget,
+                                    progress_tag=progress_tag)
+
+    def layers_settled(self, progress_tag: int) -> int:
+        """How many leading layers of that RETRIEVE's blocks the server writes no more (0
+        until it says; its reply, once in, settles them all)."""
+        return self._progress.get(progress_tag, 0)
+
+    def wait_for_layers(self, progress_tag: int, layers: int, reply: Future,
+                        timeout: float) -> bool:
+        """Block until the first `layers` layers of the RETRIEVE sent with `progress_tag`
+        have settled or its `reply` Future is done (whatever the outcome: a server that
+        is gone writes nothing), at most `timeout` seconds, reading the socket on this
+        thread meanwhile; returns whether they did."""
+        return self.rpc.wait_until(
+            lambda: reply.done() or self._progress.get(progress_tag, 0) >= layers, timeout)
+
+    def forget_progress(self, progress_tag: int) -> None:
+        """Drop what was heard of that RETRIEVE's layers (call once it is settled)."""
+        self._progress.pop(progress_tag, None)
 
     def _transfer_async(self, request_type: type, registration: Registration,
-                        items: list[TransferItem], budget: float) -> Future:
+                        items: list[TransferItem], budget: float, **fields: int) -> Future:
         result: Future = Future()
         deadline = time.monotonic() + budget
 
@@ -252,7 +277,7 @@ class CacheClient:
                     f"{request_type.__name__} not sent: its budget of {budget:g} s is spent"))
                 return
             request = request_type(registration.instance_id, items,
-                                   min(MAX_BUDGET_MS, math.ceil(left * 1000)))
+                                   min(MAX_BUDGET_MS, math.ceil(left * 1000)), **fields)
             try:
                 attempt = self.rpc.submit(request, left + DEADLINE_MARGIN_S,
                                           wait_for_connection=False)
@@ -312,9 +337,15 @@ class CacheClient:
 
     def _on_push(self, payload: bytes) -> None:
         try:
-            notice = unpack(LoadDone, payload)
+            notice = unpack_push(payload)
         except LMCacheMPError as exc:
             logger.warning("ignoring a push message that does not decode: %s", exc)
+            return
+        if isinstance(notice, LoadProgress):  # (the lock of the thread reading is held)
+            settled = max(notice.layers, self._progress.pop(notice.tag, 0))
+            self._progress[notice.tag] = settled
+            while len(self._progress) > _MAX_UNCLAIMED_LOADS:
+                self._progress.popitem(last=False)
             return
         with self._loads_landed:
             for item in notice.items:

@@ -75,12 +75,16 @@ class RpcClient:
     def __init__(self, url: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
                  heartbeat_interval: float | None = None,
                  on_push: Callable[[bytes], None] | None = None,
-                 hello: protocol.HelloRequest | None = None):
+                 hello: protocol.HelloRequest | None = None, push_watcher: bool = True):
         """`url`: default runtime.default_url(), the server's ipc:// socket for this user;
         `on_push(payload)` receives what the server sends unasked (request id 0); it runs
         on whichever thread reads the socket, with the client's lock held: keep it short;
+        `push_watcher`: with on_push, the background thread reads the socket whenever no
+        call does, so that pushes are handled as they come; False: only while a call
+        waits (or a submitted call is open), for pushes that matter only to waiters;
         `hello`: the HELLO that opens the session (default: this user's engine token)."""
         self.on_push = on_push
+        self._push_watcher = on_push is not None and push_watcher
         self.url = url = url or runtime.default_url()
         self.hello_request = hello or protocol.HelloRequest(
             protocol.PROTOCOL_VERSION, token=runtime.find_token(url))
@@ -137,13 +141,23 @@ class RpcClient:
     # -- calls (any thread) ---------------------------------------------------------------
 
     def submit(self, request: Any, timeout: float | None = None,
-               wait_for_connection: bool = True) -> Future:
+               wait_for_connection: bool = True, wait: float = 0.0) -> Future:
         """Send `request` (a protocol request dataclass); the future yields its reply
         dataclass. `wait_for_connection=False`: if the request cannot be sent at once (no
         connection to the server), the future fails at once with ServerUnavailable rather
-        than waiting for the connection (and sending it late)."""
-        return self._submit(request, timeout, attended=False,
-                            wait_for_connection=wait_for_connection)
+        than waiting for the connection (and sending it late). `wait`: seconds to wait
+        for the reply on this thread before returning, reading the socket itself from the
+        send on (as wait() would, without first waking the background thread to read it)."""
+        future = self._submit(request, timeout, attended=False,
+                              wait_for_connection=wait_for_connection, lead=wait > 0)
+        if wait > 0:
+            try:
+                self._wait_leading(future.done, time.monotonic() + wait)
+            finally:
+                with self._state:
+                    if self._leader == threading.get_ident():  # it never had to read
+                        self._resign()
+        return future
 
     def call(self, request: Any, timeout: float | None = None) -> Any:
         """Send `request` and wait for its reply; raises ServerError or TransportError subclasses."""
@@ -160,6 +174,13 @@ class RpcClient:
         if pending:
             self._wait_leading(lambda: all(future.done() for future in pending),
                                time.monotonic() + timeout)
+
+    def wait_until(self, until: Callable[[], bool], timeout: float) -> bool:
+        """As wait(), for any condition: block until `until()` (checked after each read of
+        the socket, on_push's included) or `timeout` seconds have passed; returns until()."""
+        if not until():
+            self._wait_leading(until, time.monotonic() + timeout)
+        return until()
 
     def _wait_leading(self, until: Callable[[], bool], end: float | None) -> None:
         """Until `until()` (or time.monotonic() reaches `end`; None: no end): lead while
@@ -218,7 +239,7 @@ class RpcClient:
         self.close()
 
     def _submit(self, request: Any, timeout: float | None, attended: bool,
-                wait_for_connection: bool = True) -> Future:
+                wait_for_connection: bool = True, lead: bool = False) -> Future:
         op = protocol.op_name(request)
         stamp = phases.now()
         payload = protocol.pack(request)
@@ -231,12 +252,13 @@ class RpcClient:
             call.wait_for_connection = wait_for_connection
             call.sent = stamp
             self._unsent.append(call)
-            if attended:
+            if attended or lead:
                 if self._leader is None:  # lead straight away: no hand-off on the way back
                     self._leader = threading.get_ident()
-            else:
+            if not attended:
                 self._unattended_ids.add(call.request_id)
-                self._background_wake.notify()  # it may need to lead
+                if not lead:
+                    self._background_wake.notify()  # it may need to lead
             self._flush_unsent()
         return future
 
@@ -278,7 +300,7 @@ class RpcClient:
         self._leader = None
         if self._followers:
             self._state.notify_all()
-        if self.on_push is not None or (self._unattended_ids and self._unattended()):
+        if self._push_watcher or (self._unattended_ids and self._unattended()):
             self._background_wake.notify()  # the socket needs a watcher again
 
     # -- leading (one thread at a time) ---------------------------------------------------
@@ -463,7 +485,7 @@ class RpcClient:
                     self._resign()
 
     def _needs_watcher(self) -> bool:
-        return self.on_push is not None or self._unattended()
+        return self._push_watcher or self._unattended()
 
     def _heartbeat(self) -> None:
         request_id = next(self._ids)  # never waited on: its reply is dropped like a late one

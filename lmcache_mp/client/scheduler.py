@@ -70,15 +70,15 @@ class SchedulerAdapter:
             if not hashes:
                 return 0
             item = LookupItem.build(request_id, list(hashes), cache_salt or "", hold=True)
+            wait = wait_s if not self._replies_late else 0.0
             try:
                 state = self.client.lookup_async(self.model, self.parallel.kv_world_size,
-                                                 [item])
+                                                 [item], wait=wait)
             except LMCacheMPError as exc:
                 logger.warning("lookup for %s not sent: %s", request_id, exc)
                 return 0
             self._lookups[request_id] = state
-            if wait_s > 0 and not self._replies_late:
-                self.client.wait([state], wait_s)
+            if wait > 0:
                 self._replies_late = not state.done()
         if not state.done():
             return None

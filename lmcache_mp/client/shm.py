@@ -11,6 +11,7 @@ import weakref
 
 import torch
 
+from ..memory import populate
 from ..protocol import MemfdHandle, span_bytes
 
 SEGMENT_PREFIX = "lmcache_mp_"
@@ -46,6 +47,9 @@ class SharedSegment:
         except BaseException:
             os.close(fd)
             raise
+        # Allocate every page now, as the torch.zeros it stands in for would: otherwise the
+        # first pass that reads KV the server wrote faults each page into this process.
+        populate(self._mapping)
         self._fd = fd
         self._size = nbytes
         # A ctypes view exports the mapping's buffer; dropping it at once lets close() unmap.

@@ -34,6 +34,7 @@ class _Load:
     deadline: float  # past it the server writes the blocks no more, answer or not
     disconnects: int  # the client's count at the start: when it changes, the server is gone
     landed: int | None = None  # on a follower, what wait_for_loads got: chunks landed
+    progress_tag: int = 0  # sent layer by layer: the RETRIEVE's progress_tag
 
 
 class WorkerAdapter:
@@ -101,17 +102,23 @@ class WorkerAdapter:
         for item in items:
             self._stores.setdefault(item.request_id, []).append(store)
 
-    def start_load(self, items: list[TransferItem]) -> None:
+    def start_load(self, items: list[TransferItem], by_layer: bool = False) -> None:
         """Before a forward pass that reads these blocks: one item per request, one
-        RETRIEVE for the batch (on an MLA follower, none: it waits for LOAD_DONE)."""
+        RETRIEVE for the batch (on an MLA follower, none: it waits for LOAD_DONE).
+        `by_layer`: the server may write a cache in CPU memory layer by layer, saying as
+        layers settle, so that the pass can start before the whole load has landed (see
+        wait_for_layer)."""
         self._load_seq += 1
         items = [replace(item, load_seq=self._load_seq) for item in items]
         deadline = time.monotonic() + self.load_timeout + DEADLINE_MARGIN_S
-        future = (self.client.retrieve_async(self._registered(), items, self.load_timeout)
+        tag = self._load_seq if by_layer and self.parallel.sends_transfers else 0
+        future = (self.client.retrieve_async(self._registered(), items, self.load_timeout,
+                                             progress_tag=tag)
                   if self.parallel.sends_transfers and items else None)
         disconnects = self.client.disconnects
         for index, item in enumerate(items):
-            self._loads[item.request_id] = _Load(item, future, index, deadline, disconnects)
+            self._loads[item.request_id] = _Load(item, future, index, deadline, disconnects,
+                                                 progress_tag=tag)
 
     def _registered(self) -> Registration:
         if self.registration is None:
@@ -150,6 +157,30 @@ class WorkerAdapter:
                     load.landed = self.client.wait_for_load(
                         request_id, load.item.cache_salt, left, load.item.load_seq)
 
+    def wait_for_layer(self, request_ids: Iterable[str], layer: int) -> None:
+        """Worker, before a layer of a forward pass reads these requests' loads (started
+        with by_layer): blocks until the server writes layers 0..`layer` of their blocks no
+        more (it said so, or answered, or is gone), at most until their deadline. Loads
+        sent whole, or to a server that writes them whole, wait for the whole load. What
+        landed is reported by get_finished as usual."""
+        for request_id in request_ids:
+            load = self._loads.get(request_id)
+            if load is None or load.future is None or not load.progress_tag:
+                self.wait_for_loads([request_id])
+                continue
+            while (self.client.layers_settled(load.progress_tag) <= layer
+                   and not load.future.done()
+                   and (left := load.deadline - time.monotonic()) > 0):
+                self.client.wait_for_layers(load.progress_tag, layer + 1, load.future, left)
+
+    def discard_loads(self, request_ids: Iterable[str]) -> None:
+        """Report these loads (settled: see wait_for_loads) as failed whatever landed: every
+        block of theirs goes to the load errors, for the engine to recompute."""
+        for request_id in request_ids:
+            load = self._loads.get(request_id)
+            if load is not None:
+                load.landed = 0
+
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(requests whose stores finished, requests whose loads finished) since the last
         call; called after every forward pass. A failed store is logged and finished."""
@@ -171,6 +202,8 @@ class WorkerAdapter:
                 continue
             del self._loads[rid]
             loads.add(rid)
+            if load.progress_tag:
+                self.client.forget_progress(load.progress_tag)
             block_ids = unpack_block_ids(load.item.block_ids, "block_ids")
             chunks = len(load.item.chunk_hashes) // CHUNK_HASH_BYTES
             blocks_per_chunk = len(block_ids) // chunks if chunks else 0

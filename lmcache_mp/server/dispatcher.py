@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import resource
 import time
@@ -41,6 +42,7 @@ from ..protocol import (
     InstanceStats,
     LoadDone,
     LoadDoneItem,
+    LoadProgress,
     LookupReply,
     LookupRequest,
     PingReply,
@@ -71,7 +73,7 @@ from ..protocol import (
 )
 from .access import Session, Sessions
 from .config import Config
-from .copy_engine import CopyEngine, DeadlinePassed
+from .copy_engine import CopyEngine, DeadlinePassed, attempt, expired
 from .metrics import ServerMetrics
 from .pool import CpuPool, DevicePool
 from .quotas import Quota, QuotaError, load_quota_file
@@ -560,18 +562,23 @@ class Dispatcher:
     def retrieve_chunks(self, session: Session, req: RetrieveRequest
                         ) -> Awaitable[RetrieveReply]:
         deadline = _deadline(req.budget_ms)
+        if not 0 <= req.progress_tag <= MAX_INSTANCE_ID:
+            raise BadRequest(f"`progress_tag`: must be in [0, {MAX_INSTANCE_ID}]")
         leader = self._sender(session, req.instance_id, "RETRIEVE")
         transfers = self._transfers(session, leader, req.items, allow_skip=True)
         leader.retrieves += 1
         # Under MLA every rank of the TP group holds the same latent cache: fill them all.
         targets = [leader, *self.registry.tp_followers(leader)]
-        return self._retrieve(leader, targets, transfers, self._pin(targets), deadline)
+        return self._retrieve(leader, targets, transfers, self._pin(targets), deadline,
+                              req.progress_tag)
 
     async def _retrieve(self, leader: KVCacheInstance, targets: list[KVCacheInstance],
                         transfers: list[_Transfer], unpin: Callable[[], None],
-                        deadline: float | None) -> RetrieveReply:
+                        deadline: float | None, progress_tag: int = 0) -> RetrieveReply:
         """Hold each item's leading stored chunks, copy them, unhold: a slice at a time. No
-        copy into any target's blocks starts after `deadline`: `retrieved` stops there."""
+        copy into any target's blocks starts after `deadline`: `retrieved` stops there.
+        With a `progress_tag`, a cache in CPU memory (no MLA followers) is written layer by
+        layer, and LoadProgress goes to the sender as layers settle."""
         held: list[list[Chunk]] = [[] for _ in transfers]
         geometry = leader.geometry
 
@@ -608,6 +615,9 @@ class Dispatcher:
             if leader.lane is not None:
                 per_target = await self.copier.retrieve(targets, jobs, deadline)
                 outcomes = [error for errors in per_target for error in errors]
+            elif progress_tag and len(targets) == 1 and leader.host_rows is not None and all(
+                    chunk.tier != GPU_TIER for _, _, chunk in flat):
+                outcomes = await self._by_layer(leader, jobs, deadline, progress_tag)
             else:
                 outcomes = await self.copy_engine.run(jobs, deadline)
             self.metrics.copied("retrieve", time.perf_counter() - copy_started)
@@ -637,6 +647,30 @@ class Dispatcher:
                 for t, n in zip(transfers, landed[follower.instance_id])]))
         phases.add("RETRIEVE", "server complete", stamp, len(flat))
         return RetrieveReply(landed[leader.instance_id])
+
+    async def _by_layer(self, target: KVCacheInstance, chunk_jobs: list,
+                        deadline: float | None, tag: int) -> list[BaseException | None]:
+        """Run a RETRIEVE's per-chunk HostRows jobs (each called with a layer) one layer
+        at a time on one copy thread, pushing LoadProgress(tag, n) to the target's owner
+        as the first n layers settle; return per chunk its failure, or None. One thread:
+        the engine's forward pass reads the layers meanwhile, on the same CPUs."""
+        layers = len(target.layers)
+        outcomes: list[BaseException | None] = [None] * len(chunk_jobs)
+        loop = asyncio.get_running_loop()
+
+        def copy_layer(layer: int) -> None:
+            for c, job in enumerate(chunk_jobs):
+                if outcomes[c] is None:  # a chunk that failed stays failed
+                    outcomes[c] = expired(deadline) or attempt(partial(job, layer=layer))
+
+        def settled(done: int) -> None:  # on the copy thread
+            if done < layers:  # the reply itself says that all of them settled
+                loop.call_soon_threadsafe(self.push, target.owner, LoadProgress(tag, done))
+        per_layer = await self.copy_engine.run(
+            [partial(copy_layer, layer) for layer in range(layers)], deadline, settled, threads=1)
+        # A layer not copied at all (its deadline passed first) fails every chunk.
+        missed = next((error for error in per_layer if error is not None), None)
+        return [outcome or missed for outcome in outcomes]
 
     def release(self, session: Session, req: ReleaseRequest) -> ReleaseReply:
         owners = [_lease_owner(session, ref.cache_salt, ref.request_id, f"items[{i}].")

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..errors import BadRequest, UnknownInstance
+from ..memory import populate
 from ..protocol import (
     CUDA_IPC_HANDLE_BYTES,
     MAX_KV_WORLD_SIZE,
@@ -32,7 +33,6 @@ from ..protocol import (
     span_bytes,
 )
 from .cuda_ipc import Allocation, CudaIpcSupport, open_allocations
-from .pool import populate
 
 logger = logging.getLogger(__name__)
 
@@ -130,11 +130,13 @@ class HostRows:
     WIDE_ROW_BYTES = 1024
 
     def __init__(self, parts: list[np.ndarray], outer: np.ndarray, block_stride: int,
-                 inner: np.ndarray):
+                 inner: np.ndarray, layers_per_part: int = 1):
         """`parts`: each a 1-d array of void rows from the part's first byte. Within a part,
         the row of outer position o, block b and inner position i is outer[o] + b ×
-        block_stride + inner[i], and a chunk lists them by (o, block, i)."""
+        block_stride + inner[i], and a chunk lists them by (o, block, i); the outer
+        positions of a part hold `layers_per_part` layers, one after the other."""
         self.parts = parts
+        self.layers_per_part = layers_per_part
         row_bytes = parts[0].dtype.itemsize
         self._byte_rows = ([part.view(np.uint8).reshape(-1, row_bytes) for part in parts]
                            if row_bytes >= self.WIDE_ROW_BYTES else None)
@@ -175,7 +177,8 @@ class HostRows:
         parts = [torch.empty(0, dtype=torch.uint8).set_(
             t.untyped_storage(), t.storage_offset() * itemsize, (extent * row.itemsize,), (1,)
         ).numpy().view(row) for t in tensors]
-        return cls(parts, offsets(range(dim)), strides[dim] // run, offsets(range(dim + 1, last)))
+        return cls(parts, offsets(range(dim)), strides[dim] // run, offsets(range(dim + 1, last)),
+                   len(layers) if stacked is not None else 1)
 
     def rows(self, block_ids: np.ndarray) -> np.ndarray:
         """The rows of [chunks, blocks] block ids (checked, none SKIP_BLOCK) as [chunks,
@@ -195,22 +198,28 @@ class HostRows:
         for part, into in zip(self.parts, out):
             np.take(part, rows, out=into, mode="clip")
 
-    def scatter(self, rows: np.ndarray, src: np.ndarray) -> None:
+    def scatter(self, rows: np.ndarray, src: np.ndarray, layer: int | None = None) -> None:
         """Copy `src` (a chunk() view, or the same rows of each of its parts) into `rows` of
-        every part; as gather(), without the GIL."""
-        if self._byte_rows is not None:
-            for part, rows_of_part in zip(self._byte_rows, src):
+        every part, or of layer `layer` only; as gather(), without the GIL."""
+        parts = self._byte_rows if self._byte_rows is not None else self.parts
+        if layer is not None:
+            part, within = divmod(layer, self.layers_per_part)
+            per_layer = len(rows) // self.layers_per_part
+            layer_rows = slice(within * per_layer, (within + 1) * per_layer)
+            parts, rows, src = [parts[part]], rows[layer_rows], src[part:part + 1, layer_rows]
+        for part, rows_of_part in zip(parts, src):
+            if self._byte_rows is not None:
                 part[rows] = rows_of_part.view(np.uint8).reshape(len(rows), -1)
-            return
-        for part, rows_of_part in zip(self.parts, src):
-            np.put(part, rows, rows_of_part, mode="clip")
+            else:
+                np.put(part, rows, rows_of_part, mode="clip")
 
-    def scatter_skipping(self, block_ids: np.ndarray, src: np.ndarray) -> None:
+    def scatter_skipping(self, block_ids: np.ndarray, src: np.ndarray,
+                         layer: int | None = None) -> None:
         """scatter() for one chunk's [blocks] ids, some SKIP_BLOCK: those blocks stay alone."""
         keep = block_ids != SKIP_BLOCK
         per_block = src.reshape(len(self.parts), self._outer.size, len(keep), -1)
         self.scatter(self.rows(block_ids[keep].reshape(1, -1))[0],
-                     per_block[:, :, keep].reshape(len(self.parts), -1))
+                     per_block[:, :, keep].reshape(len(self.parts), -1), layer)
 
 
 @dataclass(eq=False)

@@ -109,3 +109,17 @@ def test_memfd_handles_refuse_private_memory_and_tensors_past_the_segment():
             memfd_handles([past])
     with pytest.raises(ValueError, match="not in a SharedSegment"):
         memfd_handles([layer])  # closed: its fd is gone, so it can no longer be sent
+
+
+def test_a_segments_pages_are_allocated_when_it_is_made():
+    """As the torch.zeros it stands in for: a pass reading KV the server wrote into it
+    then takes no page fault per page."""
+    def shared_kib() -> int:
+        with open("/proc/self/status") as status:
+            return int(status.read().split("RssShmem:")[1].split()[0])
+    before = shared_kib()
+    segment = SharedSegment(32 * 1024 * 1024)
+    try:
+        assert shared_kib() - before >= 32 * 1024
+    finally:
+        segment.close()

@@ -120,6 +120,13 @@ def kv_cache_config(spec, num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
         kv_cache_groups=[KVCacheGroupSpec(names, spec)])
 
 
+def read_layers(connector) -> None:
+    """What vLLM's attention layers do in a forward pass before each reads its KV cache."""
+    for group in connector._kv_cache_config.kv_cache_groups:
+        for name in group.layer_names:
+            connector.wait_for_layer_load(name)
+
+
 def worker_connector(vllm_config, kvcc: KVCacheConfig, rank: int):
     """A worker-side connector for one rank and the KV cache vLLM allocates through it."""
     config = copy.deepcopy(vllm_config)
@@ -168,6 +175,7 @@ class Engine:
         self.computed_from: dict[str, list[int]] = {}
         self.statuses: dict[str, list[RequestStatus]] = {}
         self.reports: list[KVConnectorOutput] = []
+        self.reads_layers = True  # whether a forward pass calls wait_for_layer_load, as vLLM's
 
     def add(self, request_id: str, tokens: list[int], cache_salt: str | None = None,
             **kwargs) -> Request:
@@ -200,6 +208,8 @@ class Engine:
             # start (and our connector waits for them) before it; async ones after it.
             if output.has_sync_kv_loads:
                 connector.start_load_kv(None)
+            if self.reads_layers:
+                read_layers(connector)
             for request_id, count in output.num_scheduled_tokens.items():
                 self._forward(request_id, starts[request_id], count, caches, rank)
             if not output.has_sync_kv_loads:
@@ -321,6 +331,32 @@ def test_a_second_engine_loads_what_the_first_computed_byte_for_byte(engines, se
         assert engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
 
 
+def test_a_pass_that_skips_a_layers_wait_recomputes_its_load_then_loads_wait_whole(
+        engines, server):
+    """A sync load into a CPU cache is read layer by layer: vLLM's attention layers each
+    call wait_for_layer_load first. A forward pass that did not (another attention path)
+    may have read a layer before it landed: its load is reported failed and recomputed,
+    and from then on the worker waits for whole loads before the pass."""
+    tokens, other = prompt(71, 2 * 256 + 10), prompt(72, 2 * 256 + 10)
+    writer = engines()
+    writer.add("w", tokens)
+    writer.add("x", other)
+    writer.run_until_idle()
+    reader = engines(**SYNC)
+    reader.reads_layers = False
+    reader.add("r", tokens)
+    reader.run_until_idle()
+    assert any(r.invalid_block_ids for r in reader.reports)
+    assert reader.computed_from["r"][-1] == 0  # vLLM computed the whole prompt again
+    reader.assert_kv("r", tokens)
+    seen = len(reader.reports)
+    reader.add("s", other)
+    reader.run_until_idle()
+    assert reader.first_computed["s"] == 512  # loaded, and read only once it had landed
+    assert not any(r.invalid_block_ids for r in reader.reports[seen:])
+    reader.assert_kv("s", other)
+
+
 def test_an_abort_during_the_load_frees_the_blocks_once_the_load_is_reported(engines, server):
     tokens = prompt(3, 2 * 256 + 10)
     writer = engines()
@@ -426,6 +462,7 @@ def worker_step(workers, meta, finished=()):
         worker.handle_preemptions(meta)
         worker.bind_connector_metadata(meta)
         worker.start_load_kv(None)
+        read_layers(worker)
         worker.wait_for_save()
         results = worker.get_transfer_results(set(finished))
         reports.append((results.finished_sending, results.finished_recving,
@@ -453,7 +490,8 @@ def step_until_reported(workers, scheduler, meta, kind: int, request_id: str, fi
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
 def test_mla_tp2_the_leader_stores_and_loads_and_the_follower_gets_the_bytes(server, sync):
     """A sync load (vLLM schedules the request in the step that looks it up) has landed
-    on both ranks once their start_load_kv returns, and is never reported as received."""
+    on both ranks once their forward pass may read it (start_load_kv, or each layer's
+    wait_for_layer_load), and is never reported as received."""
     config = hand_config(server.url, tp=2, mla=True,
                          sync_load_max_bytes=ConnectorConfig().sync_load_max_bytes if sync else 0)
     spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
@@ -668,6 +706,9 @@ def test_extra_config_is_typed_and_unknown_keys_are_refused():
     assert ConnectorConfig.from_extra_config({"sync_load_max_bytes": 0}).sync_load_max_bytes == 0
     with pytest.raises(ValueError, match="'sync_load_max_bytes'.*an integer, 0 or more, got 1.5"):
         ConnectorConfig.from_extra_config({"sync_load_max_bytes": 1.5})
+    assert ConnectorConfig.from_extra_config({"load_by_layer": False}).load_by_layer is False
+    with pytest.raises(ValueError, match="'load_by_layer'.*true or false, got 1"):
+        ConnectorConfig.from_extra_config({"load_by_layer": 1})
 
 
 def kv_memfds(table: str) -> set[str]:

@@ -533,6 +533,19 @@ def envelope_error(frames: list[bytes]) -> str | None:
     return None if op in OPS else "unknown_op"
 
 
+def asks_progress(frames: list[bytes]) -> set[int]:
+    """The progress_tag of a RETRIEVE among these frames that has one, as a set."""
+    if len(frames) != 3 or frames[1] != b"RETRIEVE":
+        return set()
+    try:
+        tag = msgpack.unpackb(frames[2], raw=False).get("progress_tag")
+    except Exception:  # noqa: BLE001 (the fuzzer's payloads are anything)
+        return set()
+    if isinstance(tag, float) and tag.is_integer():  # integral floats are ints on the wire
+        tag = int(tag)
+    return {tag} if isinstance(tag, int) and tag else set()
+
+
 class FuzzSocket:
     """A raw DEALER with a routing id of its own; `session`: HELLO was answered ok on it."""
 
@@ -721,9 +734,11 @@ class Harness:
         refs = Refs(self)
         by_id: dict[bytes, list[bytes]] = {}
         unreadable: list[list[bytes]] = []
+        progress_tags: set[int] = set()  # of RETRIEVEs sent: LOAD_PROGRESS may come for them
         for message in messages:
             frames = [msgpack.packb(resolve(f[1], refs), use_bin_type=True)
                       if isinstance(f, tuple) else f for f in message]
+            progress_tags |= asks_progress(frames)
             # Beyond the limit ZeroMQ drops the connection without a reply (docs/protocol.md):
             # the strategies stay far below it.
             assert sum(map(len, frames)) < MAX_MESSAGE_BYTES // 4, "the fuzzer made a huge message"
@@ -741,6 +756,12 @@ class Harness:
                 f"no reply within {REPLY_TIMEOUT_S} s to "
                 f"{[f[:2] for f in [*by_id.values(), *unreadable]]}; {self.diagnose()}")
             assert len(reply) == 3, reply
+            if reply[0] == ZERO_ID and reply[1] == protocol.STATUS_OK:
+                # A push message: only LOAD_PROGRESS, for a RETRIEVE that asked for it.
+                notice = protocol.unpack_push(reply[2])
+                assert isinstance(notice, protocol.LoadProgress), notice
+                assert notice.tag in progress_tags and notice.layers >= 1, notice
+                continue
             if reply[0] == ZERO_ID and unreadable:
                 self.check(sock, unreadable.pop(0), reply, refs["own"])
             else:

@@ -39,6 +39,11 @@ class ConnectorConfig:
     # (the request waits for it outside the batch, and is scheduled a step after it
     # landed); 0: every load is async
     sync_load_max_bytes: int = 16 * 1024 * 1024
+    # a sync load into a KV cache in CPU memory is written layer by layer, and each
+    # attention layer of the forward pass waits only for its own layer (vLLM's
+    # wait_for_layer_load), so that the pass starts once the first layer has landed;
+    # false: the pass waits for the whole load (always so for a cache on a GPU)
+    load_by_layer: bool = True
     # seconds the server may take to start a store's or load's copies; past it (and a
     # 1 s margin) the blocks are vLLM's again: a store is skipped, a load recomputed
     load_timeout: float = 5.0
@@ -65,6 +70,8 @@ class ConnectorConfig:
             kind = str if default is None else type(default)
             if kind is str:
                 ok, expected = isinstance(value, str), "a string"
+            elif kind is bool:
+                ok, expected = isinstance(value, bool), "true or false"
             else:
                 zero_ok = name in _MAY_BE_ZERO
                 ok = (isinstance(value, (int, float) if kind is float else int)

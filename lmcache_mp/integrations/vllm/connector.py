@@ -146,12 +146,15 @@ class LMCacheMPServerConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Worker, every step: before the forward pass when the step has a sync load (then
-        it waits for the load, bounded by load_timeout and a margin), else after it."""
+        it waits for the load, bounded by load_timeout and a margin, unless each layer
+        waits for its own: load_by_layer), else after it."""
         self._on_worker("start_load_kv").start_loads(self._step_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Worker, in each attention layer: nothing to wait for, as start_load_kv waited for
-        the sync loads this forward pass reads."""
+        """Worker, in each attention layer, before it reads its KV cache: waits until this
+        layer of the step's sync loads has landed (load_by_layer, a cache in CPU memory;
+        otherwise start_load_kv waited for the whole loads), bounded as start_load_kv."""
+        self._on_worker("wait_for_layer_load").wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:

@@ -53,6 +53,13 @@ class WorkerSide:
         self._sync_loads: set[str] = set()  # sent; the adapter has not reported them
         self._sent_this_step: set[str] = set()  # loads sent (sync: in handle_preemptions)
         self._load_errors: set[int] = set()
+        # Sync loads read layer by layer (config.load_by_layer, a cache in CPU memory): each
+        # layer name's place among the registered tensors, this step's loads read so, and
+        # the layers whose wait_for_layer_load came.
+        self._by_layer = False
+        self._layer_index: dict[str, int] = {}
+        self._reading_by_layer: set[str] = set()
+        self._layers_waited: set[int] = set()
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -72,12 +79,13 @@ class WorkerSide:
         that fails."""
         layout = "mla" if self.parallel.use_mla else "mha"
         tensors: list[torch.Tensor] = []
-        seen: set[tuple[int, tuple[int, ...]]] = set()
-        for tensor in kv_caches.values():  # layers that share a cache share its tensor
+        seen: dict[tuple[int, tuple[int, ...]], int] = {}
+        for name, tensor in kv_caches.items():  # layers that share a cache share its tensor
             key = (tensor.data_ptr(), tuple(tensor.shape))
             if key not in seen:
-                seen.add(key)
+                seen[key] = len(tensors)
                 tensors.append(tensor)
+            self._layer_index[name] = seen[key]
         if not tensors:
             raise ValueError("register_kv_caches: vLLM gave no KV cache tensors")
         devices = {t.device.type for t in tensors}
@@ -116,6 +124,8 @@ class WorkerSide:
             raise RuntimeError(f"cannot register the KV cache with lmcache-mp-server at "
                                f"{self.url} (is it running?): {exc}") from exc
         self.adapter.registration = registration
+        self._by_layer = (self.config.load_by_layer and devices == {"cpu"}
+                          and self.parallel.sends_transfers)
         logger.info("rank %d registered %d %s layers of %d blocks with %s as instance %d",
                     self.parallel.worker_id, len(handles), layout, registration.num_blocks,
                     self.url, registration.instance_id)
@@ -148,19 +158,52 @@ class WorkerSide:
             if load.item is None and not load.sync:
                 self._loads_done.add(load.request_id)
         sync = {load.request_id for load in meta.loads if load.sync and load.item is not None}
-        if sync:
+        if sync and self._by_layer:  # each layer waits for its own (wait_for_layer)
+            self._reading_by_layer = sync
+            self._layers_waited = set()
+            self._sync_loads |= sync
+        elif sync:
             self.adapter.wait_for_loads(sync)
             self._sync_loads |= sync
             self._collect()
 
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Worker, in each attention layer of the forward pass (wait_for_layer_load): waits
+        until the server writes this layer of the step's sync loads no more, bounded as
+        start_loads' wait."""
+        if not self._reading_by_layer:
+            return
+        index = self._layer_index.get(layer_name)
+        if index is None:  # a layer the registration did not name: wait for everything
+            self.adapter.wait_for_loads(self._reading_by_layer)
+            return
+        self.adapter.wait_for_layer(self._reading_by_layer, index)
+        self._layers_waited.add(index)
+
+    def _finish_reading_by_layer(self) -> None:
+        """After the forward pass: wait for the answer to the loads it read layer by layer
+        (their failed blocks go to this step's load errors). If a layer of the cache never
+        waited, the pass may have read it before it landed: report those loads as failed
+        (vLLM recomputes them) and wait for whole loads from now on."""
+        reading, self._reading_by_layer = self._reading_by_layer, set()
+        self.adapter.wait_for_loads(reading)
+        if self._layers_waited != set(self._layer_index.values()):
+            logger.warning("vLLM's forward pass did not call wait_for_layer_load for every "
+                           "layer of the KV cache: loads are read whole from now on, and "
+                           "this step's are recomputed")
+            self._by_layer = False
+            self.adapter.discard_loads(reading)
+
     def _send_loads(self, loads: list[LoadSpec]) -> None:
-        """One RETRIEVE for those of `loads` with an item that this step has not sent."""
-        items = [load.item for load in loads
-                 if load.item is not None and load.request_id not in self._sent_this_step]
-        if items:
+        """One RETRIEVE for those of `loads` with an item that this step has not sent
+        (written layer by layer when it holds a sync load and load_by_layer is on)."""
+        unsent = [load for load in loads
+                  if load.item is not None and load.request_id not in self._sent_this_step]
+        if unsent:
             self._require_registration()
-            self.adapter.start_load(items)
-            self._sent_this_step.update(item.request_id for item in items)
+            self.adapter.start_load([load.item for load in unsent], by_layer=self._by_layer
+                                    and any(load.sync for load in unsent))
+            self._sent_this_step.update(load.request_id for load in unsent)
 
     def start_stores(self, meta: StepMetadata) -> None:
         """Worker, every step after the forward pass (wait_for_save): one STORE."""
@@ -176,6 +219,8 @@ class WorkerSide:
         all been read, requests whose loads landed or failed)."""
         if meta is not None:
             self._awaiting_stores.update(meta.await_stores)
+        if self._reading_by_layer:
+            self._finish_reading_by_layer()
         self._collect()
         sending = {r for r in self._awaiting_stores if r not in self._pending_stores}
         self._awaiting_stores -= sending
