@@ -58,7 +58,9 @@ class LMCacheMPServerConnector(KVConnectorBase_V1):
     register_kv_caches (once, at start-up), handle_preemptions (only while a preempted
     request's store is still being read) and start_load_kv (only for a sync load, one of
     at most `sync_load_max_bytes`, which this step's forward pass reads) wait, each for a
-    bounded time.
+    bounded time; with `load_by_layer` (a cache in CPU memory) start_load_kv does not,
+    and instead each wait_for_layer_load waits for its layer of the sync loads and
+    get_transfer_results for the loads' replies, within the same bound.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -171,7 +173,8 @@ class LMCacheMPServerConnector(KVConnectorBase_V1):
         return results.finished_sending, results.finished_recving
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Worker, every step, after wait_for_save; never blocks."""
+        """Worker, every step, after wait_for_save; blocks only for the replies to sync
+        loads read layer by layer in this step's forward pass (bounded as start_load_kv)."""
         meta = self._connector_metadata if isinstance(self._connector_metadata,
                                                       StepMetadata) else None
         sending, recving = self._on_worker("get_transfer_results").finished(meta)
