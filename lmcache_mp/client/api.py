@@ -29,7 +29,7 @@ from .shm import find_segment
 logger = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_S = 5.0
-_MAX_UNCLAIMED_LOADS = 10_000  # LOAD_DONE notices nobody waited for (aborted requests)
+_MAX_UNCLAIMED_LOADS = 10_000  # LOAD_DONE notices (or LOAD_PROGRESS tags) nobody waited for
 # How long past a transfer's budget its caller waits for the server's answer: the server
 # starts no copy after the budget, and this covers one copy under way and the answer's trip.
 DEADLINE_MARGIN_S = 1.0
