@@ -629,6 +629,11 @@ def unpack(cls: type, payload: bytes, bounded: bool = False) -> Any:
     `bounded` (the server, for requests): msgpack refuses arrays, maps and strings over
     the LIMITS as it reads their headers, before building anything, and the whole payload
     over MAX_REQUEST_VALUES values as it builds them."""
+    return from_wire(cls, _decoded(payload, bounded))
+
+
+def _decoded(payload: bytes, bounded: bool) -> Any:
+    """The payload's msgpack value (see unpack); BadRequest if it is not msgpack."""
     try:
         # Every value takes a byte at least: a payload of up to MAX_REQUEST_VALUES bytes
         # cannot hold more values, and skips the count (a Python call per array and map).
@@ -647,7 +652,7 @@ def unpack(cls: type, payload: bytes, bounded: bool = False) -> Any:
                                                  "the data ends early or holds extra bytes")
         raise BadRequest(f"payload is not valid msgpack ({type(exc).__name__}: {reason})"
                          ) from None
-    return from_wire(cls, raw)
+    return raw
 
 
 def from_wire(tp: Any, value: Any) -> Any:
@@ -873,11 +878,9 @@ PUSH_MESSAGES: dict[str, type] = {"LOAD_DONE": LoadDone, "LOAD_PROGRESS": LoadPr
 
 def unpack_push(payload: bytes) -> LoadDone | LoadProgress:
     """A push message, of the type its `event` names; BadRequest if it is none of them."""
-    try:
-        event = msgpack.unpackb(payload, raw=False).get("event")
-    except Exception:  # noqa: BLE001 (not msgpack, or not a map): unpack says what is wrong
-        event = None
-    return unpack(PUSH_MESSAGES.get(event, LoadDone), payload)
+    raw = _decoded(payload, bounded=False)
+    event = raw.get("event") if isinstance(raw, dict) else None
+    return from_wire(PUSH_MESSAGES.get(event, LoadDone), raw)
 
 
 def push_frames(message: Any) -> list[bytes]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,18 +40,14 @@ class CopyEngine:
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lmcache-copy")
 
     async def run(self, jobs: Sequence[CopyJob], deadline: float | None = None,
-                  on_settled: Callable[[int], None] | None = None,
                   threads: int | None = None) -> list[BaseException | None]:
-        """Run every job, on at most `threads` of the engine's threads (None: all); return,
-        in order, None for a job that finished or what it raised. A job not started by
-        `deadline` (time.monotonic()) is not run: DeadlinePassed. `on_settled(n)`, called on
-        a copy thread each time it grows, says that the first n jobs have settled
-        (finished, failed or not to be run): keep it short."""
+        """Run every job, on at most `threads` of the engine's threads (None: all; one runs
+        them in order); return, in order, None for a job that finished or what it raised.
+        A job not started by `deadline` (time.monotonic()) is not run: DeadlinePassed."""
         if not jobs:
             return []
         loop = asyncio.get_running_loop()
         outcomes: list[BaseException | None] = [None] * len(jobs)
-        settle = _SettledPrefix(len(jobs), on_settled) if on_settled is not None else None
         # Each thread takes the next job not taken (next() on a count is atomic under the
         # GIL) rather than a fixed share: the OS may queue two copy threads on one CPU
         # while another idles, and then a fixed share waits for the thread ahead of it
@@ -64,8 +59,6 @@ class CopyEngine:
                 if index >= len(jobs):
                     return
                 outcomes[index] = expired(deadline) or attempt(jobs[index])
-                if settle is not None:
-                    settle.add(index)
         await asyncio.gather(*[loop.run_in_executor(self._executor, take_jobs)
                                for _ in range(min(threads or self.threads, self.threads,
                                                   len(jobs)))])
@@ -75,22 +68,3 @@ class CopyEngine:
         """Wait for copies already running: they write into memory about to be released."""
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-
-class _SettledPrefix:
-    """How many leading jobs of a run have settled, told to `report` as it grows."""
-
-    def __init__(self, jobs: int, report: Callable[[int], None]):
-        self._settled = [False] * jobs
-        self._prefix = 0
-        self._report = report
-        self._lock = threading.Lock()
-
-    def add(self, index: int) -> None:
-        with self._lock:  # reports go out in order, each larger than the last
-            self._settled[index] = True
-            prefix = self._prefix
-            while prefix < len(self._settled) and self._settled[prefix]:
-                prefix += 1
-            if prefix > self._prefix:
-                self._prefix = prefix
-                self._report(prefix)

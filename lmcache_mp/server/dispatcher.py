@@ -662,12 +662,10 @@ class Dispatcher:
             for c, job in enumerate(chunk_jobs):
                 if outcomes[c] is None:  # a chunk that failed stays failed
                     outcomes[c] = expired(deadline) or attempt(partial(job, layer=layer))
-
-        def settled(done: int) -> None:  # on the copy thread
-            if done < layers:  # the reply itself says that all of them settled
-                loop.call_soon_threadsafe(self.push, target.owner, LoadProgress(tag, done))
+            if layer + 1 < layers:  # the reply itself says that all of them settled
+                loop.call_soon_threadsafe(self.push, target.owner, LoadProgress(tag, layer + 1))
         per_layer = await self.copy_engine.run(
-            [partial(copy_layer, layer) for layer in range(layers)], deadline, settled, threads=1)
+            [partial(copy_layer, layer) for layer in range(layers)], deadline, threads=1)
         # A layer not copied at all (its deadline passed first) fails every chunk.
         missed = next((error for error in per_layer if error is not None), None)
         return [outcome or missed for outcome in outcomes]

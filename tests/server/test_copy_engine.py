@@ -59,33 +59,14 @@ def test_a_stalled_thread_does_not_hold_back_the_jobs_after_its_own(engine):
     assert outcomes == [None] * 8
 
 
-def test_settled_prefixes_are_reported_in_order_even_when_jobs_finish_out_of_order(engine):
-    """Job 0 finishes last: nothing is reported until it does, then every job at once;
-    a failed job settles like a finished one."""
-    job_0_may_finish = threading.Event()
-    reports = []
+def test_one_thread_runs_the_jobs_in_order(engine):
+    threads, ran = set(), []
 
-    def slow_first():
-        assert job_0_may_finish.wait(10)
-
-    def later(i):
+    def job(i):
         def run():
-            if i == 4:
-                raise ValueError("chunk 4 is bad")
-            if i == 5:
-                job_0_may_finish.set()
+            threads.add(threading.get_ident())
+            ran.append(i)
         return run
-    jobs = [slow_first] + [later(i) for i in range(1, 6)]
-    outcomes = asyncio.run(engine.run(jobs, on_settled=reports.append))
-    assert reports == [6]
-    assert isinstance(outcomes[4], ValueError)
-
-
-def test_one_thread_runs_the_jobs_in_order_and_reports_each(engine):
-    threads, reports = set(), []
-
-    def job():
-        threads.add(threading.get_ident())
-    asyncio.run(engine.run([job] * 5, on_settled=reports.append, threads=1))
+    asyncio.run(engine.run([job(i) for i in range(5)], threads=1))
     assert len(threads) == 1
-    assert reports == [1, 2, 3, 4, 5]
+    assert ran == [0, 1, 2, 3, 4]
