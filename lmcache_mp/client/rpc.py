@@ -6,7 +6,7 @@ import heapq
 import itertools
 import logging
 import os
-import select
+import math
 import threading
 import time
 import uuid
@@ -20,6 +20,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .. import phases, protocol, runtime
+from ..zmq_io import readable, recv_frames, send_frames
 from ..errors import (RequestTimeout, ServerError, ServerUnavailable, Unauthenticated,
                       error_from_reply)
 
@@ -27,9 +28,27 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 5.0
 _IDLE_WAIT_S = 0.05
-# As plain ints: pyzmq's flag enums cost a Python call per `&`, several per message.
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_POLLIN = int(zmq.POLLIN)
 _RETRY_SEND_S = 0.005
+
+
+class _Future(Future):
+    """A Future that also keeps a plain flag of having a result or an exception: the thread
+    waiting for a call tests it after each read of the socket, where done() takes the
+    future's lock (three Python calls a test)."""
+
+    settled = False
+
+    def set_result(self, result: Any) -> None:
+        super().set_result(result)
+        self.settled = True
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        super().set_exception(exception)
+        self.settled = True
+
+    def is_settled(self) -> bool:
+        return self.settled
 
 
 @dataclass
@@ -102,13 +121,13 @@ class RpcClient:
         self._dealer.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         # Before connect(), so that no event is missed.
         self._monitor = self._dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._monitor_fd = self._monitor.getsockopt(zmq.FD)
         self.disconnects = 0  # connections lost so far: a change means the server went away
         self._dealer.connect(url)
-        self._fd = self._dealer.getsockopt(zmq.FD)
         self._kick_r, self._kick_w = os.pipe()  # wakes the leader when another thread sent
         os.set_blocking(self._kick_r, False)
-        self._lock = threading.Lock()  # guards the socket and every field below
+        # Guards the socket and every field below. Taken directly (`with self._lock`), not
+        # through a Condition on it, whose `with` costs two Python calls, a dozen per call.
+        self._lock = threading.Lock()
         self._state = threading.Condition(self._lock)  # callers waiting for the leader
         self._background_wake = threading.Condition(self._lock)
         self._leader: int | None = None  # thread ident of the thread waiting on the socket
@@ -123,7 +142,7 @@ class RpcClient:
         self._closed = False
         self._thread = threading.Thread(target=self._background, name="lmcache-mp-rpc",
                                         daemon=True)
-        with self._state:
+        with self._lock:
             self._queue_hello()
         self._thread.start()
 
@@ -134,7 +153,7 @@ class RpcClient:
 
     @heartbeat_interval.setter
     def heartbeat_interval(self, seconds: float | None) -> None:
-        with self._state:
+        with self._lock:
             self._heartbeat_interval = seconds
             self._background_wake.notify()
 
@@ -152,9 +171,9 @@ class RpcClient:
                               wait_for_connection=wait_for_connection, lead=wait > 0)
         if wait > 0:
             try:
-                self._wait_leading(future.done, time.monotonic() + wait)
+                self._wait_leading(future.is_settled, time.monotonic() + wait)
             finally:
-                with self._state:
+                with self._lock:
                     if self._leader == threading.get_ident():  # it never had to read
                         self._resign()
         return future
@@ -162,7 +181,7 @@ class RpcClient:
     def call(self, request: Any, timeout: float | None = None) -> Any:
         """Send `request` and wait for its reply; raises ServerError or TransportError subclasses."""
         future = self._submit(request, timeout, attended=True)
-        self._wait_leading(future.done, None)
+        self._wait_leading(future.is_settled, None)
         return future.result()
 
     def wait(self, futures: Iterable[Future], timeout: float) -> None:
@@ -191,7 +210,7 @@ class RpcClient:
             return until() or self._closed or (end is not None and time.monotonic() >= end)
         while not over():
             if self._leader != me:
-                with self._state:
+                with self._lock:
                     self._followers += 1
                     if self._leader is not None and not self._kicked:
                         self._kicked = True  # the background thread hands over when it wakes
@@ -208,11 +227,11 @@ class RpcClient:
                 self._lead(until=until,
                            at_most=None if end is None else max(0.0, end - time.monotonic()))
             finally:
-                with self._state:
+                with self._lock:
                     self._resign()
 
     def close(self) -> None:
-        with self._state:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
@@ -220,7 +239,7 @@ class RpcClient:
             self._background_wake.notify()
         os.write(self._kick_w, b"x")
         self._thread.join()
-        with self._state:
+        with self._lock:
             error = ServerUnavailable("the client was closed before the reply arrived")
             for call in [*self._waiting.values(), *self._unsent]:
                 if not call.future.done():
@@ -244,8 +263,8 @@ class RpcClient:
         stamp = phases.now()
         payload = protocol.pack(request)
         stamp = phases.add(op, "client encode", stamp)
-        future: Future = Future()
-        with self._state:
+        future = _Future()
+        with self._lock:
             if self._closed:
                 raise ServerUnavailable("the client is closed")
             call = self._new_call(op, payload, timeout, future, attended)
@@ -309,10 +328,19 @@ class RpcClient:
         """Wait on the socket and pump, until `until()` is true, the client closes, or
         `at_most` seconds have passed."""
         end = None if at_most is None else time.monotonic() + at_most
-        ready: list[int] = []  # what the last select() found readable
+        # zmq_poll, unlike select() on the sockets' edge-triggered FDs, sees a message that
+        # came before the wait: nothing needs reading before the first one.
+        watched = [(self._dealer, _POLLIN), (self._monitor, _POLLIN), (self._kick_r, _POLLIN)]
+        ready: list[tuple[Any, int]] = []  # what the last poll found readable
         while True:
-            with self._state:
-                self._pump(watch=self._monitor_fd in ready)
+            receive = watch = False
+            for item, _ in ready:
+                if item is self._dealer:
+                    receive = True
+                elif item is self._monitor:
+                    watch = True
+            with self._lock:
+                self._pump(receive, watch)
                 if self._followers:
                     self._state.notify_all()
                 if until() or self._closed or (end is not None and time.monotonic() >= end):
@@ -320,13 +348,12 @@ class RpcClient:
                 wait = _RETRY_SEND_S if self._unsent else _IDLE_WAIT_S
                 if self._deadlines:
                     wait = max(0.0, min(wait, self._deadlines[0][0] - time.monotonic()))
-            ready = select.select([self._fd, self._monitor_fd, self._kick_r], [], [], wait)[0]
+            ready = zmq.zmq_poll(watched, math.ceil(wait * 1000))
 
-    def _pump(self, watch: bool = True) -> None:
-        """Send what waits, read what arrived, fail what expired; `watch`: read the
-        monitor's events too. A leader's select() says when (the monitor's FD stays
-        readable until they are read), sparing a ZeroMQ poll per pass; a send reads them
-        first whatever `watch` says (_flush_unsent)."""
+    def _pump(self, receive: bool, watch: bool) -> None:
+        """Send what waits, fail what expired; `receive`: read what arrived; `watch`: read
+        the monitor's events too. The leader's poll says when; a send reads the monitor's
+        events first whatever `watch` says (_flush_unsent)."""
         if self._kicked:
             self._kicked = False
             try:
@@ -335,7 +362,8 @@ class RpcClient:
             except BlockingIOError:
                 pass
         self._flush_unsent()
-        self._receive()
+        if receive:
+            self._receive()
         if watch:
             self._watch_connection()
         self._expire()
@@ -343,7 +371,7 @@ class RpcClient:
     def _watch_connection(self) -> None:
         """Read the socket monitor's events; on a lost connection, fail the calls sent on it."""
         lost = False
-        while self._monitor.getsockopt(_EVENTS) & _POLLIN:
+        while readable(self._monitor):
             event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
             if event == zmq.EVENT_DISCONNECTED:  # not MONITOR_STOPPED, sent at close()
                 self.disconnects += 1
@@ -370,7 +398,7 @@ class RpcClient:
                 self._unsent.popleft()
                 continue
             try:
-                self._dealer.send_multipart(call.frames, zmq.NOBLOCK)
+                send_frames(self._dealer, call.frames)
             except zmq.Again:  # not connected yet; retried until the call's deadline
                 self._fail_unsendable()
                 break
@@ -399,8 +427,8 @@ class RpcClient:
 
     def _receive(self) -> None:
         # Drain until EVENTS shows nothing: the FD only signals new arrivals after that.
-        while self._dealer.getsockopt(_EVENTS) & _POLLIN:
-            frames = self._dealer.recv_multipart(zmq.NOBLOCK)
+        while readable(self._dealer):
+            frames = recv_frames(self._dealer)
             if len(frames) != 3 or len(frames[0]) != protocol.REQUEST_ID_BYTES:
                 logger.warning("dropping a malformed reply of %d frames", len(frames))
                 continue
@@ -460,7 +488,7 @@ class RpcClient:
         """Leads while submitted futures have nobody waiting; sends heartbeats when idle;
         with `on_push`, watches the socket whenever no call does."""
         while True:
-            with self._state:
+            with self._lock:
                 if self._closed:
                     return
                 idle_wait = _IDLE_WAIT_S * 20
@@ -481,7 +509,7 @@ class RpcClient:
                 self._lead(until=lambda: self._followers > 0 or not self._needs_watcher(),
                            at_most=idle_wait)
             finally:
-                with self._state:
+                with self._lock:
                     self._resign()
 
     def _needs_watcher(self) -> bool:
@@ -492,7 +520,7 @@ class RpcClient:
         frames = [protocol.encode_request_id(request_id), b"PING",
                   protocol.pack(protocol.PingRequest())]
         try:
-            self._dealer.send_multipart(frames, zmq.NOBLOCK)
+            send_frames(self._dealer, frames)
         except zmq.Again:
             return  # not connected: nothing to keep alive
         self._after_send()

@@ -22,6 +22,7 @@ import uvloop
 import zmq
 
 from .. import __version__, cuda, phases, protocol, runtime
+from ..zmq_io import readable, recv_frames, send_frames
 from ..errors import InternalError, ServerError, ShuttingDown
 from ..sizes import format_size
 from .access import Sessions, load_or_create_token, prepare_runtime_dir, read_token_file
@@ -46,7 +47,6 @@ logger = logging.getLogger("lmcache_mp.server")
 
 _MAX_MESSAGES_PER_WAKE = 64
 # As plain ints: pyzmq's flag enums cost a Python call per `&`, several per message.
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _HOUSEKEEPING_S = 0.5
 _BACKLOG_RETRY_S = 0.002  # how soon replies a slow reader could not take are offered again
 _GPU_COPY_TIMEOUT_S = 60.0  # one request's device work; a GPU that takes longer has failed
@@ -80,6 +80,7 @@ class Server:
         self._socket: zmq.Socket | None = None
         self._context: zmq.Context | None = None
         self._on_message = self._dispatch
+        self._draining = False  # inside _drain()
         self._pool: CpuPool | None = None
         self._copy_engine: CopyEngine | None = None
         self._copier: StreamCopier | None = None
@@ -310,10 +311,14 @@ class Server:
     def _drain(self) -> None:
         """Handle what has arrived. ZeroMQ's FD is edge-triggered: keep going until EVENTS is empty."""
         socket = self._socket
-        for _ in range(_MAX_MESSAGES_PER_WAKE):
-            if not socket.getsockopt(_EVENTS) & _POLLIN:
-                return
-            self._on_message(socket.recv_multipart(zmq.NOBLOCK))
+        self._draining = True  # its own loop reads what a reply's send left behind
+        try:
+            for _ in range(_MAX_MESSAGES_PER_WAKE):
+                if not readable(socket):
+                    return
+                self._on_message(recv_frames(socket))
+        finally:
+            self._draining = False
         # More is waiting: yield to replies and copies, then come back.
         asyncio.get_running_loop().call_soon(self._drain)
 
@@ -397,7 +402,7 @@ class Server:
             self._keep(client, backlog, frames)
         else:
             try:
-                self._socket.send_multipart([client, *frames], zmq.NOBLOCK)
+                send_frames(self._socket, [client, *frames])
             except zmq.Again:
                 backlog = self._backlog[client] = deque()
                 self._backlog_bytes[client] = 0
@@ -408,7 +413,7 @@ class Server:
 
     def _drain_if_pending(self) -> None:
         # A send can consume the FD's edge for messages that arrived meanwhile.
-        if self._socket.getsockopt(_EVENTS) & _POLLIN:
+        if not self._draining and readable(self._socket):
             asyncio.get_running_loop().call_soon(self._drain)
 
     def _keep(self, client: bytes, backlog: deque[list[bytes]], frames: list[bytes]) -> None:
@@ -434,7 +439,7 @@ class Server:
             backlog = self._backlog[client]
             while backlog:
                 try:
-                    self._socket.send_multipart([client, *backlog[0]], zmq.NOBLOCK)
+                    send_frames(self._socket, [client, *backlog[0]])
                 except zmq.Again:
                     break
                 except zmq.ZMQError as exc:

@@ -127,10 +127,10 @@ def test_wait_reads_replies_on_the_waiting_thread_and_ends_at_its_timeout(server
         pumps = {}
         pump = client._pump
 
-        def counted_pump(**kwargs) -> None:
+        def counted_pump(*args) -> None:
             name = threading.current_thread().name
             pumps[name] = pumps.get(name, 0) + 1
-            pump(**kwargs)
+            pump(*args)
         client._pump = counted_pump
         srv.proc.send_signal(signal.SIGSTOP)  # it cannot answer
         try:
