@@ -13,7 +13,7 @@ import zmq
 
 NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
-_POLLIN = int(zmq.POLLIN)
+POLLIN = int(zmq.POLLIN)
 _poll = zmq.zmq_poll
 
 
@@ -21,7 +21,7 @@ def readable(socket: zmq.Socket) -> bool:
     """Whether a message waits. Like getsockopt(EVENTS), it processes the socket's pending
     commands, which re-arms its edge-triggered FD: call it until False before waiting on
     that FD."""
-    return bool(_poll([(socket, _POLLIN)], 0))
+    return bool(_poll([(socket, POLLIN)], 0))
 
 
 def send_frames(socket: zmq.Socket, frames: Sequence[bytes], flags: int = NOBLOCK) -> None:

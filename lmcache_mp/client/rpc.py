@@ -20,15 +20,14 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .. import phases, protocol, runtime
-from ..zmq_io import readable, recv_frames, send_frames
 from ..errors import (RequestTimeout, ServerError, ServerUnavailable, Unauthenticated,
                       error_from_reply)
+from ..zmq_io import POLLIN, readable, recv_frames, send_frames
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 5.0
 _IDLE_WAIT_S = 0.05
-_POLLIN = int(zmq.POLLIN)
 _RETRY_SEND_S = 0.005
 
 
@@ -330,7 +329,7 @@ class RpcClient:
         end = None if at_most is None else time.monotonic() + at_most
         # zmq_poll, unlike select() on the sockets' edge-triggered FDs, sees a message that
         # came before the wait: nothing needs reading before the first one.
-        watched = [(self._dealer, _POLLIN), (self._monitor, _POLLIN), (self._kick_r, _POLLIN)]
+        watched = [(self._dealer, POLLIN), (self._monitor, POLLIN), (self._kick_r, POLLIN)]
         ready: list[tuple[Any, int]] = []  # what the last poll found readable
         while True:
             receive = watch = False

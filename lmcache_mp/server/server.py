@@ -22,9 +22,9 @@ import uvloop
 import zmq
 
 from .. import __version__, cuda, phases, protocol, runtime
-from ..zmq_io import readable, recv_frames, send_frames
 from ..errors import InternalError, ServerError, ShuttingDown
 from ..sizes import format_size
+from ..zmq_io import readable, recv_frames, send_frames
 from .access import Sessions, load_or_create_token, prepare_runtime_dir, read_token_file
 from .config import Config
 from .copy_engine import CopyEngine
@@ -46,7 +46,6 @@ from .warm import WarmStart
 logger = logging.getLogger("lmcache_mp.server")
 
 _MAX_MESSAGES_PER_WAKE = 64
-# As plain ints: pyzmq's flag enums cost a Python call per `&`, several per message.
 _HOUSEKEEPING_S = 0.5
 _BACKLOG_RETRY_S = 0.002  # how soon replies a slow reader could not take are offered again
 _GPU_COPY_TIMEOUT_S = 60.0  # one request's device work; a GPU that takes longer has failed
