@@ -215,6 +215,12 @@ def test_profile_prints_time_per_phase(tmp_path):
     for op in ("STORE", "RETRIEVE"):  # every chunk went through one copy
         assert profile[f"{op}\tserver copy"][2] == profile[f"{op}\tserver submit"][2] > 0
     assert profile["LOOKUP\tserver index"][2] >= profile["LOOKUP\tserver index"][1]
+    # Every round trip starts at its send, HELLO's (queued by the client itself) too: not
+    # at the clock's zero, which made HELLO's hours long.
+    assert profile["HELLO\tclient round trip"][1] > 0
+    for key, (nanoseconds, spans, _) in profile.items():
+        if key.endswith("\tclient round trip"):
+            assert nanoseconds / spans < 60e9, key
     assert data["figures"]["store"]["measured"] > 0
 
 
