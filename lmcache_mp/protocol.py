@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import re
 import struct
 import sys
@@ -590,7 +591,8 @@ class ErrorReply:
 
 def _fields(message: Any) -> dict[str, Any]:
     """msgpack's hook for what it cannot pack itself: a message's fields as a map."""
-    if dataclasses.is_dataclass(message):
+    # dataclasses.is_dataclass(message), less its test for a class: called per item packed.
+    if hasattr(type(message), "__dataclass_fields__"):
         return message.__dict__  # class-level constants such as ShmHandle.KIND are not in it
     raise TypeError(f"cannot send a {type(message).__name__} on the wire")
 
@@ -827,7 +829,32 @@ def _dataclass_decoder(cls: type) -> Decoder:
                 raise _Invalid(lambda where: f"{where}: missing").at(f".{name}")
         # Unknown fields are ignored so that newer clients can talk to this server.
         return cls(**kwargs)
+
+    scalar_types = tuple(t for _, t, _ in fields if t in _TYPE_NAMES)
+    if kind is None and len(fields) > 1 and len(scalar_types) == len(fields):
+        return _exact_scalars_first(cls, tuple(name for name, _, _ in fields), scalar_types,
+                                    decode)
     return decode
+
+
+def _exact_scalars_first(cls: type, names: tuple[str, ...], exact_types: tuple[type, ...],
+                         decode: Decoder) -> Decoder:
+    """A dataclass of scalars, such as a message's items, decoded in its usual case first:
+    every field present with a value of its very type, as our clients send them. itemgetter
+    and map check that in C (a 64-item LOOKUP's items took a fifth of its decoding); any
+    other value goes to `decode`, which converts, fills defaults and names what is wrong."""
+    values_of = operator.itemgetter(*names)
+
+    def decode_exact(value: Any) -> Any:
+        if type(value) is dict:
+            try:
+                values = values_of(value)
+            except KeyError:
+                return decode(value)
+            if tuple(map(type, values)) == exact_types:
+                return cls(*values)
+        return decode(value)
+    return decode_exact
 
 
 # ---------------------------------------------------------------------------

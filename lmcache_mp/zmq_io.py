@@ -2,7 +2,9 @@
 
 pyzmq's send_multipart ORs an enum flag per frame, its recv_multipart and getsockopt turn
 every option into a SocketOption enum: about a µs of Python each, ~10 µs a round trip on
-each side, a tenth of a small LOOKUP's. These do the same work with plain ints.
+each side, a tenth of a small LOOKUP's. These do the same work with plain ints, and send
+through the socket's compiled send() itself, below the Python one that handles the
+routing_id and group options of draft socket types (a third of a µs a frame).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
 POLLIN = int(zmq.POLLIN)
 _poll = zmq.zmq_poll
+_send = zmq.backend.Socket.send
 
 
 def readable(socket: zmq.Socket) -> bool:
@@ -27,11 +30,10 @@ def readable(socket: zmq.Socket) -> bool:
 def send_frames(socket: zmq.Socket, frames: Sequence[bytes], flags: int = NOBLOCK) -> None:
     """send_multipart(frames, flags); raises zmq.Again like it (a multipart message is
     queued whole or not at all)."""
-    send = socket.send
     more = flags | _SNDMORE
     for frame in frames[:-1]:
-        send(frame, more)
-    send(frames[-1], flags)
+        _send(socket, frame, more)
+    _send(socket, frames[-1], flags)
 
 
 def recv_frames(socket: zmq.Socket, flags: int = NOBLOCK) -> list[bytes]:

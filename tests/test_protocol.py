@@ -119,6 +119,30 @@ def test_integral_floats_are_accepted_for_int_fields():
     assert protocol.unpack(protocol.PingReply, msgpack.packb({"server_time": 3})).server_time == 3.0
 
 
+def test_items_other_than_exact_scalars_are_converted_defaulted_or_named():
+    """Items of scalars take a quick path when every field has a value of its very type;
+    any other item must decode, or fail, as the general path does."""
+    exact = {"request_id": "r", "chunk_hashes": b"h" * 16, "block_ids": b"\x01\0\0\0",
+             "cache_salt": "s", "load_seq": 3, "parent_hash": b""}
+
+    def items(*raws):
+        return protocol.unpack(protocol.RetrieveRequest, msgpack.packb(
+            {"instance_id": 1, "items": list(raws)}), bounded=True).items
+
+    built = protocol.TransferItem("r", b"h" * 16, b"\x01\0\0\0", "s", 3, b"")
+    assert items(exact, {**exact, "load_seq": 3.0}, {**exact, "newer_field": [1]}) == [built] * 3
+    assert type(items({**exact, "load_seq": 3.0})[0].load_seq) is int
+    short = {k: v for k, v in exact.items() if k not in ("cache_salt", "load_seq")}
+    assert items(short) == [protocol.TransferItem("r", b"h" * 16, b"\x01\0\0\0")]
+    for field, value, error in (("load_seq", True, "expected int, got bool"),
+                                ("cache_salt", b"s", "expected str, got bytes"),
+                                ("request_id", None, "expected str, got nil")):
+        with pytest.raises(BadRequest, match=rf"^`items\[1\].{field}`: {error}$"):
+            items(exact, {**exact, field: value})
+    with pytest.raises(BadRequest, match=r"^`items\[0\].block_ids`: missing$"):
+        items({k: v for k, v in exact.items() if k != "block_ids"})
+
+
 def test_bounded_decoding_refuses_oversized_containers_before_building_them():
     lookup = {"model": "m", "kv_world_size": 1, "items": []}
     items = [{"request_id": "r", "chunk_hashes": b""}]
@@ -186,6 +210,18 @@ def test_handles_are_a_tagged_union_and_cuda_ipc_fields_are_named():
 def test_invalid_or_truncated_msgpack_is_a_bad_request(payload):
     with pytest.raises(BadRequest, match="not valid msgpack"):
         protocol.unpack(protocol.PingRequest, payload)
+
+
+def test_only_message_instances_are_packed():
+    @dataclasses.dataclass
+    class Nested:
+        note: str
+
+    assert msgpack.unpackb(protocol.pack(protocol.PingReply(Nested("x")))) == {
+        "server_time": {"note": "x"}}
+    for value in (object(), protocol.LookupItem, {1, 2}):  # a message class is not a message
+        with pytest.raises(TypeError, match=f"cannot send a {type(value).__name__} on the wire"):
+            protocol.pack(protocol.PingReply(value))
 
 
 def test_frames():
