@@ -7,14 +7,14 @@
 #   run(command="benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
 #
 # Before that, once, here (with network): scripts/gpu_wheels, which fills .whl/ (git-ignored)
-# with the pyzmq wheel for the machine's CPython 3.12; the rest (torch, cupy, msgpack,
-# uvloop, pytest, pytest-timeout) is there already. The project needs no wheel: it runs
+# with the pyzmq and msgspec wheels for the machine's CPython 3.12; the rest (torch, cupy,
+# msgpack, uvloop, pytest, pytest-timeout) is there already. The project needs no wheel: it runs
 # from the working tree (PYTHONPATH). Sized for a 15-minute device budget: one call of at
 # most 6 minutes plus the machine's start, leaving room to run it again.
 #
 # Stages, each bounded by `timeout`, stopping at the first that fails (except as noted):
-#   1. wheels   install .whl/*.whl into /tmp/site when `import zmq` fails (seconds)
-#   2. imports  torch with CUDA, cupy, zmq, msgpack, uvloop, pytest_timeout, lmcache_mp
+#   1. wheels   install .whl/*.whl into /tmp/site when `import zmq, msgspec` fails (seconds)
+#   2. imports  torch with CUDA, cupy, zmq, msgpack, msgspec, uvloop, pytest_timeout, lmcache_mp
 #   3. smoke    benchmarks/gpu_smoke.py (~10 s): CUDA IPC between two processes, 1 GiB
 #               pinned with cudaHostRegister. No IPC: stop, the GPU path cannot run here.
 #               Pinning refused only (status 4): go on, the server runs unpinned.
@@ -82,16 +82,16 @@ EOF
 }
 trap 'summary' EXIT
 
-# 1. wheels: pyzmq (and whatever else .whl/ holds) when python3 lacks it
+# 1. wheels: pyzmq and msgspec (and whatever else .whl/ holds) when python3 lacks it
 t=$SECONDS
-if "$PYTHON" -c "import zmq" 2>/dev/null; then
+if "$PYTHON" -c "import zmq, msgspec" 2>/dev/null; then
     export PYTHONPATH=$PWD
-    record wheels ok $((SECONDS - t)) "pyzmq already installed; .whl/ not needed" 0
+    record wheels ok $((SECONDS - t)) "pyzmq and msgspec already installed; .whl/ not needed" 0
 elif ! ls .whl/*.whl >/dev/null 2>&1; then
-    echo "gpu_check: pyzmq is not installed and .whl/ holds no wheels: run scripts/gpu_wheels" \
+    echo "gpu_check: pyzmq or msgspec is missing and .whl/ holds no wheels: run scripts/gpu_wheels" \
          "here, then carry .whl (run(..., carry=[\".whl\"]))" >&2
-    record wheels failed $((SECONDS - t)) "pyzmq missing and no .whl/: run scripts/gpu_wheels" 1
-    stopped="stopped: no pyzmq"
+    record wheels failed $((SECONDS - t)) "pyzmq or msgspec missing and no .whl/: run scripts/gpu_wheels" 1
+    stopped="stopped: no pyzmq or msgspec"
     exit "$status"
 else
     timeout 60 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -129,7 +129,8 @@ def cupy_cuda(cupy):
     return f"{cupy.__version__}, {cupy.cuda.runtime.getDeviceCount()} device(s)"
 print(f"python {sys.version.split()[0]} at {sys.executable}")
 check("torch", torch_cuda)
-for name, test in (("cupy", cupy_cuda), ("zmq", None), ("msgpack", None), ("uvloop", None),
+for name, test in (("cupy", cupy_cuda), ("zmq", None), ("msgpack", None), ("msgspec", None),
+                   ("uvloop", None),
                    ("pytest", None), ("pytest_timeout", lambda m: ""), ("lmcache_mp", None),
                    ("lmcache_mp.server.cli", lambda m: ""), ("lmcache_mp.cuda", lambda m: "")):
     check(name, test)
@@ -145,7 +146,7 @@ if [ "$rc" -ne 0 ]; then
     stopped="stopped: imports failed"
     exit "$status"
 fi
-record imports ok $((SECONDS - t)) "torch+CUDA, cupy, zmq, msgpack, uvloop, lmcache_mp" 0
+record imports ok $((SECONDS - t)) "torch+CUDA, cupy, zmq, msgpack, msgspec, uvloop, lmcache_mp" 0
 
 # 3. the smoke test: CUDA IPC and pinning, ~10 s
 t=$SECONDS

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 import re
 import struct
 import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Union
+from typing import Annotated, Any, Callable, ClassVar, Union
 
 import msgpack
+import msgspec
 
 from .errors import BadFrame, BadRequest, UnknownOp
 
@@ -631,6 +631,11 @@ def unpack(cls: type, payload: bytes, bounded: bool = False) -> Any:
     `bounded` (the server, for requests): msgpack refuses arrays, maps and strings over
     the LIMITS as it reads their headers, before building anything, and the whole payload
     over MAX_REQUEST_VALUES values as it builds them."""
+    twin = _twin(cls)
+    if twin is not None:
+        message = twin.decode(payload)
+        if message is not None:
+            return message
     return from_wire(cls, _decoded(payload, bounded))
 
 
@@ -830,31 +835,84 @@ def _dataclass_decoder(cls: type) -> Decoder:
         # Unknown fields are ignored so that newer clients can talk to this server.
         return cls(**kwargs)
 
-    scalar_types = tuple(t for _, t, _ in fields if t in _TYPE_NAMES)
-    if kind is None and len(fields) > 1 and len(scalar_types) == len(fields):
-        return _exact_scalars_first(cls, tuple(name for name, _, _ in fields), scalar_types,
-                                    decode)
     return decode
 
 
-def _exact_scalars_first(cls: type, names: tuple[str, ...], exact_types: tuple[type, ...],
-                         decode: Decoder) -> Decoder:
-    """A dataclass of scalars, such as a message's items, decoded in its usual case first:
-    every field present with a value of its very type, as our clients send them. itemgetter
-    and map check that in C (a 64-item LOOKUP's items took a fifth of its decoding); any
-    other value goes to `decode`, which converts, fills defaults and names what is wrong."""
-    values_of = operator.itemgetter(*names)
+# ---------------------------------------------------------------------------
+# The quick path: msgspec decodes, in C, the payloads our own clients send.
 
-    def decode_exact(value: Any) -> Any:
-        if type(value) is dict:
-            try:
-                values = values_of(value)
-            except KeyError:
-                return decode(value)
-            if tuple(map(type, values)) == exact_types:
-                return cls(*values)
-        return decode(value)
-    return decode_exact
+# A twin's strings are bounded in characters; UTF-8 takes at most 4 bytes a character.
+_TWIN_STRING = Annotated[str, msgspec.Meta(max_length=MAX_STRING_BYTES // 4)]
+_TWIN_SCALARS = {str: _TWIN_STRING, bytes: bytes, int: int, bool: bool}
+_TWINS: dict[type, _Twin | None] = {}
+
+
+class _Twin:
+    """A message class's msgspec Struct of the same fields, in the same order, that takes
+    only what the general decoder would take as it is: every value of its field's very
+    type, no unknown field, strings and arrays within the LIMITS, and a payload byte for
+    byte as msgspec (and msgpack-python, our clients') encodes the decoded message, so
+    that no duplicate key, omitted default or other encoding hides in it. Anything else
+    goes to the general decoder, which converts, fills in, refuses and names what is wrong.
+    A 64-item LOOKUP decodes ~2.5× as fast this way."""
+
+    def __init__(self, struct: type, to_message: Callable[[Any], Any]):
+        self._decoder = msgspec.msgpack.Decoder(struct)
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._to_message = to_message
+
+    def decode(self, payload: bytes) -> Any | None:
+        """The message, or None where the general decoder must decide."""
+        try:
+            value = self._decoder.decode(payload)
+        except msgspec.DecodeError:  # its ValidationError too
+            return None
+        if self._encode(value) != payload:
+            return None
+        return self._to_message(value)
+
+
+def _twin(cls: type) -> _Twin | None:
+    """The twin of a message class (built once), or None if a field's type has none: only
+    strings, bytes, ints, bools and arrays of messages of those have."""
+    if cls not in _TWINS:
+        made = _twin_parts(cls)
+        _TWINS[cls] = None if made is None else _Twin(*made)
+    return _TWINS[cls]
+
+
+def _twin_parts(cls: type) -> tuple[type, Callable[[Any], Any]] | None:
+    """(the Struct, a function from it to the message) for _twin()."""
+    if not dataclasses.is_dataclass(cls) or hasattr(cls, "KIND"):  # tagged: the general path
+        return None
+    hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
+    struct_fields: list[tuple[Any, ...]] = []
+    item_converters: dict[int, Callable[[Any], Any]] = {}
+    for index, f in enumerate(dataclasses.fields(cls)):
+        tp = hints[f.name]
+        if tp in _TWIN_SCALARS:
+            struct_tp = _TWIN_SCALARS[tp]
+        elif typing.get_origin(tp) is list and (item := _twin_parts(typing.get_args(tp)[0])):
+            item_struct, item_to_message = item
+            struct_tp = Annotated[list[item_struct], msgspec.Meta(max_length=MAX_ITEMS_PER_MESSAGE)]
+            item_converters[index] = item_to_message
+        else:
+            return None
+        if f.default_factory is not dataclasses.MISSING:
+            return None
+        struct_fields.append((f.name, struct_tp) if f.default is dataclasses.MISSING
+                             else (f.name, struct_tp, f.default))
+    struct = msgspec.defstruct(f"{cls.__name__}Twin", struct_fields, forbid_unknown_fields=True)
+    astuple = msgspec.structs.astuple
+    if not item_converters:
+        return struct, lambda value: cls(*astuple(value))
+
+    def to_message(value: Any) -> Any:
+        fields = list(astuple(value))
+        for index, item_to_message in item_converters.items():
+            fields[index] = [item_to_message(item) for item in fields[index]]
+        return cls(*fields)
+    return struct, to_message
 
 
 # ---------------------------------------------------------------------------

@@ -120,8 +120,9 @@ def test_integral_floats_are_accepted_for_int_fields():
 
 
 def test_items_other_than_exact_scalars_are_converted_defaulted_or_named():
-    """Items of scalars take a quick path when every field has a value of its very type;
-    any other item must decode, or fail, as the general path does."""
+    """An item our clients would not send (an integral float for an int, defaults left out,
+    an unknown field, a wrong type) leaves the quick path (protocol._Twin): it must decode,
+    or fail, as the general decoder decides."""
     exact = {"request_id": "r", "chunk_hashes": b"h" * 16, "block_ids": b"\x01\0\0\0",
              "cache_salt": "s", "load_seq": 3, "parent_hash": b""}
 
@@ -141,6 +142,34 @@ def test_items_other_than_exact_scalars_are_converted_defaulted_or_named():
             items(exact, {**exact, field: value})
     with pytest.raises(BadRequest, match=r"^`items\[0\].block_ids`: missing$"):
         items({k: v for k, v in exact.items() if k != "block_ids"})
+
+
+def test_the_quick_path_takes_only_what_the_general_decoder_takes_as_it_is():
+    """LOOKUP, STORE and RETRIEVE as our clients encode them decode through msgspec; a
+    payload that differs in any way (a duplicate key, a map over MAX_MAP_FIELDS, a string
+    within the twin's characters but over MAX_STRING_BYTES) must meet the general rules."""
+    for op in ("LOOKUP", "STORE", "RETRIEVE"):
+        message = sample(protocol.OPS[op].request)
+        assert protocol._twin(type(message)).decode(protocol.pack(message)) == message
+
+    def lookup_map(entries):  # a map16 of these (key, value) pairs, duplicates and all
+        return b"\xde" + len(entries).to_bytes(2, "big") + b"".join(
+            msgpack.packb(k) + msgpack.packb(v, use_bin_type=True) for k, v in entries)
+
+    fields = [("model", "m"), ("kv_world_size", 1), ("items", [])]
+    twice = lookup_map([("model", "first"), *fields[1:], ("model", "last")])
+    assert protocol.unpack(protocol.LookupRequest, twice, bounded=True).model == "last"
+    wide = lookup_map(fields + [("model", "m")] * protocol.MAX_MAP_FIELDS)
+    with pytest.raises(BadRequest, match="max_map_len"):
+        protocol.unpack(protocol.LookupRequest, wide, bounded=True)
+    for chars, accepted in ((protocol.MAX_STRING_BYTES // 2, True),
+                            (protocol.MAX_STRING_BYTES // 2 + 1, False)):
+        payload = protocol.pack(protocol.LookupRequest("é" * chars, 1, []))  # 2 bytes each
+        if accepted:
+            assert protocol.unpack(protocol.LookupRequest, payload, bounded=True).model == "é" * chars
+        else:
+            with pytest.raises(BadRequest, match="max_str_len"):
+                protocol.unpack(protocol.LookupRequest, payload, bounded=True)
 
 
 def test_bounded_decoding_refuses_oversized_containers_before_building_them():
