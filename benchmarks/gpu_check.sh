@@ -8,8 +8,8 @@
 #
 # Before that, once, here (with network): scripts/gpu_wheels, which fills .whl/ (git-ignored)
 # with the pyzmq and msgspec wheels for the machine's CPython 3.12; the rest (torch, cupy,
-# msgpack, uvloop, pytest, pytest-timeout) is there already. The project needs no wheel: it runs
-# from the working tree (PYTHONPATH). Sized for a 15-minute device budget: one call of at
+# msgpack, uvloop, pytest, pytest-timeout) is there already. The project needs no wheel: it
+# runs from the working tree (PYTHONPATH). Sized for a 15-minute device budget: one call of at
 # most 6 minutes plus the machine's start, leaving room to run it again.
 #
 # Stages, each bounded by `timeout`, stopping at the first that fails (except as noted):
@@ -130,8 +130,8 @@ def cupy_cuda(cupy):
 print(f"python {sys.version.split()[0]} at {sys.executable}")
 check("torch", torch_cuda)
 for name, test in (("cupy", cupy_cuda), ("zmq", None), ("msgpack", None), ("msgspec", None),
-                   ("uvloop", None),
-                   ("pytest", None), ("pytest_timeout", lambda m: ""), ("lmcache_mp", None),
+                   ("uvloop", None), ("pytest", None), ("pytest_timeout", lambda m: ""),
+                   ("lmcache_mp", None),
                    ("lmcache_mp.server.cli", lambda m: ""), ("lmcache_mp.cuda", lambda m: "")):
     check(name, test)
 if failed:

@@ -802,8 +802,13 @@ def _tagged_decoder(options: tuple[type, ...]) -> Decoder:
     return decode
 
 
+def _field_types(cls: type) -> dict[str, Any]:
+    """A message class's field types, its annotations resolved in its module."""
+    return typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
+
+
 def _dataclass_decoder(cls: type) -> Decoder:
-    hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
+    hints = _field_types(cls)
     fields = [(f.name, hints[f.name],
                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
               for f in dataclasses.fields(cls)]
@@ -834,7 +839,6 @@ def _dataclass_decoder(cls: type) -> Decoder:
                 raise _Invalid(lambda where: f"{where}: missing").at(f".{name}")
         # Unknown fields are ignored so that newer clients can talk to this server.
         return cls(**kwargs)
-
     return decode
 
 
@@ -885,7 +889,7 @@ def _twin_parts(cls: type) -> tuple[type, Callable[[Any], Any]] | None:
     """(the Struct, a function from it to the message) for _twin()."""
     if not dataclasses.is_dataclass(cls) or hasattr(cls, "KIND"):  # tagged: the general path
         return None
-    hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
+    hints = _field_types(cls)
     struct_fields: list[tuple[Any, ...]] = []
     item_converters: dict[int, Callable[[Any], Any]] = {}
     for index, f in enumerate(dataclasses.fields(cls)):

@@ -157,6 +157,9 @@ def test_the_quick_path_takes_only_what_the_general_decoder_takes_as_it_is():
             msgpack.packb(k) + msgpack.packb(v, use_bin_type=True) for k, v in entries)
 
     fields = [("model", "m"), ("kv_world_size", 1), ("items", [])]
+    reordered = lookup_map(fields[::-1])
+    assert protocol.unpack(protocol.LookupRequest, reordered, bounded=True) == \
+        protocol.LookupRequest("m", 1, [])
     twice = lookup_map([("model", "first"), *fields[1:], ("model", "last")])
     assert protocol.unpack(protocol.LookupRequest, twice, bounded=True).model == "last"
     wide = lookup_map(fields + [("model", "m")] * protocol.MAX_MAP_FIELDS)
