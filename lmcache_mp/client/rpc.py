@@ -83,7 +83,7 @@ class _Reply:
         return self._value
 
 
-@dataclass
+@dataclass(slots=True)
 class _Call:
     request_id: int
     reply_type: type
@@ -387,9 +387,9 @@ class RpcClient:
             ready = zmq.zmq_poll(watched, math.ceil(wait * 1000))
 
     def _pump(self, receive: bool, watch: bool) -> None:
-        """Send what waits, fail what expired; `receive`: read what arrived; `watch`: read
-        the monitor's events too. The leader's poll says when; a send reads the monitor's
-        events first whatever `watch` says (_flush_unsent)."""
+        """Send what waits, fail what expired; `receive`: read what arrived (the leader's
+        poll saw a message); `watch`: read the monitor's events too. The leader's poll says
+        when; a send reads the monitor's events first whatever `watch` says (_flush_unsent)."""
         if self._kicked:
             self._kicked = False
             try:
@@ -399,7 +399,7 @@ class RpcClient:
                 pass
         self._flush_unsent()
         if receive:
-            self._receive()
+            self._receive(seen=True)
         if watch:
             self._watch_connection()
         self._expire()
@@ -461,10 +461,16 @@ class RpcClient:
             self._kicked = True
             os.write(self._kick_w, b"x")
 
-    def _receive(self) -> None:
+    def _receive(self, seen: bool = False) -> None:
+        """Read every reply that has arrived; `seen`: a poll saw one, so read before testing
+        (a zmq_poll, ~1.5 µs, a tenth of what a round trip costs the client)."""
         # Drain until EVENTS shows nothing: the FD only signals new arrivals after that.
-        while readable(self._dealer):
-            frames = recv_frames(self._dealer)
+        while seen or readable(self._dealer):
+            seen = False
+            try:
+                frames = recv_frames(self._dealer)
+            except zmq.Again:  # a sender that saw the connection drop read it first
+                return
             if len(frames) != 3 or len(frames[0]) != protocol.REQUEST_ID_BYTES:
                 logger.warning("dropping a malformed reply of %d frames", len(frames))
                 continue

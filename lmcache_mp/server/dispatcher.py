@@ -67,6 +67,7 @@ from ..protocol import (
     TransferItem,
     UnregisterKVCacheReply,
     UnregisterKVCacheRequest,
+    check_hashes,
     split_hashes,
     unpack_hashes,
     validate_salt,
@@ -85,6 +86,8 @@ from .streams import DeviceStalled, StreamCopier
 
 if TYPE_CHECKING:
     from .l2.tier import L2Tier
+
+MAX_VALID_SALTS_KEPT = 1024  # Dispatcher._valid_salts
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -174,7 +177,7 @@ class _BlockIds:
     @staticmethod
     def _refuse_lengths(i: int, item: TransferItem, per_chunk: int) -> None:
         path = f"items[{i}]"
-        unpack_hashes(item.chunk_hashes, f"{path}.chunk_hashes")  # a length it refuses
+        check_hashes(item.chunk_hashes, f"{path}.chunk_hashes")
         if len(item.block_ids) % BLOCK_ID_BYTES:
             raise BadRequest(f"`{path}.block_ids`: length {len(item.block_ids)} is not a "
                              f"multiple of {BLOCK_ID_BYTES}")
@@ -232,6 +235,9 @@ class Dispatcher:
         self.fd_socket = fd_socket
         self.slices = SliceRunner()
         self.requests_served: Counter[str] = Counter()
+        # Salts found valid: a LOOKUP's items mostly name the salts of the last ones, and
+        # skip the check (a regular expression) for them. Emptied when it fills.
+        self._valid_salts: set[str] = set()
         self._handlers: dict[type, Callable[[bytes, Any], Any]] = {
             RegisterKVCacheRequest: self.register,
             UnregisterKVCacheRequest: self.unregister,
@@ -330,14 +336,16 @@ class Dispatcher:
                              f"{req.kv_world_size}) in one LOOKUP; the limit is "
                              f"{MAX_LOOKUP_PROBES}")
         parsed = []
-        salts_seen: set[str] = set()  # a message's items mostly share one salt: checked once
+        valid_salts = self._valid_salts
         for i, item in enumerate(req.items):
             salt, packed = item.cache_salt, item.chunk_hashes
-            if (salt not in salts_seen or len(item.request_id) > MAX_REQUEST_ID_CHARS
+            if (salt not in valid_salts or len(item.request_id) > MAX_REQUEST_ID_CHARS
                     or len(packed) % CHUNK_HASH_BYTES):  # the path only for what may be wrong
                 _checked_salt(salt, item.request_id, f"items[{i}].")
-                unpack_hashes(packed, f"items[{i}].chunk_hashes")
-                salts_seen.add(salt)
+                check_hashes(packed, f"items[{i}].chunk_hashes")
+                if len(valid_salts) >= MAX_VALID_SALTS_KEPT:
+                    valid_salts.clear()
+                valid_salts.add(salt)
             # Only a hold needs a lease owner: plain lookups, the common case, build none.
             holder = LeaseOwner(session.engine, salt, item.request_id) if item.hold else None
             parsed.append((salt, split_hashes(packed), holder))
