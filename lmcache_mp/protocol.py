@@ -15,6 +15,7 @@ import sys
 import types
 import typing
 from dataclasses import dataclass, field
+from itertools import starmap
 from typing import Annotated, Any, Callable, ClassVar, Union
 
 import msgpack
@@ -884,19 +885,21 @@ def _twin(cls: type) -> _Twin | None:
     strings, bytes, ints, bools, arrays of those and arrays of messages of those have."""
     if cls not in _TWINS:
         made = _twin_parts(cls)
-        _TWINS[cls] = None if made is None else _Twin(*made)
+        _TWINS[cls] = None if made is None else _Twin(*made[:2])
     return _TWINS[cls]
 
 
-def _twin_parts(cls: type, nested: bool = False) -> tuple[type, Callable[[Any], Any]] | None:
-    """(the Struct, a function from it to the message) for _twin(). Arrays of scalars only
-    in the message itself, not in the messages of its arrays: so a twin never takes more
-    than MAX_REQUEST_VALUES values, which it does not count."""
+def _twin_parts(cls: type, nested: bool = False
+                ) -> tuple[type, Callable[[Any], Any], Callable[[list], list]] | None:
+    """(the Struct, a function from it to the message, one from a list of them to a list of
+    messages) for _twin(). Arrays of scalars only in the message itself, not in the
+    messages of its arrays: so a twin never takes more than MAX_REQUEST_VALUES values,
+    which it does not count."""
     if not dataclasses.is_dataclass(cls) or hasattr(cls, "KIND"):  # tagged: the general path
         return None
     hints = _field_types(cls)
     struct_fields: list[tuple[Any, ...]] = []
-    item_converters: dict[int, Callable[[Any], Any]] = {}
+    item_converters: dict[int, Callable[[list], list]] = {}  # field index: to_messages
     for index, f in enumerate(dataclasses.fields(cls)):
         tp = hints[f.name]
         item_tp = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
@@ -905,7 +908,7 @@ def _twin_parts(cls: type, nested: bool = False) -> tuple[type, Callable[[Any], 
         elif item_tp in _TWIN_SCALARS and not nested:
             struct_tp = _twin_array(_TWIN_SCALARS[item_tp])
         elif item_tp is not None and (item := _twin_parts(item_tp, nested=True)):
-            item_struct, item_converters[index] = item
+            item_struct, _, item_converters[index] = item
             struct_tp = _twin_array(item_struct)
         else:
             return None
@@ -915,15 +918,16 @@ def _twin_parts(cls: type, nested: bool = False) -> tuple[type, Callable[[Any], 
                              else (f.name, struct_tp, f.default))
     struct = msgspec.defstruct(f"{cls.__name__}Twin", struct_fields, forbid_unknown_fields=True)
     astuple = msgspec.structs.astuple
-    if not item_converters:
-        return struct, lambda value: cls(*astuple(value))
+    if not item_converters:  # per item of an array, no Python call but the class's own
+        return (struct, lambda value: cls(*astuple(value)),
+                lambda values: list(starmap(cls, map(astuple, values))))
 
     def to_message(value: Any) -> Any:
         fields = list(astuple(value))
-        for index, item_to_message in item_converters.items():
-            fields[index] = [item_to_message(item) for item in fields[index]]
+        for index, to_messages in item_converters.items():
+            fields[index] = to_messages(fields[index])
         return cls(*fields)
-    return struct, to_message
+    return struct, to_message, lambda values: list(map(to_message, values))
 
 
 # ---------------------------------------------------------------------------

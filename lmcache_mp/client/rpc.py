@@ -376,7 +376,7 @@ class RpcClient:
                 elif item is self._monitor:
                     watch = True
             with self._lock:
-                self._pump(receive, watch)
+                self._pump(receive, watch, until)
                 if self._followers:
                     self._state.notify_all()
                 if until() or self._closed or (end is not None and time.monotonic() >= end):
@@ -386,10 +386,11 @@ class RpcClient:
                     wait = max(0.0, min(wait, self._deadlines[0][0] - time.monotonic()))
             ready = zmq.zmq_poll(watched, math.ceil(wait * 1000))
 
-    def _pump(self, receive: bool, watch: bool) -> None:
+    def _pump(self, receive: bool, watch: bool, until: Callable[[], bool]) -> None:
         """Send what waits, fail what expired; `receive`: read what arrived (the leader's
-        poll saw a message); `watch`: read the monitor's events too. The leader's poll says
-        when; a send reads the monitor's events first whatever `watch` says (_flush_unsent)."""
+        poll saw a message), until `until()`; `watch`: read the monitor's events too. The
+        leader's poll says when; a send reads the monitor's events first whatever `watch`
+        says (_flush_unsent)."""
         if self._kicked:
             self._kicked = False
             try:
@@ -399,7 +400,7 @@ class RpcClient:
                 pass
         self._flush_unsent()
         if receive:
-            self._receive(seen=True)
+            self._receive(seen=True, until=until)
         if watch:
             self._watch_connection()
         self._expire()
@@ -461,11 +462,12 @@ class RpcClient:
             self._kicked = True
             os.write(self._kick_w, b"x")
 
-    def _receive(self, seen: bool = False) -> None:
-        """Read every reply that has arrived; `seen`: a poll saw one, so read before testing
-        (a zmq_poll, ~1.5 µs, a tenth of what a round trip costs the client)."""
-        # Drain until EVENTS shows nothing: the FD only signals new arrivals after that.
-        while seen or readable(self._dealer):
+    def _receive(self, seen: bool = False, until: Callable[[], bool] | None = None) -> None:
+        """Read every reply that has arrived, or until `until()`; `seen`: a poll saw one, so
+        read it without a test first. Each test is a zmq_poll: a leader whose reply is in
+        leaves the rest to the next poll, which sees them (zmq_poll is level-triggered),
+        and returns to its caller one test sooner."""
+        while seen or not (until is not None and until()) and readable(self._dealer):
             seen = False
             try:
                 frames = recv_frames(self._dealer)

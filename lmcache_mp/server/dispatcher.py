@@ -318,7 +318,7 @@ class Dispatcher:
     def _check_batch_size(self, packed_hashes: list[bytes]) -> int:
         """The chunks a message names, from its packed hashes' lengths: checked before any
         per-chunk work."""
-        total = sum(len(packed) for packed in packed_hashes) // CHUNK_HASH_BYTES
+        total = sum(map(len, packed_hashes)) // CHUNK_HASH_BYTES
         if total > self.config.max_chunks_per_message:
             raise BadRequest(f"`items`: {total} chunks in one message; the limit is "
                              f"{self.config.max_chunks_per_message}")
@@ -360,9 +360,7 @@ class Dispatcher:
                     ) -> LookupReply | Awaitable[LookupReply]:
         if probes <= LOOKUP_SLICE_PROBES:
             stamp = phases.now()
-            reply = LookupReply([self.store.lookup(req.model, req.kv_world_size, salt, hashes,
-                                                   holder)
-                                 for salt, hashes, holder in parsed])
+            reply = LookupReply(self.store.lookup_many(req.model, req.kv_world_size, parsed))
             phases.add("LOOKUP", "server index", stamp, probes)
             return reply
         return self._sliced_lookup(req, parsed)

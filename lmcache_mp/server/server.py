@@ -329,9 +329,6 @@ class Server:
         try:
             parsed = protocol.parse_request_frames(body)
             op = parsed.op
-            # Any request that names a known op counts, and is a sign of life, even when
-            # its payload is then refused.
-            self.dispatcher.note_request(client, parsed.op)
             # Who may send it is known from the frames: no decoding for those who may not.
             session = self.dispatcher.admit(client, parsed.op)
             request = protocol.unpack(protocol.OPS[parsed.op].request, parsed.payload,
@@ -346,15 +343,19 @@ class Server:
                 phases.add(op, "server reply", stamp)
         except Exception as exc:
             self._send_error(client, request_id, exc, op, started)
-            return
-        if awaitable:
-            pending = _InFlight(client, request_id, op, started)
-            task = asyncio.ensure_future(self._finish(pending, result))
-            self._in_flight[task] = pending
-            task.add_done_callback(self._forget)
         else:
-            self._send(client, reply)
-            self.metrics.answered(op, OK, time.perf_counter() - started)
+            if awaitable:
+                pending = _InFlight(client, request_id, op, started)
+                task = asyncio.ensure_future(self._finish(pending, result))
+                self._in_flight[task] = pending
+                task.add_done_callback(self._forget)
+            else:
+                self._send(client, reply)
+                self.metrics.answered(op, OK, time.perf_counter() - started)
+        # Any request that names a known op counts, and is a sign of life, even when its
+        # payload was refused: noted once its reply is on its way, off the round trip.
+        if op != "invalid":
+            self.dispatcher.note_request(client, op)
 
     async def _finish(self, pending: _InFlight, result: Awaitable) -> None:
         try:

@@ -254,25 +254,44 @@ class ChunkStore:
                hashes: Sequence[bytes], holder: LeaseOwner | None = None) -> int:
         """Leading chunks stored for every kv worker; with `holder`, lease them to it. All at
         once: the dispatcher sends long lookups through a sliced PrefixScan instead."""
-        found: list[Chunk] = []
-        hit = 0
-        if kv_world_size == 1:  # the common case, per key: one dict probe, nothing built
-            get = self._by_scope.get((model, 1, 0, cache_salt), _NO_CHUNKS).get
-            for chunk_hash in hashes:
-                chunk = get(chunk_hash)
-                if chunk is None or not chunk.committed or chunk.moving:
-                    break
-                found.append(chunk)
-            hit = len(found)
-        else:
-            scopes = self._scopes(model, kv_world_size, cache_salt)
-            for chunk_hash in hashes:
-                chunks = self._probe(scopes, chunk_hash)
-                if chunks is None:
-                    break
-                found.extend(chunks)
-                hit += 1
-        return self._touch_and_lease(cache_salt, len(hashes), hit, found, holder, held=False)
+        return self.lookup_many(model, kv_world_size, [(cache_salt, hashes, holder)])[0]
+
+    def lookup_many(self, model: str, kv_world_size: int,
+                    queries: Sequence[tuple[str, Sequence[bytes], LeaseOwner | None]]
+                    ) -> list[int]:
+        """lookup() of each (cache_salt, hashes, holder), in order: a LOOKUP's items in one
+        call, with no call per item where it holds nothing (three fewer Python calls an
+        item, a third of a batched LOOKUP's)."""
+        hits = []
+        for cache_salt, hashes, holder in queries:
+            found: list[Chunk] = []
+            if kv_world_size == 1:  # the common case, per key: one dict probe, nothing built
+                get = self._by_scope.get((model, 1, 0, cache_salt), _NO_CHUNKS).get
+                for chunk_hash in hashes:
+                    chunk = get(chunk_hash)
+                    if chunk is None or not chunk.committed or chunk.moving:
+                        break
+                    found.append(chunk)
+                hit = len(found)
+            else:
+                hit = 0
+                scopes = self._scopes(model, kv_world_size, cache_salt)
+                for chunk_hash in hashes:
+                    chunks = self._probe(scopes, chunk_hash)
+                    if chunks is None:
+                        break
+                    found.extend(chunks)
+                    hit += 1
+            if holder is None:  # _touch_and_lease, inlined
+                usage = self.tenants.get(cache_salt, self._departed)
+                usage.hits += hit
+                usage.misses += len(hashes) - hit
+                if found:
+                    self._use(found)
+            else:
+                self._touch_and_lease(cache_salt, len(hashes), hit, found, holder, held=False)
+            hits.append(hit)
+        return hits
 
     def _scopes(self, model: str, kv_world_size: int, cache_salt: str
                 ) -> list[dict[bytes, Chunk]]:
