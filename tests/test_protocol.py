@@ -175,6 +175,28 @@ def test_the_quick_path_takes_only_what_the_general_decoder_takes_as_it_is():
                 protocol.unpack(protocol.LookupRequest, payload, bounded=True)
 
 
+def test_arrays_of_scalars_take_the_quick_path_only_at_the_top_of_a_message():
+    """A reply's arrays of ints or bytes decode through the twin; inside the items of an
+    array they would let a twin take MAX_ITEMS_PER_MESSAGE² values uncounted: no twin."""
+    twin = protocol._twin(protocol.LookupReply)
+    assert twin.decode(protocol.pack(protocol.LookupReply([3, 0]))) == protocol.LookupReply([3, 0])
+    assert protocol._twin(protocol.StoreReply).decode(protocol.pack(
+        protocol.StoreReply([b"\x00\x01"]))) == protocol.StoreReply([b"\x00\x01"])
+    integral_float = msgpack.packb({"hits": [2.0]})
+    assert twin.decode(integral_float) is None  # the general decoder converts it
+    assert protocol.unpack(protocol.LookupReply, integral_float) == protocol.LookupReply([2])
+
+    @dataclasses.dataclass
+    class Inner:
+        values: list[int]
+
+    @dataclasses.dataclass
+    class Outer:
+        items: list[Inner]
+
+    assert protocol._twin(Inner) is not None and protocol._twin(Outer) is None
+
+
 def test_bounded_decoding_refuses_oversized_containers_before_building_them():
     lookup = {"model": "m", "kv_world_size": 1, "items": []}
     items = [{"request_id": "r", "chunk_hashes": b""}]

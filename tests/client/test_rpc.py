@@ -103,6 +103,17 @@ def test_submitted_futures_complete_without_anyone_waiting(server):
         assert all(isinstance(f.result(), PingReply) for f in done)
 
 
+def test_replies_a_caller_leaves_unread_reach_their_futures(server):
+    """A call() returns as soon as its own reply is read, leaving replies that came with it
+    in the socket: the background thread reads them for the futures nobody waits on."""
+    with RpcClient(server.url) as client:
+        for _ in range(20):
+            futures = [client.submit(PingRequest()) for _ in range(5)]
+            assert isinstance(client.call(PingRequest()), PingReply)
+            done, not_done = wait(futures, timeout=10)
+            assert not not_done and all(isinstance(f.result(), PingReply) for f in done)
+
+
 def test_wait_reads_replies_on_the_waiting_thread_and_ends_at_its_timeout(server):
     """RpcClient.wait leads the socket itself: each reply is resolved on the thread that
     waits (no hand-off from the background thread), also while the background thread was

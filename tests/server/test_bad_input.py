@@ -12,6 +12,7 @@ from lmcache_mp import protocol
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import BadRequest, UnknownInstance
 from lmcache_mp.protocol import MAX_REGISTRATIONS_PER_CONNECTION, CudaIpcHandle, MemfdHandle
+from lmcache_mp.server.dispatcher import MAX_VALID_SALTS_KEPT
 
 from ..utils import run_server
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
@@ -175,8 +176,13 @@ def test_a_bad_item_refuses_the_whole_batch(client):
 
 
 def test_a_bad_lookup_item_is_named_after_good_items_of_the_same_salt(client):
-    """LOOKUP checks a salt once per message: every item is still checked, and the first
-    bad one named."""
+    """LOOKUP checks a salt once, and remembers up to MAX_VALID_SALTS_KEPT salts it found
+    valid (emptied when full): every item is still checked, and the first bad one named."""
+    many = [LookupItem.build(f"s{i}", prompt(80, 1), f"tenant-{i}")
+            for i in range(MAX_VALID_SALTS_KEPT + 10)]
+    for start in range(0, len(many), 512):  # fills the salts kept, and empties them
+        batch = many[start:start + 512]
+        assert client.lookup(MODEL, 1, batch) == [0] * len(batch)
     good = [LookupItem.build(f"ok{i}", prompt(60 + i, 2), "tenant-a") for i in range(3)]
     cases = {
         "cache_salt": LookupItem.build("bad", prompt(70, 1), "has space"),
