@@ -263,10 +263,15 @@ class ChunkStore:
         call, with no call per item where it holds nothing (three fewer Python calls an
         item, a third of a batched LOOKUP's)."""
         hits = []
+        salt_seen = None  # the salt whose scopes and usage are at hand: items mostly share one
         for cache_salt, hashes, holder in queries:
+            if cache_salt != salt_seen:
+                salt_seen = cache_salt
+                scopes = self._scopes(model, kv_world_size, cache_salt)
+                get = scopes[0].get
+                usage = self.tenants.get(cache_salt, self._departed)  # a hit means it is listed
             found: list[Chunk] = []
             if kv_world_size == 1:  # the common case, per key: one dict probe, nothing built
-                get = self._by_scope.get((model, 1, 0, cache_salt), _NO_CHUNKS).get
                 for chunk_hash in hashes:
                     chunk = get(chunk_hash)
                     if chunk is None or not chunk.committed or chunk.moving:
@@ -275,21 +280,20 @@ class ChunkStore:
                 hit = len(found)
             else:
                 hit = 0
-                scopes = self._scopes(model, kv_world_size, cache_salt)
                 for chunk_hash in hashes:
                     chunks = self._probe(scopes, chunk_hash)
                     if chunks is None:
                         break
                     found.extend(chunks)
                     hit += 1
-            if holder is None:  # _touch_and_lease, inlined
-                usage = self.tenants.get(cache_salt, self._departed)
+            if holder is None:  # _touch_and_lease, inlined: refreshing changes no index
                 usage.hits += hit
                 usage.misses += len(hashes) - hit
                 if found:
                     self._use(found)
-            else:
+            else:  # a lease may release chunks, and so change the index and the tenants
                 self._touch_and_lease(cache_salt, len(hashes), hit, found, holder, held=False)
+                salt_seen = None
             hits.append(hit)
         return hits
 

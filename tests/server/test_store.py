@@ -141,6 +141,24 @@ def test_a_new_lookup_replaces_the_requests_lease(clock):
     store.check_invariants()
 
 
+def test_lookup_many_is_each_items_lookup_in_order(clock):
+    """A LOOKUP's items at once: per item its hits, its salt's counters, its lease; a lease
+    that replaces one of the same owner frees chunks between items."""
+    store = make_store(clock)
+    put(store, [key(0, salt="a"), key(1, salt="a")])
+    put(store, [key(0, salt="b")])
+    owner = LeaseOwner(ENGINE, "a", "req")
+    store.lookup("m", 1, "a", [h(0), h(1)], holder=owner)
+    queries = [("a", [h(0), h(1), h(2)], None), ("b", [h(0)], None), ("a", [h(0)], owner),
+               ("a", [h(1)], None), ("c", [h(0)], None), ("b", [h(1)], None)]
+    assert store.lookup_many("m", 1, queries) == [2, 1, 1, 1, 0, 0]
+    assert (store.tenants["a"].hits, store.tenants["a"].misses) == (2 + 2 + 1 + 1, 1)
+    assert (store.tenants["b"].hits, store.tenants["b"].misses) == (1, 1)
+    assert store.release(owner) == 1  # the second lease, of one chunk, replaced the first
+    assert store.total("misses") == 1 + 1 + 1  # "c" is not listed, and still counts
+    store.check_invariants()
+
+
 def test_release_is_per_salt_and_per_kv_worker(clock):
     store = make_store(clock)
     put(store, [key(0, worker=0, world=2, salt="a")])
