@@ -222,9 +222,15 @@ class RpcClient:
         as call() does: each reply then reaches its waiter without a hand-off from the
         background thread (a thread wake-up, tens of µs on a busy machine)."""
         pending = [future for future in futures if not future.done()]
+        settled = 0  # pending[:settled] are done: until() is tested after each reply read
+
+        def all_done() -> bool:
+            nonlocal settled
+            while settled < len(pending) and pending[settled].done():
+                settled += 1
+            return settled == len(pending)
         if pending:
-            self._wait_leading(lambda: all(future.done() for future in pending),
-                               time.monotonic() + timeout)
+            self._wait_leading(all_done, time.monotonic() + timeout)
 
     def wait_until(self, until: Callable[[], bool], timeout: float) -> bool:
         """As wait(), for any condition: block until `until()` (checked after each read of
