@@ -299,9 +299,10 @@ class RpcClient:
                 wait_for_connection: bool = True, lead: bool = False) -> _Future | _Reply:
         """Queue and send the request; `attended`: call() waits for it, and gets a _Reply."""
         op = protocol.op_name(request)
-        stamp = phases.now()
+        stamp = phases.now() if phases.enabled else 0  # a stamp is a call: only if profiling
         payload = protocol.pack(request)
-        stamp = phases.add(op, "client encode", stamp)
+        if phases.enabled:
+            stamp = phases.add(op, "client encode", stamp)
         future = _Reply() if attended else _Future()
         with self._lock:
             if self._closed:
@@ -499,9 +500,11 @@ class RpcClient:
             return
         try:
             if status == protocol.STATUS_OK:
-                stamp = phases.add(call.frames[1], "client round trip", call.sent)
+                if phases.enabled:
+                    stamp = phases.add(call.frames[1], "client round trip", call.sent)
                 reply = protocol.unpack(call.reply_type, payload)
-                phases.add(call.frames[1], "client decode", stamp)
+                if phases.enabled:
+                    phases.add(call.frames[1], "client decode", stamp)
                 call.future.set_result(reply)
                 return
             reply = protocol.unpack(protocol.ErrorReply, payload)

@@ -359,9 +359,10 @@ class Dispatcher:
     def _lookup_now(self, req: LookupRequest, parsed, probes: int
                     ) -> LookupReply | Awaitable[LookupReply]:
         if probes <= LOOKUP_SLICE_PROBES:
-            stamp = phases.now()
+            stamp = phases.now() if phases.enabled else 0
             reply = LookupReply(self.store.lookup_many(req.model, req.kv_world_size, parsed))
-            phases.add("LOOKUP", "server index", stamp, probes)
+            if phases.enabled:
+                phases.add("LOOKUP", "server index", stamp, probes)
             return reply
         return self._sliced_lookup(req, parsed)
 
