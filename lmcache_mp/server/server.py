@@ -311,18 +311,17 @@ class Server:
         socket = self._socket
         self._draining = True  # its own loop reads what a reply's send left behind
         try:
-            # The FD nearly always wakes the loop for a message (>99% in a run of LOOKUPs):
-            # the first is read without a test (a zmq_poll), at the price of an exception
-            # when it woke for ZeroMQ's own commands.
-            try:
-                frames = recv_frames(socket)
-            except zmq.Again:
-                return
-            self._on_message(frames)
-            for _ in range(_MAX_MESSAGES_PER_WAKE - 1):
-                if not readable(socket):
+            for read in range(_MAX_MESSAGES_PER_WAKE):
+                # The FD nearly always wakes the loop for a message (>99% in a run of
+                # LOOKUPs): the first is read without a test (a zmq_poll), at the price of
+                # an exception when it woke for ZeroMQ's own commands.
+                if read and not readable(socket):
                     return
-                self._on_message(recv_frames(socket))
+                try:
+                    frames = recv_frames(socket)
+                except zmq.Again:
+                    return
+                self._on_message(frames)
         finally:
             self._draining = False
         # More is waiting: yield to replies and copies, then come back.
@@ -330,7 +329,7 @@ class Server:
 
     def _dispatch(self, frames: list[bytes]) -> None:
         started = time.perf_counter()
-        timing = phases.enabled  # a stamp is a Python call: ~3% of a LOOKUP's own work
+        timing = phases.enabled  # its stamps are Python calls: ~3% of a LOOKUP's own work
         stamp = phases.now() if timing else 0
         client, body = frames[0], frames[1:]
         request_id = protocol.request_id_of(body)
