@@ -14,7 +14,6 @@ them; and a chunk whose parent goes anyway (CLEAR, a failed copy) goes too.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -190,7 +189,7 @@ class ChunkStore:
         # a LOOKUP finds its scope once and probes each key by its hash alone, where a
         # ChunkKey would build and hash a 5-field tuple per key.
         self._by_scope: dict[tuple[str, int, int, str], dict[bytes, Chunk]] = {}
-        self._stamps = itertools.count(1)  # one recency order across both tiers
+        self._last_stamp = 0  # one recency order across both tiers: a higher stamp, more recent
         self._policies = {tier: TenantLRUPolicy() for tier in self.allocators}
         self._leases: dict[LeaseOwner, Lease] = {}
         self._pending = 0
@@ -263,6 +262,7 @@ class ChunkStore:
         call, with no call per item where it holds nothing (three fewer Python calls an
         item, a third of a batched LOOKUP's)."""
         hits = []
+        policies = self._policies
         salt_seen = None  # the salt whose scopes and usage are at hand: items mostly share one
         for cache_salt, hashes, holder in queries:
             if cache_salt != salt_seen:
@@ -270,8 +270,26 @@ class ChunkStore:
                 scopes = self._scopes(model, kv_world_size, cache_salt)
                 get = scopes[0].get
                 usage = self.tenants.get(cache_salt, self._departed)  # a hit means it is listed
+            if kv_world_size == 1 and holder is None:
+                # The common case, per key: one dict probe and _use's refresh in one pass,
+                # nothing built. Stamps for every hash are taken at once, so that the
+                # first chunk gets the highest, as _use gives it.
+                top = self._last_stamp = self._last_stamp + len(hashes)
+                hit = 0
+                for chunk_hash in hashes:
+                    chunk = get(chunk_hash)
+                    if chunk is None or not chunk.committed or chunk.moving:
+                        break
+                    chunk.stamp = top - hit
+                    hit += 1
+                    if not chunk.successors and not chunk.holds:  # Chunk.evictable, the rest
+                        policies[chunk.tier].add(cache_salt, chunk.key, chunk.stamp)
+                usage.hits += hit
+                usage.misses += len(hashes) - hit
+                hits.append(hit)
+                continue
             found: list[Chunk] = []
-            if kv_world_size == 1:  # the common case, per key: one dict probe, nothing built
+            if kv_world_size == 1:
                 for chunk_hash in hashes:
                     chunk = get(chunk_hash)
                     if chunk is None or not chunk.committed or chunk.moving:
@@ -460,7 +478,7 @@ class ChunkStore:
         chunk.committed = True
         self._pending -= 1
         self._tenant(chunk.key.cache_salt).chunks += 1
-        chunk.stamp = next(self._stamps)
+        chunk.stamp = self._last_stamp = self._last_stamp + 1
         self._settle(chunk)
         return True
 
@@ -484,9 +502,8 @@ class ChunkStore:
         """Refresh chunks that were read (each prompt's in order), the first the most recent:
         a client that names no parents stores a prompt's chunks as unrelated ones, and they
         still lose the later ones first."""
-        stamps = self._stamps
         for chunk in reversed(chunks):
-            chunk.stamp = next(stamps)
+            chunk.stamp = self._last_stamp = self._last_stamp + 1
             # Chunk.evictable, inlined (per chunk read): most of a prompt's chunks have successors
             if not chunk.successors and chunk.committed and not chunk.holds and not chunk.moving:
                 self._policies[chunk.tier].add(chunk.key.cache_salt, chunk.key, chunk.stamp)

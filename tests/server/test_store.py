@@ -159,6 +159,21 @@ def test_lookup_many_is_each_items_lookup_in_order(clock):
     store.check_invariants()
 
 
+def test_lookup_many_refreshes_each_items_chunks_first_most_recent(clock):
+    """Per item, as one lookup's refresh: its first chunk the most recent, and a later item's
+    chunks more recent than an earlier item's; so the pool evicts them in the reverse order."""
+    store = make_store(clock, chunks=3)
+    for i in range(3):  # unrelated chunks, stored (and so refreshed) 0, 1, 2
+        put(store, [key(i)])
+    assert store.lookup_many("m", 1, [("", [h(1), h(2)], None), ("", [h(0)], None)]) == [2, 1]
+    put(store, [key(3)])
+    assert store.lookup("m", 1, "", [h(2)]) == 0  # the least recent: the first item's last
+    put(store, [key(4)])
+    assert store.lookup("m", 1, "", [h(1)]) == 0
+    assert store.lookup("m", 1, "", [h(0)]) == 1  # the later item's, the most recent
+    store.check_invariants()
+
+
 def test_release_is_per_salt_and_per_kv_worker(clock):
     store = make_store(clock)
     put(store, [key(0, worker=0, world=2, salt="a")])
