@@ -110,6 +110,39 @@ def _lease_owner(session: Session, cache_salt: str, request_id: str, prefix: str
     return LeaseOwner(session.engine, _checked_salt(cache_salt, request_id, prefix), request_id)
 
 
+# Chunks whose bytes follow one another in the pool copy as one run: one np.take (or one
+# assignment) for all their rows, so that a copy thread takes the GIL once a run, not once
+# a chunk (a W2 STORE's 512 KiB chunks spent ~10% of their copy time on 2 CPUs waiting for
+# it). A run is at most COPY_RUN_BYTES: a copy started before a deadline ends soon after.
+COPY_RUN_BYTES = 4 * 1024**2
+
+
+def _copy_runs(places: Sequence[tuple[int, int, Chunk]],
+               mergeable: Callable[[tuple[int, int, Chunk]], bool]) -> list[tuple[int, int]]:
+    """(start, count) runs covering `places` ((item, chunk index, chunk), in order). A place
+    joins the run before it when both are `mergeable` and it is the same item's next chunk,
+    in the same tier, starting where the one before ends, within COPY_RUN_BYTES."""
+    runs: list[tuple[int, int]] = []
+    for index, place in enumerate(places):
+        if runs:
+            start, count = runs[-1]
+            last = places[index - 1]
+            i, c, chunk = place
+            if (last[0] == i and last[1] + 1 == c and last[2].tier == chunk.tier
+                    and last[2].offset + last[2].nbytes == chunk.offset
+                    and (count + 1) * chunk.nbytes <= COPY_RUN_BYTES
+                    and mergeable(place) and mergeable(last)):
+                runs[-1] = (start, count + 1)
+                continue
+        runs.append((index, 1))
+    return runs
+
+
+def _per_chunk(runs: list[tuple[int, int]], outcomes: Sequence[T]) -> list[T]:
+    """Each run's outcome once for each of its chunks."""
+    return [outcome for (_, count), outcome in zip(runs, outcomes) for _ in range(count)]
+
+
 def _deadline(budget_ms: int) -> float | None:
     """A STORE's or RETRIEVE's deadline (time.monotonic()), counted from now, its receipt:
     no copy touches its blocks after it. None for budget_ms 0, no deadline."""
@@ -405,23 +438,32 @@ class Dispatcher:
                 for i, (item, ids, skips) in enumerate(zip(items, block_ids.per_item,
                                                            block_ids.skips))]
 
-    def _scatter_jobs(self, target: KVCacheInstance, transfers: list[_Transfer]
-                      ) -> Callable[[int, int, Chunk], Callable[[], None]]:
-        """What makes the copy of chunk `c` of item `i` into a CPU target's blocks: through
-        its HostRows (index arrays built here, once per item) where it has them."""
+    def _scatter_jobs(self, target: KVCacheInstance, transfers: list[_Transfer],
+                      flat: list[tuple[int, int, Chunk]], merge: bool
+                      ) -> tuple[list[tuple[int, int]], Callable[[tuple[int, int]], Callable]]:
+        """The runs of `flat` copied as one (_copy_runs; a chunk each unless `merge`), and
+        what makes the copy of a run into a CPU target's blocks: through its HostRows
+        (index arrays built here, once per item) where it has them. A target with rows in
+        more than one part (per-layer tensors) holds a chunk's rows part by part: its
+        chunks copy one by one, as do chunks with skipped blocks and GPU tier chunks."""
         host = target.host_rows
         rows = [host.rows(t.block_ids) for t in transfers] if host is not None else []
+        merge = merge and host is not None and len(host.parts) == 1
+        runs = _copy_runs(flat, lambda place: merge and place[2].tier != GPU_TIER
+                          and not transfers[place[0]].skips[place[1]])
 
-        def job(i: int, c: int, chunk: Chunk) -> Callable[[], None]:
+        def job(run: tuple[int, int]) -> Callable:
+            start, count = run
+            i, c, chunk = flat[start]
             transfer = transfers[i]
             if host is None or chunk.tier == GPU_TIER:
                 return partial(target.scatter, torch.from_numpy(transfer.block_ids[c]),
                                self._chunk_tensor(chunk, target), transfer.skips[c])
-            src = host.chunk(self.pool.array_view(chunk.offset, chunk.nbytes))
+            src = host.chunk(self.pool.array_view(chunk.offset, count * chunk.nbytes))
             if transfer.skips[c]:
                 return partial(host.scatter_skipping, transfer.block_ids[c], src)
-            return partial(host.scatter, rows[i][c], src)
-        return job
+            return partial(host.scatter, rows[i][c:c + count].reshape(-1), src)
+        return runs, job
 
     def _chunk_bytes(self, chunk: Chunk) -> torch.Tensor:
         pool = self.gpu_pool if chunk.tier == GPU_TIER else self.pool
@@ -502,20 +544,27 @@ class Dispatcher:
             stamp = phases.add("STORE", "server index", stamp, len(places))
             jobs: list = []
             host = instance.host_rows
+            runs = None  # where chunks copy in runs (_copy_runs)
             if instance.lane is not None:  # (block ids, chunk) pairs for the stream copier
                 await self._each(pending, lambda p: (
                     torch.from_numpy(transfers[p[0]].block_ids[p[1]]),
                     self._chunk_tensor(p[2], instance)), jobs)
-            elif host is not None:  # one index array per item, one np.take per chunk
+            elif host is not None:  # one index array per item, one np.take per run
                 rows = [host.rows(t.block_ids) for t in transfers]
-                await self._each(pending, lambda p: partial(
-                    host.gather, rows[p[0]][p[1]],
-                    host.chunk(self.pool.array_view(p[2].offset, p[2].nbytes))), jobs)
+                one_part = len(host.parts) == 1  # else a chunk's rows lie part by part
+                runs = _copy_runs(pending, lambda place: one_part)
+
+                def gather(run: tuple[int, int]) -> Callable[[], None]:
+                    start, count = run
+                    i, c, chunk = pending[start]
+                    return partial(host.gather, rows[i][c:c + count].reshape(-1), host.chunk(
+                        self.pool.array_view(chunk.offset, count * chunk.nbytes)))
+                await self._each(runs, gather, jobs)
             else:
                 await self._each(pending, lambda p: partial(
                     instance.gather, torch.from_numpy(transfers[p[0]].block_ids[p[1]]),
                     self._chunk_tensor(p[2], instance)), jobs)
-            stamp = phases.add("STORE", "server submit", stamp, len(jobs))
+            stamp = phases.add("STORE", "server submit", stamp, len(pending))
             copy_started = time.perf_counter()
             if instance.lane is not None:
                 moves = [(self._chunk_bytes(d.chunk), self.gpu_pool.view(d.gpu_offset,
@@ -524,8 +573,10 @@ class Dispatcher:
                 errors = await self.copier.store(instance, jobs, moves, deadline)
             else:
                 errors = await self.copy_engine.run(jobs, deadline)
+                if runs is not None:
+                    errors = _per_chunk(runs, errors)
             self.metrics.copied("store", time.perf_counter() - copy_started)
-            stamp = phases.add("STORE", "server copy", stamp, len(jobs))
+            stamp = phases.add("STORE", "server copy", stamp, len(pending))
         except DeviceStalled as stall:
             # The device may still write into those chunks; when it is done, demotions landed.
             stall.after(partial(abort_all, True))
@@ -607,28 +658,36 @@ class Dispatcher:
             flat = [(i, c, chunk) for i, chunks in enumerate(held)
                     for c, chunk in enumerate(chunks)]
             jobs: list = []
+            by_layer = (progress_tag and leader.lane is None and len(targets) == 1
+                        and leader.host_rows is not None
+                        and all(chunk.tier != GPU_TIER for _, _, chunk in flat))
+            target_runs = []  # per target, its runs (_copy_runs), without a lane
             if leader.lane is not None:
                 await self._each(flat, lambda f: (
                     torch.from_numpy(transfers[f[0]].block_ids[f[1]]),
                     self._chunk_tensor(f[2], leader),
                     transfers[f[0]].skips[f[1]]), jobs)
-            else:  # per target, then per chunk: the order `landed` reads outcomes in
-                for target in targets:
-                    scatter, theirs = self._scatter_jobs(target, transfers), []
-                    await self._each(flat, lambda f: scatter(*f), theirs)
+            else:  # per target, then per run: the order `landed` reads outcomes in
+                for target in targets:  # (by layer, a job copies one layer of a chunk)
+                    runs, scatter = self._scatter_jobs(target, transfers, flat, not by_layer)
+                    theirs: list = []
+                    await self._each(runs, scatter, theirs)
                     jobs.extend(theirs)
+                    target_runs.append(runs)
             stamp = phases.add("RETRIEVE", "server submit", stamp, len(flat))
             copy_started = time.perf_counter()
             if leader.lane is not None:
                 per_target = await self.copier.retrieve(targets, jobs, deadline)
                 outcomes = [error for errors in per_target for error in errors]
-            elif progress_tag and len(targets) == 1 and leader.host_rows is not None and all(
-                    chunk.tier != GPU_TIER for _, _, chunk in flat):
-                outcomes = await self._by_layer(leader, jobs, deadline, progress_tag)
             else:
-                outcomes = await self.copy_engine.run(jobs, deadline)
+                outcomes = await (self._by_layer(leader, jobs, deadline, progress_tag) if by_layer
+                                  else self.copy_engine.run(jobs, deadline))
+                per_run, outcomes, done = outcomes, [], 0
+                for runs in target_runs:
+                    outcomes += _per_chunk(runs, per_run[done:done + len(runs)])
+                    done += len(runs)
             self.metrics.copied("retrieve", time.perf_counter() - copy_started)
-            stamp = phases.add("RETRIEVE", "server copy", stamp, len(jobs) * len(targets))
+            stamp = phases.add("RETRIEVE", "server copy", stamp, len(flat) * len(targets))
         except DeviceStalled as stall:
             stall.after(unhold)  # the device may still read those chunks
             stall.after(unpin)

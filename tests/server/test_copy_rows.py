@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from lmcache_mp.protocol import SKIP_BLOCK
+from lmcache_mp.server.dispatcher import COPY_RUN_BYTES, _copy_runs, _per_chunk
 from lmcache_mp.server.registry import Geometry, HostRows, KVCacheInstance
+from lmcache_mp.server.store import Chunk, ChunkKey
 
 
 def instance(block_shape: tuple[int, ...], layers: int, num_blocks: int, dtype: torch.dtype,
@@ -132,6 +134,47 @@ def test_host_rows_move_the_canonical_chunk_bytes(physical, stacked):
                            old.index_select(1, torch.tensor([0, 5])))
                for layer, old in zip(layers, before))
     assert host.rows(np.zeros((0, 2), dtype=np.int64)).shape[0] == 0  # an empty item
+
+
+def test_a_run_of_chunks_moves_as_each_chunk_would():
+    """The dispatcher copies adjacent chunks of a one-part cache with one gather (or scatter)
+    of their rows back to back: the bytes of each chunk, in turn."""
+    layers, stack = _mha_layers(3, 20, (0, 1, 2, 3, 4), stacked=True)
+    host = HostRows.of(layers, stack, block_dim=1)
+    assert host is not None and len(host.parts) == 1
+    geometry = _host_geometry(layers, 2)
+    ids = np.array([[7, 0], [19, 3], [2, 5]], dtype=np.int64)
+    rows = host.rows(ids)
+    pool = np.zeros(3 * geometry.chunk_bytes, dtype=np.uint8)
+    host.gather(rows[0:3].reshape(-1), host.chunk(pool))
+    for c in range(3):
+        got = torch.from_numpy(pool[c * geometry.chunk_bytes:][:geometry.chunk_bytes].copy())
+        assert torch.equal(got.view(layers[0].dtype).view(geometry.chunk_shape),
+                           _chunk_of(layers, ids[c].tolist()))
+    targets = np.array([[4, 11], [12, 13], [1, 6]], dtype=np.int64)
+    host.scatter(host.rows(targets).reshape(-1), host.chunk(pool))
+    for c in range(3):
+        assert torch.equal(_chunk_of(layers, targets[c].tolist()),
+                           _chunk_of(layers, ids[c].tolist()))
+
+
+def test_copy_runs_join_an_items_adjacent_chunks_up_to_the_run_size():
+    size = 1 << 20
+    chunk = [Chunk(ChunkKey("m", 1, 0, "", bytes(16)), offset * size, size, None, tier=tier)
+             for offset, tier in [(0, 0), (1, 0), (2, 0), (5, 0), (6, 0), (7, 1), (8, 1)]]
+    places = [(0, 0, chunk[0]), (0, 1, chunk[1]), (0, 2, chunk[2]),  # one run
+              (0, 3, chunk[3]),  # a hole before it
+              (1, 0, chunk[4]),  # another item, right after it in the pool
+              (1, 1, chunk[5]), (1, 2, chunk[6])]  # another tier
+    assert _copy_runs(places, lambda place: True) == [(0, 3), (3, 1), (4, 1), (5, 2)]
+    assert _copy_runs(places, lambda place: place[2] is not chunk[1]) == [
+        (0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 2)]
+    many = [(0, c, Chunk(ChunkKey("m", 1, 0, "", bytes(16)), c * size, size, None))
+            for c in range(2 * COPY_RUN_BYTES // size + 1)]
+    per_run = COPY_RUN_BYTES // size
+    assert _copy_runs(many, lambda place: True) == [(0, per_run), (per_run, per_run),
+                                                    (2 * per_run, 1)]
+    assert _per_chunk([(0, 2), (2, 1)], ["a", None]) == ["a", "a", None]
 
 
 def test_host_rows_refuse_what_rows_cannot_copy():

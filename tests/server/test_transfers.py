@@ -84,6 +84,42 @@ def test_several_clients_at_once_each_get_their_own_bytes():
         assert stats.chunks == 16
 
 
+def test_runs_of_chunks_stop_at_holes_in_the_pool_and_between_items():
+    """Chunks next to each other in the pool copy as one run: one STORE whose first item
+    fills a hole and continues past the chunks after it, and whose second item follows the
+    first in the pool, lands every byte where it belongs, and so does their RETRIEVE."""
+    slots = 12
+    with run_server() as server, CacheClient(server.url, admin=True) as client, \
+            make_cache(slots * BLOCKS_PER_CHUNK, 31) as source, \
+            make_cache(slots * BLOCKS_PER_CHUNK, None) as target:
+        registration = client.register_kv_cache(source.handles(), model=MODEL, layout="mha",
+                                                block_size=16)
+        for n, salt in enumerate(["a", "b", "a"]):  # pool slots 0-1, 2-3 and 4-5
+            item = TransferItem.build(f"p{n}", prompt(40 + n, 2),
+                                      chunk_blocks([2 * n, 2 * n + 1]), salt)
+            assert client.store(registration, [item]) == [bytes([StoreStatus.STORED] * 2)]
+        assert client.clear("b") == 2  # a hole at pool slots 2-3
+        first, second = prompt(43, 4), prompt(44, 2)
+        items = [TransferItem.build("x", first, chunk_blocks([6, 7, 8, 9])),  # slots 2, 3, 6, 7
+                 TransferItem.build("y", second, chunk_blocks([10, 11]))]  # slots 8, 9
+        assert client.store(registration, items) == [bytes([StoreStatus.STORED] * 4),
+                                                      bytes([StoreStatus.STORED] * 2)]
+        into = client.register_kv_cache(target.handles(), model=MODEL, layout="mha",
+                                        block_size=16)
+        assert client.retrieve(into, [TransferItem.build("x", first, chunk_blocks([0, 1, 2, 3])),
+                                      TransferItem.build("y", second, chunk_blocks([4, 5]))]
+                               ) == [4, 2]
+        # and the chunks after the hole kept theirs
+        assert client.retrieve(into, [TransferItem.build("z", prompt(42, 2), chunk_blocks(
+            [6, 7]), "a")]) == [2]
+        assert torch.equal(target.blocks(chunk_blocks(list(range(6)))).view(torch.uint8),
+                           source.blocks(chunk_blocks(list(range(6, 12)))).view(torch.uint8))
+        assert torch.equal(target.blocks(chunk_blocks([6, 7])).view(torch.uint8),
+                           source.blocks(chunk_blocks([4, 5])).view(torch.uint8))
+        client.unregister(into)
+        client.unregister(registration)
+
+
 def test_retrieve_leaves_skip_blocks_alone_and_store_refuses_them(server):
     hashes = prompt(tag=6, num_chunks=2)
     source = chunk_blocks([0, 1])
