@@ -8,25 +8,35 @@ from collections.abc import Callable, Hashable
 
 
 class _Order:
-    """One tenant's keys by stamp: a heap whose entries for re-stamped or removed keys are
-    skipped when they come up, and dropped once they outnumber the live ones."""
+    """One tenant's keys by stamp: a heap in which each key has an entry no later than its
+    stamp. Re-stamping a key later (a hit, the common change) writes its stamp only; the
+    heap catches up when the stale entry comes up. Entries of removed keys are dropped
+    then, or once they outnumber the live keys."""
 
-    __slots__ = ("heap", "live")
+    __slots__ = ("heap", "live", "entries")
 
     def __init__(self) -> None:
         self.heap: list[tuple[int, int, Hashable]] = []  # (stamp, entry number, key)
-        self.live: dict[Hashable, int] = {}  # key -> the number of its current entry
+        self.live: dict[Hashable, int] = {}  # key -> its stamp
+        self.entries = itertools.count()  # ties go by entry, never to comparing keys
+
+    def push(self, stamp: int, key: Hashable) -> None:
+        heapq.heappush(self.heap, (stamp, next(self.entries), key))
+        if len(self.heap) > 2 * len(self.live) + 32:
+            self.heap = [(when, next(self.entries), each) for each, when in self.live.items()]
+            heapq.heapify(self.heap)
 
     def first(self) -> tuple[int, Hashable]:
         heap, live = self.heap, self.live
-        while live.get(heap[0][2]) != heap[0][1]:
-            heapq.heappop(heap)
-        return heap[0][0], heap[0][2]
-
-    def compact(self) -> None:
-        if len(self.heap) > 2 * len(self.live) + 32:
-            self.heap = [entry for entry in self.heap if self.live.get(entry[2]) == entry[1]]
-            heapq.heapify(self.heap)
+        while True:
+            stamp, entry, key = heap[0]
+            current = live.get(key)
+            if current == stamp:
+                return stamp, key
+            if current is None or current < stamp:  # removed, or a key's surplus entry
+                heapq.heappop(heap)
+            else:  # re-stamped later since this entry went in: it moves to its place now
+                heapq.heapreplace(heap, (current, entry, key))
 
 
 class TenantLRUPolicy:
@@ -36,13 +46,12 @@ class TenantLRUPolicy:
     Holds only keys the store may evict. The store stamps them: a key may come back with
     an old stamp (a chunk becomes evictable again when the last chunk after it in its
     prompt goes), so the order is a heap, not a list. Sizes, holds, quotas and memory are
-    the store's business: it says which tenants may give up a key. Adding, re-stamping
-    and removing cost O(log n) each (amortized).
+    the store's business: it says which tenants may give up a key. Adding and removing
+    cost O(log n) each (amortized); re-stamping a key later, as every hit does, O(1).
     """
 
     def __init__(self) -> None:
         self._orders: dict[str, _Order] = {}
-        self._entries = itertools.count()
 
     def __len__(self) -> int:
         return sum(len(order.live) for order in self._orders.values())
@@ -57,10 +66,10 @@ class TenantLRUPolicy:
         order = self._orders.get(tenant)
         if order is None:
             order = self._orders[tenant] = _Order()
-        entry = next(self._entries)
-        order.live[key] = entry
-        heapq.heappush(order.heap, (stamp, entry, key))
-        order.compact()
+        earlier = order.live.get(key)
+        order.live[key] = stamp
+        if earlier is None or stamp < earlier:  # a later stamp keeps the entry it has
+            order.push(stamp, key)
 
     def remove(self, tenant: str, key: Hashable) -> None:
         order = self._orders[tenant]
