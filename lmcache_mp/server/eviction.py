@@ -13,12 +13,16 @@ class _Order:
     heap catches up when the stale entry comes up. Entries of removed keys are dropped
     then, or once they outnumber the live keys."""
 
-    __slots__ = ("heap", "live", "entries")
+    __slots__ = ("heap", "live", "entries", "mark", "floor")
 
     def __init__(self) -> None:
         self.heap: list[tuple[int, int, Hashable]] = []  # (stamp, entry number, key)
         self.live: dict[Hashable, int] = {}  # key -> its stamp
         self.entries = itertools.count()  # ties go by entry, never to comparing keys
+        # The tenant's one current entry among all tenants' (TenantLRUPolicy._tenants):
+        # its number, and its stamp, never later than the tenant's oldest key's.
+        self.mark = -1
+        self.floor = 0
 
     def push(self, stamp: int, key: Hashable) -> None:
         heapq.heappush(self.heap, (stamp, next(self.entries), key))
@@ -48,10 +52,15 @@ class TenantLRUPolicy:
     prompt goes), so the order is a heap, not a list. Sizes, holds, quotas and memory are
     the store's business: it says which tenants may give up a key. Adding and removing
     cost O(log n) each (amortized); re-stamping a key later, as every hit does, O(1).
+    Tenants are in a heap of their own, by their oldest key's stamp, caught up the same
+    way: the victim among all tenants costs O(log tenants), not a look at every tenant
+    (one chunk under each of thousands of salts would make every eviction slow for all).
     """
 
     def __init__(self) -> None:
         self._orders: dict[str, _Order] = {}
+        self._tenants: list[tuple[int, int, str]] = []  # (floor, mark, tenant)
+        self._marks = itertools.count()
 
     def __len__(self) -> int:
         return sum(len(order.live) for order in self._orders.values())
@@ -70,12 +79,22 @@ class TenantLRUPolicy:
         order.live[key] = stamp
         if earlier is None or stamp < earlier:  # a later stamp keeps the entry it has
             order.push(stamp, key)
+            if order.mark < 0 or stamp < order.floor:
+                self._mark(tenant, order, stamp)
+
+    def _mark(self, tenant: str, order: _Order, stamp: int) -> None:
+        """A new current entry for the tenant, at `stamp`: its earlier ones go stale."""
+        order.mark, order.floor = next(self._marks), stamp
+        heapq.heappush(self._tenants, (stamp, order.mark, tenant))
+        if len(self._tenants) > 2 * len(self._orders) + 32:
+            self._tenants = [(each.floor, each.mark, name) for name, each in self._orders.items()]
+            heapq.heapify(self._tenants)
 
     def remove(self, tenant: str, key: Hashable) -> None:
         order = self._orders[tenant]
         del order.live[key]
         if not order.live:
-            del self._orders[tenant]
+            del self._orders[tenant]  # its entry among the tenants' goes stale with it
 
     def oldest(self, tenant: str) -> tuple[int, Hashable] | None:
         """The tenant's least recently used key with its stamp."""
@@ -84,10 +103,26 @@ class TenantLRUPolicy:
 
     def global_victim(self, may_evict: Callable[[str, Hashable], bool]
                       ) -> tuple[str, Hashable] | None:
-        """The least recently used key among tenants whose oldest key `may_evict` allows."""
-        best: tuple[int, str, Hashable] | None = None
-        for tenant, order in self._orders.items():
+        """The least recently used key among tenants whose oldest key `may_evict` allows.
+        Tenants it refuses (those at their reservation) are looked at and passed over."""
+        heap, orders = self._tenants, self._orders
+        passed_over: list[tuple[int, int, str]] = []
+        victim = None
+        while heap:
+            floor, mark, tenant = heap[0]
+            order = orders.get(tenant)
+            if order is None or order.mark != mark:  # gone, or a floor it since lowered
+                heapq.heappop(heap)
+                continue
             stamp, key = order.first()
-            if (best is None or stamp < best[0]) and may_evict(tenant, key):
-                best = (stamp, tenant, key)
-        return None if best is None else (best[1], best[2])
+            if stamp != floor:  # its oldest key went or was used since: catch up
+                order.floor = stamp
+                heapq.heapreplace(heap, (stamp, mark, tenant))
+            elif may_evict(tenant, key):
+                victim = (tenant, key)
+                break
+            else:
+                passed_over.append(heapq.heappop(heap))
+        for entry in passed_over:
+            heapq.heappush(heap, entry)
+        return victim

@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+from lmcache_mp.server import eviction
 from lmcache_mp.server.eviction import TenantLRUPolicy
 
 
@@ -12,15 +13,15 @@ def model_oldest(stamps: dict[tuple[str, int], int], tenant: str) -> tuple[int, 
     return min(mine) if mine else None
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_order_matches_a_plain_model_under_random_changes(seed):
+@pytest.mark.parametrize("seed,tenant_count", [(seed, 3) for seed in range(5)] + [(5, 40)])
+def test_order_matches_a_plain_model_under_random_changes(seed, tenant_count):
     """Keys re-stamped later (a hit), earlier (a chunk evictable again with its old stamp),
     removed and added back: the oldest key of each tenant, and the victim across tenants,
     are always the ones a full scan finds."""
     rng = random.Random(seed)
     policy, stamps = TenantLRUPolicy(), {}
     fresh_stamps = iter(rng.sample(range(10**9), 20_000))  # distinct: the oldest is unique
-    tenants = ["", "a", "b"]
+    tenants = ["", *(f"t{i}" for i in range(1, tenant_count))]
     for _ in range(6_000):
         tenant, key = rng.choice(tenants), rng.randrange(60)
         action = rng.random()
@@ -61,3 +62,37 @@ def test_restamping_later_adds_no_entry():
     # An earlier stamp must move the key up now: it gets an entry of its own.
     policy.add("", 50, 5)
     assert policy.oldest("") == (5, 50)
+
+
+def test_the_victim_among_many_tenants_costs_a_look_at_few(monkeypatch):
+    """One chunk under each of thousands of salts must not make every eviction look at
+    every salt: the victim comes from the tenants' own heap, caught up as it goes. Only
+    tenants at their reservation are looked at again each time (an operator sets those)."""
+    policy = TenantLRUPolicy()
+    tenants = [f"salt-{i}" for i in range(5_000)]
+    for i, tenant in enumerate(tenants):
+        policy.add(tenant, 0, 2 * i)
+        policy.add(tenant, 1, 2 * i + 1)
+    for i, tenant in enumerate(tenants[::2]):  # half of them use their oldest key again
+        policy.add(tenant, 0, 100_000 + i)
+    looked_at = []
+    reserved = set(tenants[1:40:3])  # at their reservation: passed over, and kept
+
+    def may_evict(tenant, _key):
+        looked_at.append(tenant)
+        return tenant not in reserved
+    first = eviction._Order.first
+    firsts = []
+    monkeypatch.setattr(eviction._Order, "first", lambda order: firsts.append(1) or first(order))
+    evicted = []
+    for _ in range(200):
+        tenant, key = policy.global_victim(may_evict)
+        policy.remove(tenant, key)
+        evicted.append((tenant, key))
+    stamps = {(t, k): 2 * i + k for i, t in enumerate(tenants) for k in (0, 1)}
+    stamps.update({(t, 0): 100_000 + i for i, t in enumerate(tenants[::2])})
+    expected = sorted((key for key in stamps if key[0] not in reserved), key=stamps.get)
+    assert evicted == expected[:200]
+    assert sum(tenant not in reserved for tenant in looked_at) == 200
+    assert len(firsts) < 200 * (len(reserved) + 3)
+    assert all(policy.oldest(t) == min((stamps[t, k], k) for k in (0, 1)) for t in reserved)

@@ -345,3 +345,21 @@ def test_evictions_count_by_cause(clock):
     put(store, [key(10 + i) for i in range(4)])  # the pool is full: the capped two go
     assert dict(store.evictions_by_cause) == {"quota_cap": 1, "pool_full": 2}
     assert sum(store.evictions_by_cause.values()) == store.total("evictions")
+
+
+def test_a_chunk_under_each_of_many_salts_leaves_evictions_cheap(clock, monkeypatch):
+    """A thousand salts holding a chunk each (an engine may name any salt) must not make
+    each eviction look at every salt: a STORE into the full pool looks at a few."""
+    from lmcache_mp.server import eviction
+    salts = 1_000
+    store = make_store(clock, chunks=salts)
+    for i in range(salts):
+        store.commit(store.reserve(key(i, salt=f"salt-{i}"), CHUNK, GEOMETRY).chunk)
+    first = eviction._Order.first
+    looks = []
+    monkeypatch.setattr(eviction._Order, "first", lambda order: looks.append(1) or first(order))
+    put(store, [key(salts + i, salt="new") for i in range(100)])
+    assert store.evictions_by_cause["pool_full"] == 100
+    assert [store.lookup("m", 1, f"salt-{i}", [h(i)]) for i in range(200)] == \
+        [0] * 100 + [1] * 100  # the least recent went
+    assert len(looks) < 5 * 100
