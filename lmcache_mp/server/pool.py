@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import heapq
 import logging
 import mmap
 import threading
@@ -26,32 +27,55 @@ def aligned(num_bytes: int) -> int:
 
 
 class ExtentAllocator:
-    """First-fit allocation of aligned byte ranges in [0, capacity), coalescing on free.
+    """Aligned byte ranges in [0, capacity): each allocation takes the smallest free extent
+    that fits, the lowest of those; freeing coalesces with free neighbours.
 
-    Every extent of one chunk geometry has the same size, so a server with one model
-    never fragments; the free list stays short and sorted by offset.
+    Free extents are kept by offset (sorted lists, for coalescing) and by length: the
+    lengths there are (sorted, once each) and, per length, a heap of offsets whose
+    entries for extents since taken or merged are dropped as they come up. Both allocating
+    and freeing cost O(log n) in the free extents. A first-fit scan cost O(n) an attempt,
+    and a store's eviction loop attempts once per chunk evicted: a pool riddled with the
+    holes of one small-chunk geometry (an engine may register any) made each larger
+    chunk cost seconds. With one geometry every hole is a multiple of its chunk, and a
+    fresh pool or a large hole is carved from its start, so an item's chunks lie side by
+    side, as copy runs want.
     """
 
     def __init__(self, capacity: int):
         self.capacity = capacity - capacity % ALIGNMENT
         self.used = 0
-        self._starts: list[int] = [0] if self.capacity else []
-        self._lengths: list[int] = [self.capacity] if self.capacity else []
+        self._starts: list[int] = []
+        self._lengths: list[int] = []
+        self._sizes: list[int] = []  # the lengths of the free extents, sorted, once each
+        self._count: dict[int, int] = {}  # length -> free extents of that length
+        self._offsets: dict[int, list[int]] = {}  # length -> heap of their offsets (and stale ones)
+        if self.capacity:
+            self._starts.append(0)
+            self._lengths.append(self.capacity)
+            self._add(0, self.capacity)
 
     def allocate(self, num_bytes: int) -> int | None:
         """Return the offset of a free extent of `num_bytes` (rounded up), or None if none fits."""
         size = aligned(num_bytes)
-        for i, length in enumerate(self._lengths):
-            if length >= size:
-                offset = self._starts[i]
-                if length == size:
-                    del self._starts[i], self._lengths[i]
-                else:
-                    self._starts[i] += size
-                    self._lengths[i] -= size
-                self.used += size
-                return offset
-        return None
+        fits = bisect.bisect_left(self._sizes, size)
+        if fits == len(self._sizes):
+            return None
+        length = self._sizes[fits]
+        offsets = self._offsets[length]
+        while True:
+            offset = heapq.heappop(offsets)
+            i = self._index_of(offset, length)
+            if i is not None:
+                break
+        self._drop(length)
+        if length == size:
+            del self._starts[i], self._lengths[i]
+        else:
+            self._starts[i] += size
+            self._lengths[i] -= size
+            self._add(offset + size, length - size)
+        self.used += size
+        return offset
 
     def take(self, offset: int, num_bytes: int) -> bool:
         """Mark the extent at `offset` used (a warm restart adopting a chunk where it lies);
@@ -61,35 +85,74 @@ class ExtentAllocator:
         if offset % ALIGNMENT or i < 0 or self._starts[i] + self._lengths[i] < offset + size:
             return False
         start, end = self._starts[i], self._starts[i] + self._lengths[i]
+        self._drop(self._lengths[i])
         kept = [(a, b - a) for a, b in ((start, offset), (offset + size, end)) if b > a]
         self._starts[i:i + 1] = [a for a, _ in kept]
         self._lengths[i:i + 1] = [n for _, n in kept]
+        for a, n in kept:
+            self._add(a, n)
         self.used += size
         return True
 
     def free(self, offset: int, num_bytes: int) -> None:
         size = aligned(num_bytes)
-        i = bisect.bisect_left(self._starts, offset)
-        if (i < len(self._starts) and self._starts[i] < offset + size) or (
-                i > 0 and self._starts[i - 1] + self._lengths[i - 1] > offset):
+        starts, lengths = self._starts, self._lengths
+        i = bisect.bisect_left(starts, offset)
+        if (i < len(starts) and starts[i] < offset + size) or (
+                i > 0 and starts[i - 1] + lengths[i - 1] > offset):
             raise ValueError(f"double free of extent at {offset}")
         self.used -= size
-        merge_prev = i > 0 and self._starts[i - 1] + self._lengths[i - 1] == offset
-        merge_next = i < len(self._starts) and offset + size == self._starts[i]
-        if merge_prev and merge_next:
-            self._lengths[i - 1] += size + self._lengths[i]
-            del self._starts[i], self._lengths[i]
-        elif merge_prev:
-            self._lengths[i - 1] += size
+        merge_prev = i > 0 and starts[i - 1] + lengths[i - 1] == offset
+        merge_next = i < len(starts) and offset + size == starts[i]
+        if merge_prev:
+            self._drop(lengths[i - 1])
+            lengths[i - 1] += size
+            if merge_next:
+                self._drop(lengths[i])
+                lengths[i - 1] += lengths[i]
+                del starts[i], lengths[i]
+            self._add(starts[i - 1], lengths[i - 1])
         elif merge_next:
-            self._starts[i] = offset
-            self._lengths[i] += size
+            self._drop(lengths[i])
+            starts[i] = offset
+            lengths[i] += size
+            self._add(offset, lengths[i])
         else:
-            self._starts.insert(i, offset)
-            self._lengths.insert(i, size)
+            starts.insert(i, offset)
+            lengths.insert(i, size)
+            self._add(offset, size)
 
     def largest_free(self) -> int:
-        return max(self._lengths, default=0)
+        return self._sizes[-1] if self._sizes else 0
+
+    def _index_of(self, offset: int, length: int) -> int | None:
+        """The free extent's place in the offset lists, if [offset, offset + length) is one."""
+        i = bisect.bisect_left(self._starts, offset)
+        if i < len(self._starts) and self._starts[i] == offset and self._lengths[i] == length:
+            return i
+        return None
+
+    def _add(self, offset: int, length: int) -> None:
+        """Index a new free extent by its length."""
+        count = self._count.get(length, 0) + 1
+        self._count[length] = count
+        if count == 1:
+            bisect.insort(self._sizes, length)
+            self._offsets[length] = [offset]
+            return
+        offsets = self._offsets[length]
+        heapq.heappush(offsets, offset)
+        if len(offsets) > 2 * count + 32:  # mostly stale: keep the live ones, once each
+            offsets[:] = sorted({o for o in offsets if self._index_of(o, length) is not None})
+
+    def _drop(self, length: int) -> None:
+        """One free extent of `length` is no more (its heap entry goes stale)."""
+        count = self._count[length] - 1
+        if count:
+            self._count[length] = count
+        else:
+            del self._count[length], self._offsets[length]
+            del self._sizes[bisect.bisect_left(self._sizes, length)]
 
 
 class Pinner(Protocol):

@@ -1,5 +1,6 @@
 import logging
 import random
+import sys
 import threading
 
 import pytest
@@ -51,6 +52,77 @@ def test_random_churn_never_overlaps_or_exceeds_capacity():
         spans = sorted((o, o + s) for o, s in live.items())
         assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
         assert allocator.used == sum(live.values()) <= allocator.capacity
+
+
+def test_allocation_takes_the_smallest_extent_that_fits_the_lowest_first():
+    """Against a plain model (a scan of every free extent) under random allocations of
+    mixed sizes, frees and adoptions: the same offsets, and the same free extents."""
+    rng = random.Random(11)
+    allocator = ExtentAllocator(200 * ALIGNMENT)
+    free = {0: 200 * ALIGNMENT}  # the model: start -> length, coalesced
+    live: dict[int, int] = {}
+
+    def model_take(offset, size):
+        start = max(s for s in free if s <= offset)
+        length = free.pop(start)
+        if offset > start:
+            free[start] = offset - start
+        if start + length > offset + size:
+            free[offset + size] = start + length - offset - size
+
+    for _ in range(4000):
+        action = rng.random()
+        if live and action < 0.45:
+            offset = rng.choice(list(live))
+            size = live.pop(offset)
+            allocator.free(offset, size)
+            free[offset] = size
+            for start in sorted(free):  # coalesce
+                while start in free and start + free[start] in free:
+                    free[start] += free.pop(start + free[start])
+        elif action < 0.5:
+            offset = rng.randrange(200) * ALIGNMENT
+            size = rng.choice([1, 2, 8]) * ALIGNMENT
+            fits = any(s <= offset and offset + size <= s + n for s, n in free.items())
+            assert allocator.take(offset, size) == fits
+            if fits:
+                model_take(offset, size)
+                live[offset] = size
+        else:
+            size = rng.choice([1, 1, 2, 3, 8, 32]) * ALIGNMENT
+            fitting = [(n, s) for s, n in free.items() if n >= size]
+            expected = min(fitting)[1] if fitting else None
+            assert allocator.allocate(size) == expected
+            if expected is not None:
+                model_take(expected, size)
+                live[expected] = size
+        assert allocator.largest_free() == max(free.values(), default=0)
+        assert allocator.used == sum(live.values())
+
+
+def test_a_pool_full_of_holes_allocates_without_scanning_them():
+    """Thousands of one-page holes (chunks of a small geometry, evicted one by one) before
+    the extent that fits: allocating or failing must not walk every hole, since a store's
+    eviction loop tries again after each chunk it evicts."""
+    holes = 5_000
+    allocator = ExtentAllocator((2 * holes + 64) * ALIGNMENT)
+    pages = [allocator.allocate(ALIGNMENT) for _ in range(2 * holes)]
+    for offset in pages[::2]:
+        allocator.free(offset, ALIGNMENT)
+    lines = 0
+
+    def count_lines(frame, event, _arg):
+        nonlocal lines
+        lines += event == "line"
+        return count_lines
+    sys.settrace(count_lines)
+    try:
+        big = allocator.allocate(32 * ALIGNMENT)
+        too_big = allocator.allocate(64 * ALIGNMENT)
+    finally:
+        sys.settrace(None)
+    assert big == 2 * holes * ALIGNMENT and too_big is None
+    assert lines < 200
 
 
 def test_pool_views_are_disjoint_memory():
