@@ -24,6 +24,7 @@ from ..protocol import MAX_SESSIONS, ROLE_ADMIN, ROLE_ENGINE
 logger = logging.getLogger(__name__)
 
 SESSION_IDLE_S = 600.0  # a session that sent nothing for this long is forgotten
+FULL_SCAN_INTERVAL_S = 1.0  # at the session cap, how often a HELLO may look for idle ones
 
 
 class AccessError(Exception):
@@ -107,6 +108,7 @@ class Sessions:
         self._sessions: dict[bytes, Session] = {}
         # Why the server ended a connection's session, told on its next request, then forgotten.
         self._dropped: dict[bytes, str] = {}
+        self._full_scan_at = -FULL_SCAN_INTERVAL_S  # when a HELLO at the cap last expired idle ones
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -130,7 +132,12 @@ class Sessions:
     def open(self, client: bytes, token: str, engine: str) -> Session:
         role = self._role(token)
         if client not in self._sessions and len(self._sessions) >= MAX_SESSIONS:
-            self.expire()
+            # A look at every session, so at most once a second: else a flood of HELLOs at
+            # the cap would make each one cost all of them.
+            now = self.clock()
+            if now - self._full_scan_at >= FULL_SCAN_INTERVAL_S:
+                self._full_scan_at = now
+                self.expire()
             if len(self._sessions) >= MAX_SESSIONS:
                 raise Unauthenticated(f"HELLO: the server already has {MAX_SESSIONS} sessions")
         # A digest, so that nothing the server keeps or shows reveals the secret itself;

@@ -1,0 +1,51 @@
+"""Sessions at their cap: idle ones make room, and a flood of HELLOs costs no scan each."""
+
+import pytest
+
+from lmcache_mp.errors import Unauthenticated
+from lmcache_mp.server import access
+from lmcache_mp.server.access import SESSION_IDLE_S, Sessions
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def full_sessions(monkeypatch, cap):
+    monkeypatch.setattr(access, "MAX_SESSIONS", cap)
+    clock = Clock()
+    sessions = Sessions("e" * 32, "a" * 32, token_required=False, clock=clock)
+    for i in range(cap):
+        sessions.open(b"client-%d" % i, "", "")
+    return sessions, clock
+
+
+def test_a_hello_at_the_cap_forgets_idle_sessions(monkeypatch):
+    sessions, clock = full_sessions(monkeypatch, 50)
+    with pytest.raises(Unauthenticated, match="already has 50 sessions"):
+        sessions.open(b"newcomer", "", "")
+    clock.now += SESSION_IDLE_S + 1
+    sessions.get(b"client-7")  # still in use
+    sessions.open(b"newcomer", "", "")
+    assert len(sessions) == 2 and sessions.get(b"client-7")
+
+
+def test_a_flood_of_hellos_at_the_cap_looks_at_every_session_once_a_second(monkeypatch):
+    sessions, clock = full_sessions(monkeypatch, 200)
+    scans = []
+    expire = sessions.expire
+    monkeypatch.setattr(sessions, "expire", lambda *args: scans.append(1) or expire(*args))
+    for i in range(1000):
+        with pytest.raises(Unauthenticated):
+            sessions.open(b"flood-%d" % i, "", "")
+    assert len(scans) == 1
+    clock.now += access.FULL_SCAN_INTERVAL_S
+    with pytest.raises(Unauthenticated):
+        sessions.open(b"flood-again", "", "")
+    assert len(scans) == 2
+    sessions.open(b"client-3", "", "")  # a known connection says HELLO again: no cap, no scan
+    assert len(scans) == 2
