@@ -88,7 +88,8 @@ class Lease:
 
 @dataclass
 class TenantUsage:
-    """One cache_salt's share of the store and what happened to it."""
+    """One cache_salt's share of the store and what happened to it (the store's totals of
+    every salt use its counters only)."""
 
     bytes_used: int = 0  # committed and pending chunks
     chunks: int = 0  # committed chunks
@@ -180,10 +181,11 @@ class ChunkStore:
         self.lease_timeout = lease_timeout
         self.quotas = quotas or QuotaBook(self.capacity, Quota(), {})
         self.clock = clock
-        # Salts that hold chunks or have a quota of their own; the counters of salts that
-        # no longer do are folded into _departed, so that any number of salts costs nothing.
+        # Salts that hold chunks or have a quota of their own, so that any number of salts
+        # costs nothing; and the counters of every salt together, listed or not, kept as
+        # they change, so that STATS and quota checks never add up all the salts.
         self.tenants: dict[str, TenantUsage] = {}
-        self._departed = TenantUsage()
+        self._totals = TenantUsage()
         self._chunks: dict[ChunkKey, Chunk] = {}
         # The same chunks by scope (model, kv_world_size, kv_worker_id, salt), then by hash:
         # a LOOKUP finds its scope once and probes each key by its hash alone, where a
@@ -220,9 +222,9 @@ class ChunkStore:
         return sum(allocator.capacity for allocator in self.allocators.values())
 
     def total(self, counter: str) -> int:
-        """A TenantUsage counter summed over every salt, listed or departed."""
-        return getattr(self._departed, counter) + sum(
-            getattr(usage, counter) for usage in self.tenants.values())
+        """A TenantUsage counter (hits, misses, evictions, refused) of every salt together,
+        listed or departed."""
+        return getattr(self._totals, counter)
 
     def _tenant(self, cache_salt: str) -> TenantUsage:
         usage = self.tenants.get(cache_salt)
@@ -265,12 +267,13 @@ class ChunkStore:
         hits = []
         policies = self._policies
         salt_seen = None  # the salt whose scopes and usage are at hand: items mostly share one
+        quick_hits = quick_probes = 0  # of the common items, for the totals
         for cache_salt, hashes, holder in queries:
             if cache_salt != salt_seen:
                 salt_seen = cache_salt
                 scopes = self._scopes(model, kv_world_size, cache_salt)
                 get = scopes[0].get
-                usage = self.tenants.get(cache_salt, self._departed)  # a hit means it is listed
+                usage = self.tenants.get(cache_salt)  # None: no hits, only misses to count
             if kv_world_size == 1 and holder is None:
                 # The common case, per key: one dict probe and _use's refresh in one pass,
                 # nothing built. Stamps for every hash are taken at once, so that the
@@ -285,8 +288,11 @@ class ChunkStore:
                     hit += 1
                     if not chunk.successors and not chunk.holds:  # Chunk.evictable, the rest
                         policies[chunk.tier].add(cache_salt, chunk.key, chunk.stamp)
-                usage.hits += hit
-                usage.misses += len(hashes) - hit
+                if usage is not None:
+                    usage.hits += hit
+                    usage.misses += len(hashes) - hit
+                quick_hits += hit
+                quick_probes += len(hashes)
                 hits.append(hit)
                 continue
             found: list[Chunk] = []
@@ -310,6 +316,8 @@ class ChunkStore:
             if holder is not None:
                 salt_seen = None
             hits.append(hit)
+        self._totals.hits += quick_hits
+        self._totals.misses += quick_probes - quick_hits
         return hits
 
     def _scopes(self, model: str, kv_world_size: int, cache_salt: str
@@ -334,9 +342,12 @@ class ChunkStore:
                          holder: LeaseOwner | None, held: bool) -> int:
         """A lookup's outcome: count it, refresh what it found, lease it to `holder`; `held`:
         the chunks are held already (by a sliced scan), and the lease takes those holds."""
-        usage = self.tenants.get(cache_salt, self._departed)  # a hit means it is listed
-        usage.hits += hit
-        usage.misses += hashes - hit
+        usage = self.tenants.get(cache_salt)  # None: no hits, only misses to count
+        if usage is not None:
+            usage.hits += hit
+            usage.misses += hashes - hit
+        self._totals.hits += hit
+        self._totals.misses += hashes - hit
         if held:
             if holder is None:
                 self.unhold(found)  # refreshes them: as a touch would
@@ -464,6 +475,7 @@ class ChunkStore:
 
     def _refuse(self, cache_salt: str) -> None:
         self._tenant(cache_salt).refused += 1
+        self._totals.refused += 1
         self.forget_if_idle(cache_salt)
 
     def commit(self, chunk: Chunk) -> bool:
@@ -565,6 +577,7 @@ class ChunkStore:
             self._unindex(chunk.key)
             usage.bytes_used -= chunk.footprint
             usage.evictions += evicted
+            self._totals.evictions += evicted
             if free:
                 self.allocators[chunk.tier].free(chunk.offset, chunk.nbytes)
             free = True
@@ -587,19 +600,16 @@ class ChunkStore:
         usage = self.tenants.get(cache_salt)
         if usage is None or usage.bytes_used or self.quotas.has_own(cache_salt):
             return
-        for counter in ("hits", "misses", "evictions", "refused"):
-            setattr(self._departed, counter,
-                    getattr(self._departed, counter) + getattr(usage, counter))
         del self.tenants[cache_salt]
 
     # -- quotas ----------------------------------------------------------------------------
 
     def enforce_cap(self, cache_salt: str) -> int:
         """Evict the salt's unheld chunks until it is under its cap; return how many went."""
-        before = self.total("evictions")
+        before = self._totals.evictions
         self._fit_under_cap(cache_salt, 0)
         self.forget_if_idle(cache_salt)
-        return self.total("evictions") - before
+        return self._totals.evictions - before
 
     def enforce_caps(self) -> int:
         return sum(self.enforce_cap(salt) for salt in list(self.tenants))
@@ -698,6 +708,9 @@ class ChunkStore:
             assert usage.chunks == sum(1 for c in mine if c.committed)
             assert mine or self.quotas.has_own(salt), f"idle salt {salt!r} still listed"
         assert all(c.key.cache_salt in self.tenants for c in chunks)
+        assert self._totals.evictions == sum(self.evictions_by_cause.values())
+        for counter in ("hits", "misses", "evictions", "refused"):  # departed salts' too
+            assert self.total(counter) >= sum(getattr(u, counter) for u in self.tenants.values())
         # The scope index holds each chunk under its key's scope and hash, and nothing else.
         assert all(self._by_scope[key[:4]][key.chunk_hash] is chunk
                    for key, chunk in self._chunks.items())
