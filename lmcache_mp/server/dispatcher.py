@@ -757,22 +757,40 @@ class Dispatcher:
 
     def snapshot(self, admin: bool = True, engine: str | None = None) -> StatsReply:
         """STATS as an admin (or, with `admin` false, as `engine`) sees it."""
+        reply, tenants = self.snapshot_without_tenants(admin, engine)
+        reply.tenants = tenants()
+        return reply
+
+    def snapshot_without_tenants(self, admin: bool = True, engine: str | None = None
+                                 ) -> tuple[StatsReply, Callable[[], dict[str, TenantStats]]]:
+        """snapshot(), less its tenants: with them, the function that lists them from the
+        salts listed now, for any thread to call later (the metrics endpoint's, so that a
+        scrape costs the loop a copy of the listing, not a walk of thousands of salts).
+        Each tenant's figures are read when it is listed."""
+        store = self.store
+        listed = {**dict.fromkeys(store.quotas.configured()), **store.tenants} if admin else {}
+
+        def tenants() -> dict[str, TenantStats]:
+            stats = {}
+            for salt, usage in listed.items():
+                quota = store.quotas.get(salt)
+                stats[salt] = TenantStats(
+                    usage.bytes_used if usage else 0, usage.chunks if usage else 0, quota.cap,
+                    quota.reserve, usage.hits if usage else 0, usage.misses if usage else 0,
+                    usage.evictions if usage else 0, usage.refused if usage else 0)
+            return stats
+        return self._snapshot_figures(admin, engine), tenants
+
+    def _snapshot_figures(self, admin: bool, engine: str | None) -> StatsReply:
         store = self.store
         rusage = resource.getrusage(resource.RUSAGE_SELF)  # ru_maxrss is in KiB on Linux
-        tenants = {}
-        for salt in {*store.tenants, *store.quotas.configured()} if admin else ():
-            usage, quota = store.tenants.get(salt), store.quotas.get(salt)
-            tenants[salt] = TenantStats(
-                usage.bytes_used if usage else 0, usage.chunks if usage else 0, quota.cap,
-                quota.reserve, usage.hits if usage else 0, usage.misses if usage else 0,
-                usage.evictions if usage else 0, usage.refused if usage else 0)
         return StatsReply(
             chunks=store.num_chunks, bytes_used=store.bytes_used,
             capacity_bytes=store.capacity, hits=store.total("hits"),
             misses=store.total("misses"), evictions=store.total("evictions"),
             leases_held=store.leases_held, pending_stores=store.pending,
             registrations=len(self.registry), requests=dict(self.requests_served),
-            prefault_done=self.pool.prefault_done.is_set(), tenants=tenants,
+            prefault_done=self.pool.prefault_done.is_set(),
             instances=[InstanceStats(i.instance_id, i.model, i.kv_world_size, i.kv_worker_id,
                                      i.tp_rank, i.stores, i.retrieves, i.loads_pushed)
                        for i in self.registry.instances() if admin or i.engine == engine],

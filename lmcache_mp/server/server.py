@@ -271,22 +271,25 @@ class Server:
         return endpoint
 
     def _snapshot_from_loop(self) -> protocol.StatsReply:
-        """STATS as an admin sees it, built on the loop (called from the HTTP thread)."""
+        """STATS as an admin sees it (called from the HTTP thread): the figures are taken on
+        the loop, the tenants listed on this thread from the salts listed there."""
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def build() -> None:
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(self.dispatcher.snapshot())
+                    future.set_result(self.dispatcher.snapshot_without_tenants())
                 except Exception as exc:
                     future.set_exception(exc)
         try:
             self._loop.call_soon_threadsafe(build)
-            return future.result(timeout=self.config.loop_stall_timeout)
+            reply, tenants = future.result(timeout=self.config.loop_stall_timeout)
         except (RuntimeError, concurrent.futures.TimeoutError):  # the loop is closed or stuck
             future.cancel()
             raise Unavailable(f"the event loop did not answer in "
                               f"{self.config.loop_stall_timeout:g} s") from None
+        reply.tenants = tenants()
+        return reply
 
     def _loop_problem(self) -> str | None:
         """For /healthz: whether the loop turns."""

@@ -199,3 +199,50 @@ def test_l2_metrics_move_with_writes_pulls_corruption_and_an_outage(cache):
         assert not client_b.stats().l2_up
         client_a.unregister(on_a)
         client_b.unregister(on_b)
+
+
+def test_a_scrape_with_thousands_of_salts_costs_the_loop_no_walk_of_them():
+    """The loop's part of a scrape copies the listing of salts; the metrics thread builds
+    each tenant's figures from it. Per-user salts run to thousands: a walk of them on the
+    loop stalled every request behind each scrape."""
+    import sys
+    import time
+
+    from lmcache_mp.server.access import Sessions
+    from lmcache_mp.server.config import Config
+    from lmcache_mp.server.copy_engine import CopyEngine
+    from lmcache_mp.server.dispatcher import Dispatcher
+    from lmcache_mp.server.pool import CpuPool
+    from lmcache_mp.server.quotas import Quota
+    from lmcache_mp.server.registry import Registry
+    from lmcache_mp.server.store import ChunkKey, ChunkStore
+
+    salts = 2_000
+    pool = CpuPool(salts * 4096)
+    store = ChunkStore(pool.allocator, 60.0)
+    for i in range(salts):
+        key = ChunkKey(MODEL, 1, 0, f"salt-{i}", i.to_bytes(16, "little"))
+        store.commit(store.reserve(key, 4096, "g").chunk)
+    store.quotas.set("configured-only", Quota(cap=8192, reserve=4096))
+    sessions = Sessions("engine-token-0123456789", "admin-token-0123456789", False)
+    dispatcher = Dispatcher(Config(cpu_size=salts * 4096), store, pool,
+                            Registry(256, time.monotonic, lambda ticket: None, None),
+                            CopyEngine(1), sessions, "", push=lambda client, message: None)
+    lines = 0
+
+    def count_lines(frame, event, _arg):
+        nonlocal lines
+        lines += event == "line"
+        return count_lines
+    sys.settrace(count_lines)
+    try:
+        reply, tenants = dispatcher.snapshot_without_tenants()
+    finally:
+        sys.settrace(None)
+    assert reply.tenants == {} and reply.chunks == salts
+    assert lines < 300
+    listed = tenants()
+    assert len(listed) == salts + 1
+    assert (listed["salt-7"].bytes_used, listed["salt-7"].chunks) == (4096, 1)
+    assert (listed["configured-only"].cap, listed["configured-only"].bytes_used) == (8192, 0)
+    assert dispatcher.snapshot().tenants == listed
