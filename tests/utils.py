@@ -1,13 +1,17 @@
-"""Test helpers: a real server in a subprocess that must exit 0, and unique endpoints."""
+"""Test helpers: a real server in a subprocess that must exit 0, unique endpoints, a count of work."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from lmcache_mp.spawn import ServerProcess
+
+T = TypeVar("T")
 
 
 def ipc_url() -> str:
@@ -25,6 +29,23 @@ def run_server(*args: str, url: str | None = None) -> Iterator[ServerProcess]:
         code = server.close()
         if code != 0:
             raise AssertionError(f"server exited with {code}:\n{server.output()}")
+
+
+def lines_run(call: Callable[[], T]) -> tuple[T, int]:
+    """call()'s result, and how many lines of Python it ran: a count of work that, unlike
+    a time, does not move with the machine's load (for tests that bound a cost)."""
+    lines = 0
+
+    def count(frame, event, _arg):
+        nonlocal lines
+        lines += event == "line"
+        return count
+    sys.settrace(count)
+    try:
+        result = call()
+    finally:
+        sys.settrace(None)
+    return result, lines
 
 
 def shm_segments() -> set[str]:

@@ -11,7 +11,7 @@ from lmcache_mp.errors import BadRequest
 from lmcache_mp.server.exporter import OTHER, TenantLabels
 
 from ..redis_servers import redis_server
-from ..utils import run_server
+from ..utils import lines_run, run_server
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
 from .l2.test_failures import l2_keys
 from .l2.test_shared_tier import wait_for
@@ -205,7 +205,6 @@ def test_a_scrape_with_thousands_of_salts_costs_the_loop_no_walk_of_them():
     """The loop's part of a scrape copies the listing of salts; the metrics thread builds
     each tenant's figures from it. Per-user salts run to thousands: a walk of them on the
     loop stalled every request behind each scrape."""
-    import sys
     import time
 
     from lmcache_mp.server.access import Sessions
@@ -228,17 +227,7 @@ def test_a_scrape_with_thousands_of_salts_costs_the_loop_no_walk_of_them():
     dispatcher = Dispatcher(Config(cpu_size=salts * 4096), store, pool,
                             Registry(256, time.monotonic, lambda ticket: None, None),
                             CopyEngine(1), sessions, "", push=lambda client, message: None)
-    lines = 0
-
-    def count_lines(frame, event, _arg):
-        nonlocal lines
-        lines += event == "line"
-        return count_lines
-    sys.settrace(count_lines)
-    try:
-        reply, tenants = dispatcher.snapshot_without_tenants()
-    finally:
-        sys.settrace(None)
+    (reply, tenants), lines = lines_run(dispatcher.snapshot_without_tenants)
     assert reply.tenants == {} and reply.chunks == salts
     assert lines < 300
     listed = tenants()

@@ -1,12 +1,13 @@
 import logging
 import random
-import sys
 import threading
 
 import pytest
 
 from lmcache_mp.server import pool as pool_module
 from lmcache_mp.server.pool import ALIGNMENT, CpuPool, ExtentAllocator
+
+from ..utils import lines_run
 
 
 def test_allocates_aligned_extents_until_full():
@@ -109,18 +110,8 @@ def test_a_pool_full_of_holes_allocates_without_scanning_them():
     pages = [allocator.allocate(ALIGNMENT) for _ in range(2 * holes)]
     for offset in pages[::2]:
         allocator.free(offset, ALIGNMENT)
-    lines = 0
-
-    def count_lines(frame, event, _arg):
-        nonlocal lines
-        lines += event == "line"
-        return count_lines
-    sys.settrace(count_lines)
-    try:
-        big = allocator.allocate(32 * ALIGNMENT)
-        too_big = allocator.allocate(64 * ALIGNMENT)
-    finally:
-        sys.settrace(None)
+    (big, too_big), lines = lines_run(
+        lambda: (allocator.allocate(32 * ALIGNMENT), allocator.allocate(64 * ALIGNMENT)))
     assert big == 2 * holes * ALIGNMENT and too_big is None
     assert lines < 200
 

@@ -7,6 +7,8 @@ from lmcache_mp.server.pool import ALIGNMENT, ExtentAllocator
 from lmcache_mp.server.quotas import Quota, QuotaBook
 from lmcache_mp.server.store import ChunkKey, ChunkStore, LeaseOwner, PrefixScan
 
+from ..utils import lines_run
+
 ENGINE = b"engine"  # leases belong to an engine (access.Session.engine)
 
 CHUNK = 2 * ALIGNMENT
@@ -369,31 +371,17 @@ def test_totals_and_cap_checks_do_not_add_up_every_salt(clock):
     """STATS's totals and a quota reload's cap checks with thousands of salts listed (an
     engine may name any): the totals are kept as they change, so reading them costs the
     same for any number of salts, and checking every salt's cap costs each salt once."""
-    import sys
     salts = 2_000
     store = make_store(clock, chunks=salts)
     for i in range(salts):
         store.commit(store.reserve(key(i, salt=f"salt-{i}"), CHUNK, GEOMETRY).chunk)
         store.lookup("m", 1, f"salt-{i}", [h(i), h(10**6)])
     store.lookup("m", 1, "never-stored", [h(0)])
-    lines = 0
-
-    def count_lines(frame, event, _arg):
-        nonlocal lines
-        lines += event == "line"
-        return count_lines
-    sys.settrace(count_lines)
-    try:
-        totals = [store.total(counter) for counter in ("hits", "misses", "evictions")]
-    finally:
-        sys.settrace(None)
+    totals, lines = lines_run(
+        lambda: [store.total(counter) for counter in ("hits", "misses", "evictions")])
     assert totals == [salts, salts + 1, 0] and lines < 20
     store.quotas.set("salt-5", Quota(cap=0))
-    sys.settrace(count_lines)
-    try:
-        assert store.enforce_caps() == 1
-    finally:
-        sys.settrace(None)
-    assert lines < 100 * salts
+    evicted, lines = lines_run(store.enforce_caps)
+    assert evicted == 1 and lines < 100 * salts
     assert store.total("evictions") == 1 and store.lookup("m", 1, "salt-5", [h(5)]) == 0
     store.check_invariants()
