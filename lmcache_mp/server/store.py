@@ -89,7 +89,7 @@ class Lease:
 @dataclass
 class TenantUsage:
     """One cache_salt's share of the store and what happened to it (the store's totals of
-    every salt use its counters only)."""
+    every salt use its hits, misses and refused only: evictions are counted by cause)."""
 
     bytes_used: int = 0  # committed and pending chunks
     chunks: int = 0  # committed chunks
@@ -224,6 +224,8 @@ class ChunkStore:
     def total(self, counter: str) -> int:
         """A TenantUsage counter (hits, misses, evictions, refused) of every salt together,
         listed or departed."""
+        if counter == "evictions":  # every eviction is counted by its cause already
+            return sum(self.evictions_by_cause.values())
         return getattr(self._totals, counter)
 
     def _tenant(self, cache_salt: str) -> TenantUsage:
@@ -577,7 +579,6 @@ class ChunkStore:
             self._unindex(chunk.key)
             usage.bytes_used -= chunk.footprint
             usage.evictions += evicted
-            self._totals.evictions += evicted
             if free:
                 self.allocators[chunk.tier].free(chunk.offset, chunk.nbytes)
             free = True
@@ -606,10 +607,10 @@ class ChunkStore:
 
     def enforce_cap(self, cache_salt: str) -> int:
         """Evict the salt's unheld chunks until it is under its cap; return how many went."""
-        before = self._totals.evictions
+        before = self.evictions_by_cause[QUOTA_CAP]
         self._fit_under_cap(cache_salt, 0)
         self.forget_if_idle(cache_salt)
-        return self._totals.evictions - before
+        return self.evictions_by_cause[QUOTA_CAP] - before
 
     def enforce_caps(self) -> int:
         return sum(self.enforce_cap(salt) for salt in list(self.tenants))
@@ -708,7 +709,6 @@ class ChunkStore:
             assert usage.chunks == sum(1 for c in mine if c.committed)
             assert mine or self.quotas.has_own(salt), f"idle salt {salt!r} still listed"
         assert all(c.key.cache_salt in self.tenants for c in chunks)
-        assert self._totals.evictions == sum(self.evictions_by_cause.values())
         for counter in ("hits", "misses", "evictions", "refused"):  # departed salts' too
             assert self.total(counter) >= sum(getattr(u, counter) for u in self.tenants.values())
         # The scope index holds each chunk under its key's scope and hash, and nothing else.
