@@ -26,8 +26,14 @@ BLOCKS_PER_CHUNK = CHUNK_SIZE // W2["block_size"]
 MODEL = "test-model"
 
 
-def context():
-    return multiprocessing.get_context("spawn")
+def context() -> multiprocessing.context.ForkServerContext:
+    """Worker processes fork from a server process that imported torch and the client once:
+    a spawned one spends seconds importing them, and the suite starts about a hundred. The
+    server is started clean (never forked from pytest and its threads) and runs no torch op
+    and no CUDA, so what forks from it is as fresh as a spawned process."""
+    forkserver = multiprocessing.get_context("forkserver")
+    forkserver.set_forkserver_preload(["tests.workers", "tests.security.agents"])
+    return forkserver
 
 
 def make_cache(num_blocks: int, seed: int | None, shape=W2) -> SharedKVCache:

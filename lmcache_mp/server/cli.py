@@ -14,8 +14,6 @@ from .access import AccessError
 from .config import Config, build_parser
 from .logs import configure_logging
 from .quotas import QuotaError
-from .server import Server
-from .warm import WarmStartError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +24,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(config.to_toml())
         return 0
     configure_logging(config.log_level, config.log_format)
+    # What serves imports torch, seconds of start-up that --help, --print-config and a
+    # flag error do without.
+    from .server import Server
+    from .warm import WarmStartError
+
     logging.getLogger("lmcache_mp.server").info("configuration: %s", config.log_line())
     try:
         Server(config).run()

@@ -9,11 +9,10 @@ import importlib.util
 import ipaddress
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
-
-import torch
 
 from ..errors import BadRequest
 from ..protocol import MAX_CHUNKS_PER_MESSAGE, MAX_MESSAGE_BYTES, validate_salt
@@ -22,10 +21,18 @@ from ..sizes import exact_size, format_size, parse_size
 from ..quota_spec import Quota, format_quota_flag, parse_cap, parse_quota_flag
 from .quotas import QuotaBook, load_quota_file, tomllib
 from .l2.urls import check_url, read_password_file
-from .warm import ADOPT_MODES, SEGMENT_NAME
 
+SEGMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # --pool-segment
+ADOPT_MODES = ("auto", "require", "never")  # --adopt
 ENV_PREFIX = "LMCACHE_MP_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
+
+def _cuda_available() -> bool:
+    # torch takes seconds to import: --help, --print-config and flag errors go without it
+    import torch
+
+    return torch.cuda.is_available()
+
 
 def default_cpu_size() -> int:
     """A fifth of physical memory, capped at 32 GiB, floored at 256 MiB."""
@@ -280,7 +287,7 @@ class Config:
                 f"and give the clients the same token (LMCACHE_MP_TOKEN); see docs/security.md")
         if self.cpu_size < 1024**2:
             raise ValueError(f"--cpu-size must be at least 1MiB, got {self.cpu_size} bytes")
-        if self.gpu_size and not torch.cuda.is_available():
+        if self.gpu_size and not _cuda_available():
             raise ValueError("--gpu-size needs CUDA, and this server has none: leave it at 0")
         if not self.bind_url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"--url must start with tcp:// or ipc://, got {self.bind_url!r}")

@@ -43,8 +43,6 @@ SNAPSHOT_FORMAT = 2  # written by this server; 2 added each chunk's parent
 # reaches; a format 1 snapshot starts cold.
 READABLE_FORMATS = frozenset({2})
 SAMPLE_CHUNKS = 32  # checksums verified before adopting
-SEGMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
-ADOPT_MODES = ("auto", "require", "never")
 _CHECKSUM_THREADS = 4
 
 

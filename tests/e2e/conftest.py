@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from lmcache_mp.bench.vllm_engine import (EngineProcess, EngineSettings, engine_python,
-                                          write_model_with)
+from lmcache_mp.bench.vllm_engine import (EngineProcess, EngineSettings, TinyLlama,
+                                          engine_python, write_model_with)
 from lmcache_mp.client import CacheClient
 from lmcache_mp.spawn import ServerProcess
 
@@ -20,6 +20,14 @@ from ..utils import run_server
 
 CHUNK_SIZE = 64  # tokens: two of vLLM's CPU blocks (32)
 CACHE_NAME = "e2e-tiny-llama"  # the connector's `model`: engines of both seeds share keys
+# The reader loads a prefix of at most this many chunks synchronously and a longer one async
+# (the connector's sync_load_max_bytes): one engine runs both paths, as a deployment does.
+SYNC_LOAD_MAX_CHUNKS = 8
+
+
+def kv_bytes_per_token(shape: TinyLlama = TinyLlama()) -> int:
+    """K and V of every layer, float32 (the engines' dtype)."""
+    return shape.layers * 2 * shape.kv_heads * (shape.hidden // shape.heads) * 4
 
 
 @pytest.fixture(scope="package")
@@ -46,8 +54,7 @@ def models(python, tmp_path_factory) -> dict[int, str]:
 class Engines:
     server: ServerProcess
     writer: EngineProcess  # seed 1: computes and stores prefixes
-    reader: EngineProcess  # seed 1, another process: loads them (sync loads: small ones)
-    async_reader: EngineProcess  # seed 1, with every load async (sync_load_max_bytes 0)
+    reader: EngineProcess  # seed 1, another process: loads them (sync up to 8 chunks, else async)
     impostor: EngineProcess  # seed 2 under the same cache name: stores KV of other weights
 
 
@@ -61,11 +68,11 @@ def engines(python, models, tmp_path_factory) -> Iterator[Engines]:
                                       cache_name=CACHE_NAME, **options)
             return stack.enter_context(EngineProcess(python, settings, logs / f"{name}.log"))
 
-        started = Engines(server, engine("writer", 1), engine("reader", 1),
-                          engine("async-reader", 1, sync_load_max_bytes=0),
+        sync_load_max_bytes = SYNC_LOAD_MAX_CHUNKS * CHUNK_SIZE * kv_bytes_per_token()
+        started = Engines(server, engine("writer", 1),
+                          engine("reader", 1, sync_load_max_bytes=sync_load_max_bytes),
                           engine("impostor", 2))
-        for process in (started.writer, started.reader, started.async_reader,
-                        started.impostor):
+        for process in (started.writer, started.reader, started.impostor):
             process.wait_ready()
         yield started
 

@@ -15,7 +15,7 @@ import pytest
 
 from lmcache_mp.bench.vllm_engine import BatchResult, Completion, EngineProcess, Prompt
 
-from .conftest import CHUNK_SIZE
+from .conftest import CHUNK_SIZE, SYNC_LOAD_MAX_CHUNKS
 
 # the first test also waits for the module's engines to start
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -67,19 +67,19 @@ def store_prefix(engine: EngineProcess, admin, prompt: list[int], salt: str) -> 
     wait_stored(admin, salt, len(prompt) // CHUNK_SIZE)
 
 
-@pytest.mark.parametrize("reader", ["reader", "async_reader"])
-def test_loaded_prefix_gives_the_cold_output(engines, admin, reader):
+@pytest.mark.parametrize("chunks", [5, SYNC_LOAD_MAX_CHUNKS + 3], ids=["sync", "async"])
+def test_loaded_prefix_gives_the_cold_output(engines, admin, chunks):
     """Loaded synchronously (the forward pass of the step that looks the request up reads
     it) or asynchronously (the request waits outside the batch): the cold run's output."""
-    rng = random.Random(11 if reader == "reader" else 16)
-    prompt = tokens(5 * CHUNK_SIZE + 17, rng)
+    rng = random.Random(11 if chunks == 5 else 16)
+    prompt = tokens(chunks * CHUNK_SIZE + 17, rng)
     salt = fresh_salt()
     store_prefix(engines.writer, admin, prompt, salt)
-    expected = cold(getattr(engines, reader), prompt)
+    expected = cold(engines.reader, prompt)
     before = retrieves(admin)
-    loaded = run(getattr(engines, reader), Prompt(prompt, salt))[0]
+    loaded = run(engines.reader, Prompt(prompt, salt))[0]
     assert retrieves(admin) > before, "the reader loaded nothing"
-    assert tenant_hits(admin, salt) >= 5
+    assert tenant_hits(admin, salt) >= chunks
     assert loaded == expected
     # the writer computed the same, in another process
     assert run(engines.writer, Prompt(prompt, fresh_salt()))[0] == expected
@@ -114,13 +114,14 @@ def test_partial_prefix_loads_the_shared_chunks(engines, admin):
     assert loaded == expected
 
 
-def test_batch_mixing_hits_partial_hits_and_misses(engines, admin):
+def test_batch_mixing_sync_and_async_hits_partial_hits_and_misses(engines, admin):
     rng = random.Random(14)
     salt = fresh_salt()
     whole, partial_source = tokens(4 * CHUNK_SIZE + 3, rng), tokens(4 * CHUNK_SIZE + 40, rng)
-    store_prefix(engines.writer, admin, whole, salt)
-    store_prefix(engines.writer, admin, partial_source, salt)
-    batch = [whole, tokens(3 * CHUNK_SIZE + 11, rng),
+    long = tokens((SYNC_LOAD_MAX_CHUNKS + 2) * CHUNK_SIZE + 5, rng)  # loaded async
+    for stored in (whole, partial_source, long):
+        store_prefix(engines.writer, admin, stored, salt)
+    batch = [whole, long, tokens(3 * CHUNK_SIZE + 11, rng),
              partial_source[:2 * CHUNK_SIZE] + tokens(CHUNK_SIZE + 7, rng),
              tokens(2 * CHUNK_SIZE + 50, rng)]
     expected = [cold(engines.reader, prompt) for prompt in batch]

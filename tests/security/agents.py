@@ -1,6 +1,6 @@
-"""What the security tests share: real servers, and agents (worker or attacker processes
-started with multiprocessing "spawn", as root or as `nobody`) that the test drives step by
-step, and a raw ZeroMQ client for frames no well-behaved client sends.
+"""What the security tests share: real servers, and agents (worker or attacker processes,
+forked from the tests' worker server (tests.workers.context), as root or as `nobody`) that
+the test drives step by step, and a raw ZeroMQ client for frames no well-behaved client sends.
 
 An agent runs a loop in its own process: the test sends it a module-level function and
 arguments, the agent runs it with its own state (clients, caches, registrations kept by
@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
-import multiprocessing
 import os
 import struct
 import time
@@ -28,6 +27,7 @@ import zmq
 from lmcache_mp import protocol
 from lmcache_mp.client import CacheClient, SharedKVCache
 
+from .. import workers
 from ..utils import run_server
 
 NOBODY = 65534  # uid of `nobody` and gid of `nogroup`: the other user of these tests
@@ -124,7 +124,7 @@ class Agent:
     """A worker or attacker in its own process; `uid`: run as that user (and its group)."""
 
     def __init__(self, name: str, uid: int | None = None):
-        context = multiprocessing.get_context("spawn")
+        context = workers.context()
         self.name = name
         self.conn, child = context.Pipe()
         self.progress: list = []  # what calls reported with state["report"](value)

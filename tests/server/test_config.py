@@ -68,6 +68,22 @@ def test_help_explains_every_option():
         assert "LMCACHE_MP_" + field.name.upper() in out.replace("\n", "").replace(" ", "")
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["--print-config"], ["--cpu-size", "1"]])
+def test_flags_are_answered_without_importing_torch(argv):
+    """torch takes seconds to import: an operator's --help, --print-config or typo is
+    answered without it (the server imports it once it serves)."""
+    probe = ("import runpy, sys\n"
+             f"sys.argv = ['lmcache-mp-server', *{argv!r}]\n"
+             "try:\n"
+             "    runpy.run_module('lmcache_mp.cli', run_name='__main__')\n"
+             "except SystemExit as exc:\n"
+             "    print('exit', exc.code, 'torch' in sys.modules, file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60)
+    expected_code = 2 if argv[0] == "--cpu-size" else 0
+    assert done.stderr.splitlines()[-1] == f"exit {expected_code} False", done.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_a_gpu_tier_needs_cuda(capsys):
     assert Config.from_args([], env={}).gpu_size == 0
