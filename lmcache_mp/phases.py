@@ -1,8 +1,9 @@
 """Per-phase time of requests, for `lmcache-mp-bench --profile`: off unless asked for.
 
-With LMCACHE_MP_PROFILE naming a directory (the bench sets it for the server and the ranks
-it starts), every process that imports this module adds perf_counter_ns() spans per
-"OP phase" and writes its totals there as JSON when it exits. Off, a stamp is a call
+With LMCACHE_MP_PROFILE naming a directory (the bench sets it for the server it starts),
+every process that imports this module adds perf_counter_ns() spans per "OP phase" and
+writes its totals there as JSON when it exits; the bench's ranks, forked rather than
+started, call enable() and dump() themselves. Off, a stamp is a call
 and a flag test: no clock read, no formatting; where a call is too much (the Python calls
 around a LOOKUP, ~3% of its own work), the caller tests `enabled` first.
 """

@@ -22,6 +22,15 @@ from .shapes import KVShape
 from .workloads import Request
 
 
+def rank_context() -> multiprocessing.context.ForkServerContext:
+    """Rank processes fork from a server process that imported torch and the client once (a
+    spawned rank spent seconds on that). The server is started clean, runs no torch op and
+    never touches CUDA, so a rank starts as fresh as a spawned one, CUDA included."""
+    forkserver = multiprocessing.get_context("forkserver")
+    forkserver.set_forkserver_preload(["lmcache_mp.bench.ranks"])
+    return forkserver
+
+
 @dataclass(frozen=True)
 class EngineSetup:
     index: int
@@ -39,6 +48,7 @@ class EngineSetup:
     timeout: float
     verify: bool
     redis_url: str | None
+    profile_dir: str | None = None  # --profile: where each rank writes its phase totals
 
 
 @dataclass
@@ -101,8 +111,9 @@ class Engine:
         # (cache_salt, chunk hashes) of recent prompts that stored or hit: for the LOOKUP phase
         self.recent_prefixes: deque[tuple[str, list[bytes]]] = deque(maxlen=64)
 
-    def start(self, context: multiprocessing.context.BaseContext) -> None:
+    def start(self) -> None:
         setup = self.setup
+        context = rank_context()
         self.client = CacheClient(setup.url, timeout=setup.timeout,
                                   client_name=f"lmcache-mp-bench scheduler {setup.index}",
                                   engine=setup.engine, token=setup.token)
@@ -116,7 +127,7 @@ class Engine:
                                    self._strategy(rank), setup.num_blocks, setup.model, group,
                                    setup.timeout, setup.verify, setup.redis_url,
                                    counts_stores=not self._every_rank_sends_mla
-                                   or rank % setup.tp == 0)
+                                   or rank % setup.tp == 0, profile_dir=setup.profile_dir)
             parent, child = context.Pipe()
             process = context.Process(target=rank_main, args=(rank_setup, child), daemon=True,
                                       name=f"bench-engine{setup.index}-rank{rank}")

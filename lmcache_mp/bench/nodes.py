@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import multiprocessing
 import random
 import secrets
 import time
@@ -177,7 +176,6 @@ def run_nodes(options: BenchOptions, nodes_options: NodesOptions,
             nodes.append(node)
         # Engines of every node, numbered in one sequence: the workload splits its
         # conversations over all of them, so each node serves its share.
-        context = multiprocessing.get_context("spawn")
         blocks = options.batch * -(-workload.max_prompt_tokens // shape.block_size)
         for number in range(engines_total):
             node = nodes[number % len(nodes)]
@@ -191,7 +189,7 @@ def run_nodes(options: BenchOptions, nodes_options: NodesOptions,
             f"{len(nodes)} nodes")
         for node in nodes:
             for engine in node.engines:
-                engine.start(context)
+                engine.start()
 
         phase = PhaseResult("chat")
         hits = NodeHits()

@@ -9,6 +9,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from .. import phases
 from ..client import (
     CacheClient,
     ParallelStrategy,
@@ -37,6 +38,7 @@ class RankSetup:
     # False where another rank stores the same chunks (MLA without leader-only sending):
     # the server answers ALREADY_STORED and copies nothing, so the bytes count once.
     counts_stores: bool = True
+    profile_dir: str | None = None  # --profile: where this rank writes its phase totals
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,13 @@ def run_step(adapter: WorkerAdapter, pattern: Pattern, peer: RedisPeer | None,
 
 def rank_main(setup: RankSetup, conn: Connection) -> None:
     """A rank process: set up, answer "ready", then one StepReport per StepOrder until None."""
+    # It forks from a server that imported phases under the environment that server began
+    # with: this run's --profile decides, and its totals are written below (a forked
+    # process runs no atexit).
+    if setup.profile_dir is None:
+        phases.disable()
+    else:
+        phases.enable(setup.profile_dir)
     torch.set_num_threads(1)
     shape, parallel = setup.shape, setup.parallel
     with SharedKVCache(shape.layout, shape.layers, setup.num_blocks, shape.block_size,
@@ -259,3 +268,4 @@ def rank_main(setup: RankSetup, conn: Connection) -> None:
                 conn.send(StepReport(errors=[f"{type(exc).__name__}: {exc}"]))
         client.unregister(adapter.registration)
         del pattern, peer  # their views of the cache must go before the segment closes
+    phases.dump()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import platform
 import secrets
@@ -113,8 +112,9 @@ def run(options: BenchOptions, log: Callable[[str], None]) -> Report:
     workload = _workload(options, salt)
     with contextlib.ExitStack() as stack:
         profile: dict[str, list[int]] = {}
+        profile_dir = None
         if options.profile:
-            # Before the server and the ranks start: they inherit it and time themselves.
+            # Before the server starts: it inherits it and times itself (the ranks are told).
             profile_dir = stack.enter_context(tempfile.TemporaryDirectory(
                 prefix="lmcache-mp-profile-"))
             os.environ[phases.ENV] = profile_dir
@@ -158,7 +158,6 @@ def run(options: BenchOptions, log: Callable[[str], None]) -> Report:
             log(f"redis-server on {redis.url}")
 
         stack.callback(_forget, client, workload)
-        context = multiprocessing.get_context("spawn")
         engines = []
         # The engine token: our own server's; else what runtime.find_token finds (needed on
         # a tcp:// endpoint: $LMCACHE_MP_TOKEN or the default runtime directory's file).
@@ -169,12 +168,12 @@ def run(options: BenchOptions, log: Callable[[str], None]) -> Report:
             engine = Engine(EngineSetup(
                 index, url, secrets.token_hex(16), token, options.shape, options.tp, options.pp,
                 options.mla, blocks, model, options.timeout, options.verify,
-                redis.url if redis else None), options.seed)
+                redis.url if redis else None, profile_dir), options.seed)
             stack.callback(engine.close)
             engines.append(engine)
         log(f"starting {options.workers} engine(s) × {world} rank process(es)")
         for engine in engines:
-            engine.start(context)
+            engine.start()
 
         step_bytes = options.batch * options.chunks * options.shape.chunk_bytes
         copy_bound = CopyBound(min(max(step_bytes, 64 * MiB), 1024 * MiB))
