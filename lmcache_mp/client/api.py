@@ -24,7 +24,6 @@ from ..protocol import (
     TensorHandle, TransferItem, UnregisterKVCacheRequest, unpack_push,
 )
 from .rpc import DEFAULT_TIMEOUT_S, RpcClient
-from .shm import find_segment
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +154,8 @@ class CacheClient:
                                    if isinstance(h, MemfdHandle) and not h.ticket))
         if not names:
             return request
+        from .shm import find_segment  # torch: a client that registers none goes without it
+
         segments = [find_segment(name) for name in names]
         missing = [name for name, segment in zip(names, segments) if segment is None]
         if missing:

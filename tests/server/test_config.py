@@ -68,10 +68,11 @@ def test_help_explains_every_option():
         assert "LMCACHE_MP_" + field.name.upper() in out.replace("\n", "").replace(" ", "")
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["--print-config"], ["--cpu-size", "1"]])
+@pytest.mark.parametrize("argv", [["--help"], ["--print-config"], ["--cpu-size", "1"],
+                                  ["quota", "--help"]])
 def test_flags_are_answered_without_importing_torch(argv):
-    """torch takes seconds to import: an operator's --help, --print-config or typo is
-    answered without it (the server imports it once it serves)."""
+    """torch takes seconds to import: an operator's --help, --print-config or typo, and the
+    quota command, go without it (the server imports it once it serves)."""
     probe = ("import runpy, sys\n"
              f"sys.argv = ['lmcache-mp-server', *{argv!r}]\n"
              "try:\n"
