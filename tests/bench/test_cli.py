@@ -17,7 +17,8 @@ import pytest
 
 from tests.utils import run_server
 
-pytestmark = pytest.mark.slow
+# Above bench()'s own 240 s: a hung run fails its own test instead of ending the session.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 BENCH = Path(sys.executable).parent / "lmcache-mp-bench"
 TINY = ["--lookup-rounds", "1", "--lookup-iters", "20", "--lookup-seconds", "0.2",
