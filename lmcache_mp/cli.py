@@ -14,7 +14,7 @@ from .server import cli as server_cli
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["quota"]:
-        from . import admin  # a client, with torch: the server's --help goes without it
+        from . import admin  # a client: a server never loads it
         return admin.main(argv[1:])
     return server_cli.main(argv)
 

@@ -3,9 +3,9 @@
 With LMCACHE_MP_PROFILE naming a directory (the bench sets it for the server it starts),
 every process that imports this module adds perf_counter_ns() spans per "OP phase" and
 writes its totals there as JSON when it exits; the bench's ranks, forked rather than
-started, call enable() and dump() themselves. Off, a stamp is a call
-and a flag test: no clock read, no formatting; where a call is too much (the Python calls
-around a LOOKUP, ~3% of its own work), the caller tests `enabled` first.
+started, call enable() and dump() themselves. Off, a stamp is a call and a flag test: no
+clock read, no formatting; where a call is too much (the Python calls around a LOOKUP, ~3%
+of its own work), the caller tests `enabled` first.
 """
 
 from __future__ import annotations
