@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from lmcache_mp.client import CacheClient, LookupItem, SharedKVCache, TransferItem, chunk_hashes
+from lmcache_mp.preload import preloaded_context
 from lmcache_mp.protocol import StoreRequest
 
 # W2 (docs/benchmarks.md): MHA, 4 layers, 2 kv heads x 64, float16, block 16, chunk 256 (512 KiB).
@@ -27,13 +28,9 @@ MODEL = "test-model"
 
 
 def context() -> multiprocessing.context.ForkServerContext:
-    """Worker processes fork from a server process that imported torch and the client once:
-    a spawned one spends seconds importing them, and the suite starts about a hundred. The
-    server is started clean (never forked from pytest and its threads) and runs no torch op
-    and no CUDA, so what forks from it is as fresh as a spawned process."""
-    forkserver = multiprocessing.get_context("forkserver")
-    forkserver.set_forkserver_preload(["tests.workers", "tests.security.agents"])
-    return forkserver
+    """Workers and agents fork from a forkserver that imported torch and the client once (a
+    spawned one spent seconds on that; the suite starts about a hundred)."""
+    return preloaded_context(["tests.workers", "tests.security.agents"])
 
 
 def make_cache(num_blocks: int, seed: int | None, shape=W2) -> SharedKVCache:

@@ -17,18 +17,10 @@ from ..client import (
     SchedulerAdapter,
     StoreSpec,
 )
+from ..preload import preloaded_context
 from .ranks import ChunkRef, RankSetup, StepOrder, StepReport, rank_main
 from .shapes import KVShape
 from .workloads import Request
-
-
-def rank_context() -> multiprocessing.context.ForkServerContext:
-    """Rank processes fork from a server process that imported torch and the client once (a
-    spawned rank spent seconds on that). The server is started clean, runs no torch op and
-    never touches CUDA, so a rank starts as fresh as a spawned one, CUDA included."""
-    forkserver = multiprocessing.get_context("forkserver")
-    forkserver.set_forkserver_preload(["lmcache_mp.bench.ranks"])
-    return forkserver
 
 
 @dataclass(frozen=True)
@@ -113,7 +105,7 @@ class Engine:
 
     def start(self) -> None:
         setup = self.setup
-        context = rank_context()
+        context = preloaded_context(["lmcache_mp.bench.ranks"])  # see preload.py
         self.client = CacheClient(setup.url, timeout=setup.timeout,
                                   client_name=f"lmcache-mp-bench scheduler {setup.index}",
                                   engine=setup.engine, token=setup.token)
