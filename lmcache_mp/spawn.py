@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import shutil
 import signal
 import subprocess
@@ -19,16 +21,25 @@ from .errors import TransportError
 class ServerProcess:
     """`python -m lmcache_mp.server --url URL --runtime-dir DIR ARGS...`, its log kept in a
     temporary file. Without `url`, it serves the ipc:// socket of its runtime directory;
-    without `runtime_dir`, that is a fresh private temporary directory, removed by close()."""
+    without `runtime_dir`, that is a fresh private temporary directory, removed by close().
+
+    With `preloaded` (a forkserver context that imported lmcache_mp.server.server, see
+    lmcache_mp.preload), the server is forked from it and runs the same main() with the
+    caller's environment and working directory, without the seconds an exec'd interpreter
+    spends importing torch; `proc` then answers as a Popen does."""
 
     def __init__(self, url: str | None = None, args: list[str] = (),
-                 runtime_dir: str | None = None):
+                 runtime_dir: str | None = None,
+                 preloaded: multiprocessing.context.ForkServerContext | None = None):
         self._own_dir = runtime_dir is None
         self.runtime_dir = Path(runtime_dir or tempfile.mkdtemp(prefix="lmcache-mp-"))
         self.url = url or runtime.ipc_url(self.runtime_dir)
         self.args = list(args)
-        self.proc: subprocess.Popen | None = None
-        self._log = tempfile.TemporaryFile("w+")  # a pipe could fill up and stall the server
+        self.preloaded = preloaded
+        self.proc: subprocess.Popen | ForkedServer | None = None
+        # A file, not a pipe, that could fill up and stall the server; named, so that a
+        # forked server can open it.
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="lmcache-mp-server-log-")
         self._output = ""
 
     def token(self, admin: bool = False) -> str:
@@ -43,10 +54,12 @@ class ServerProcess:
     def start(self, ready_timeout: float = 60.0) -> float:
         """Start it and wait until it answers HELLO; return the seconds that took."""
         started = time.monotonic()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmcache_mp.server", "--url", self.url,
-             "--runtime-dir", str(self.runtime_dir), *self.args],
-            stdout=self._log, stderr=subprocess.STDOUT)
+        argv = ["--url", self.url, "--runtime-dir", str(self.runtime_dir), *self.args]
+        if self.preloaded is None:
+            self.proc = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server", *argv],
+                                         stdout=self._log, stderr=subprocess.STDOUT)
+        else:
+            self.proc = ForkedServer(self.preloaded, argv, self._log.name)
         while not (self.runtime_dir / runtime.TOKEN_NAME).exists():
             self.check_alive()
             if time.monotonic() - started > ready_timeout:
@@ -112,3 +125,64 @@ class ServerProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class ForkedServer:
+    """A server forked from a preloaded forkserver, with the part of subprocess.Popen's
+    interface that callers of ServerProcess use: pid, returncode, poll, wait, send_signal,
+    terminate, kill."""
+
+    def __init__(self, preloaded: multiprocessing.context.ForkServerContext, argv: list[str],
+                 log_path: str):
+        self.args = argv
+        # Daemonic: one a caller left running is stopped when the caller exits, not waited for.
+        self._process = preloaded.Process(
+            target=_serve_forked, args=(argv, log_path, dict(os.environ), os.getcwd()),
+            name="lmcache-mp-server", daemon=True)
+        self._process.start()
+        self.pid = self._process.pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._process.exitcode is not None:
+            self.returncode = self._process.exitcode
+            self._process.close()  # its sentinel pipe: a test suite forks over a hundred
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # an exited server's pid may already be someone else's
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _serve_forked(argv: list[str], log_path: str, environ: dict[str, str], cwd: str) -> None:
+    """A forked server's first frame: the caller's environment, directory and log, as an
+    exec'd one would have them, then main()."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    from . import phases
+    if environ.get(phases.ENV):  # phases read it on import, in the forkserver's environment
+        phases.enable(environ[phases.ENV])
+    from .server.cli import main
+    try:
+        code = main(argv)
+    finally:
+        phases.dump()  # a forked child exits without atexit, which dumps an exec'd one's
+    sys.exit(code)

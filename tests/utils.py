@@ -11,6 +11,8 @@ from typing import TypeVar
 
 from lmcache_mp.spawn import ServerProcess
 
+from .workers import context
+
 T = TypeVar("T")
 
 
@@ -18,10 +20,19 @@ def ipc_url() -> str:
     return f"ipc:///tmp/lmcache-mp-test-{uuid.uuid4().hex[:12]}.sock"
 
 
+def server_process(url: str | None = None, args: list[str] = (),
+                   runtime_dir: str | None = None) -> ServerProcess:
+    """A real server (the CLI's main()) in a child forked from the tests' forkserver, which
+    imported it once: an exec'd one spends seconds importing torch, and the suite starts
+    over a hundred. The exec'd start users get is what test_readme, test_config and the
+    bench's tests run."""
+    return ServerProcess(url, args, runtime_dir, preloaded=context())
+
+
 @contextlib.contextmanager
 def run_server(*args: str, url: str | None = None) -> Iterator[ServerProcess]:
     """A real `lmcache-mp-server` in a subprocess; it must exit 0 on SIGTERM at the end."""
-    server = ServerProcess(url, ["--cpu-size", "64MiB", "--log-level", "warning", *args])
+    server = server_process(url, ["--cpu-size", "64MiB", "--log-level", "warning", *args])
     server.start()
     try:
         yield server

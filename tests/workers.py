@@ -28,9 +28,11 @@ MODEL = "test-model"
 
 
 def context() -> multiprocessing.context.ForkServerContext:
-    """Workers and agents fork from a forkserver that imported torch and the client once (a
-    spawned one spent seconds on that; the suite starts about a hundred)."""
-    return preloaded_context(["tests.workers", "tests.security.agents"])
+    """Workers, agents and servers (tests.utils.server_process) fork from a forkserver that
+    imported torch, the client and the server once (an exec'd one spent seconds on that; the
+    suite starts about a hundred of each)."""
+    return preloaded_context(["tests.workers", "tests.security.agents", "lmcache_mp.spawn",
+                              "lmcache_mp.server.cli", "lmcache_mp.server.server"])
 
 
 def make_cache(num_blocks: int, seed: int | None, shape=W2) -> SharedKVCache:

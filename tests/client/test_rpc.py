@@ -12,9 +12,8 @@ import torch
 from lmcache_mp.client import CacheClient, LookupItem, RpcClient, StoreStatus, TransferItem
 from lmcache_mp.errors import RequestTimeout, ServerUnavailable
 from lmcache_mp.protocol import PingReply, PingRequest, StatsReply, StatsRequest, StoreRequest
-from lmcache_mp.spawn import ServerProcess
 
-from ..utils import ipc_url, run_server
+from ..utils import ipc_url, run_server, server_process
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
 
 W1 = dict(layout="mha", num_layers=32, block_size=16, heads=8, head_dim=128, dtype=torch.float16)
@@ -133,7 +132,7 @@ def test_wait_reads_replies_on_the_waiting_thread_and_ends_at_its_timeout(server
         else:  # the background thread may win a race now and then, not every time
             pytest.fail(f"replies were resolved on {resolved_on}, never all on the waiter")
 
-    with ServerProcess() as srv, RpcClient(srv.url, timeout=30) as client:
+    with server_process() as srv, RpcClient(srv.url, timeout=30) as client:
         client.call(PingRequest())
         pumps = {}
         pump = client._pump
@@ -183,7 +182,7 @@ def test_a_call_that_must_not_wait_for_the_connection_fails_at_once():
 def test_calls_sent_to_a_server_that_dies_fail_on_the_lost_connection():
     """The server stops before it reads a call, then dies: the call fails when the
     connection drops, not at its timeout (no reply can come any more)."""
-    server = ServerProcess(None, ["--cpu-size", "64MiB", "--log-level", "warning"])
+    server = server_process(None, ["--cpu-size", "64MiB", "--log-level", "warning"])
     server.start()
     try:
         with server.client(timeout=120) as client:

@@ -12,9 +12,8 @@ import torch
 from lmcache_mp.client import (
     CacheClient, LookupItem, ParallelStrategy, TransferItem, WorkerAdapter,
 )
-from lmcache_mp.spawn import ServerProcess
 
-from ..utils import ipc_url, run_server
+from ..utils import ipc_url, run_server, server_process
 from ..workers import MLA, MODEL, chunk_blocks, expected_blocks, make_cache, prompt
 
 NUM_BLOCKS = 8 * 16
@@ -77,7 +76,7 @@ def test_a_late_load_done_is_not_taken_for_the_next_load_of_the_request():
 def test_waiting_for_a_store_ends_at_once_when_the_server_dies():
     """The server stops before it reads a STORE, then dies: the wait ends on the lost
     connection, long before the store's deadline (a dead server reads no blocks)."""
-    server = ServerProcess(None, ["--cpu-size", "64MiB", "--log-level", "warning"])
+    server = server_process(None, ["--cpu-size", "64MiB", "--log-level", "warning"])
     server.start()
     try:
         with make_cache(NUM_BLOCKS, 5) as cache, server.client(timeout=30) as client:
@@ -121,7 +120,7 @@ def test_the_first_store_after_a_server_restart_is_sent_again_and_lands():
     source = chunk_blocks([2, 3, 4])
     with make_cache(NUM_BLOCKS, 7) as cache, CacheClient(url, timeout=30) as client:
         adapter = WorkerAdapter(client, MODEL, ALONE, load_timeout=30)
-        server = ServerProcess(url, ["--cpu-size", "64MiB", "--log-level", "warning"])
+        server = server_process(url, ["--cpu-size", "64MiB", "--log-level", "warning"])
         server.start()
         try:
             adapter.register_kv_cache(cache)
@@ -130,7 +129,7 @@ def test_the_first_store_after_a_server_restart_is_sent_again_and_lands():
             finished(adapter, 0, "a")
             server.proc.kill()
             server.close()
-            server = ServerProcess(url, ["--cpu-size", "64MiB", "--log-level", "warning"])
+            server = server_process(url, ["--cpu-size", "64MiB", "--log-level", "warning"])
             server.start()
             client.ping()  # connected to the new server (a STORE sent before would be skipped)
             adapter.start_store([TransferItem.build("b", second, source)])

@@ -10,9 +10,8 @@ import time
 
 import torch
 
-from lmcache_mp.spawn import ServerProcess
 
-from ..utils import ipc_url, run_server
+from ..utils import ipc_url, run_server, server_process
 from .test_vllm import (
     BLOCK, FullAttentionSpec, KVConnectorOutput, KVConnectorRole, LMCacheMPServerConnector,
     MLAAttentionSpec, Request, RequestStatus, SamplingParams, blocks_of, hand_config,
@@ -25,7 +24,7 @@ def test_with_the_server_gone_preemptions_and_finished_requests_wait_for_nothing
     """Two requests' stores are in flight when the server stops, then dies: the step that
     handles the preemption of one and the end of the other returns on the lost
     connection, long before the stores' deadline, and reports the finished request."""
-    server = ServerProcess(None, ["--cpu-size", "64MiB", "--log-level", "warning"])
+    server = server_process(None, ["--cpu-size", "64MiB", "--log-level", "warning"])
     server.start()
     scheduler, worker = one_rank_connectors(server.url, load_timeout=120.0, timeout=2.0)
     try:
@@ -67,7 +66,7 @@ def test_the_first_store_after_a_server_restart_lands_and_loads_byte_for_byte():
     """The server is killed and another starts at the same endpoint: the next request's
     STORE finds the worker's registration gone, registers again and is sent again."""
     url = ipc_url()
-    server = ServerProcess(url, ["--cpu-size", "64MiB", "--log-level", "warning"])
+    server = server_process(url, ["--cpu-size", "64MiB", "--log-level", "warning"])
     server.start()
     config = hand_config(url)
     kvcc = kv_cache_config(FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64,
@@ -82,7 +81,7 @@ def test_the_first_store_after_a_server_restart_lands_and_loads_byte_for_byte():
         write_chunks(scheduler, worker, "before", prompt(33, 2 * 256), list(range(32)))
         server.proc.kill()
         server.close()
-        server = ServerProcess(url, ["--cpu-size", "64MiB", "--log-level", "warning"])
+        server = server_process(url, ["--cpu-size", "64MiB", "--log-level", "warning"])
         server.start()
         worker._worker.client.ping()  # connected again (a STORE sent before is skipped)
         tokens = prompt(34, 2 * 256 + 3)

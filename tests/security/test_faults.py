@@ -20,9 +20,8 @@ from lmcache_mp import runtime
 from lmcache_mp.client import LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.protocol import RetrieveRequest, StoreRequest
-from lmcache_mp.spawn import ServerProcess
 
-from ..utils import run_server
+from ..utils import run_server, server_process
 from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, prompt
 from .agents import (
     Agent, Ref, connect, make, new_cache, open_fds, raw_bytes, register, wait_for,
@@ -253,7 +252,7 @@ def test_killed_workers_leave_nothing_behind_then_sigterm_under_load_drains():
 def test_a_killed_server_leaves_its_socket_files_until_cleaned_and_a_restart_serves_again(
         tmp_path, later_workers):
     runtime_dir = tmp_path / "rt"
-    server = ServerProcess(None, ["--log-level", "warning", *SERVER_ARGS],
+    server = server_process(None, ["--log-level", "warning", *SERVER_ARGS],
                            runtime_dir=str(runtime_dir))
     server.start()
     workers = {tag: start_worker(f"worker{tag}", server.url, 600 + tag, agent)
@@ -275,7 +274,7 @@ def test_a_killed_server_leaves_its_socket_files_until_cleaned_and_a_restart_ser
 
         # A new server on the same runtime directory replaces the stale fd.sock; the workers
         # carry on without being told: HELLO again, register again.
-        restarted = ServerProcess(None, ["--log-level", "warning", *SERVER_ARGS],
+        restarted = server_process(None, ["--log-level", "warning", *SERVER_ARGS],
                                   runtime_dir=str(runtime_dir))
         restarted.start()
         try:

@@ -15,9 +15,8 @@ from lmcache_mp.protocol import (
     LookupRequest, RetrieveReply, RetrieveRequest, StoreReply, StoreRequest,
     UnregisterKVCacheRequest,
 )
-from lmcache_mp.spawn import ServerProcess
 
-from ..utils import run_server
+from ..utils import run_server, server_process
 from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, prompt
 from .agents import RawClient, new_cache, raw_bytes, rid, wait_for
 
@@ -50,7 +49,7 @@ def test_pipelined_requests_read_late_all_get_their_replies(server, hwm):
 
 
 def test_socket_files_are_removed_when_the_server_stops():
-    server = ServerProcess(None, ["--cpu-size", "16MiB", "--log-level", "warning"])
+    server = server_process(None, ["--cpu-size", "16MiB", "--log-level", "warning"])
     server.start()
     try:
         sockets = [server.runtime_dir / "server.sock", server.runtime_dir / "fd.sock"]
@@ -140,7 +139,7 @@ def test_undecodable_msgpack_is_refused_with_a_reason(server):
 
 
 def test_a_registration_is_answered_while_the_pool_prefaults():
-    server = ServerProcess(None, ["--cpu-size", "2GiB", "--log-level", "warning"])
+    server = server_process(None, ["--cpu-size", "2GiB", "--log-level", "warning"])
     server.start()
     try:
         with server.client(timeout=10) as client, new_cache(2 * BLOCKS_PER_CHUNK, 5, W2) as cache:

@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
-from lmcache_mp.spawn import ServerProcess
 from lmcache_mp.server.warm import SHM_DIR
 
-from ..utils import run_server
+from ..utils import run_server, server_process
 from ..workers import (
     BLOCKS_PER_CHUNK, MODEL, Job, chunk_blocks, expected_blocks, make_cache, prompt,
     retrieve_worker, run, store_worker,
@@ -79,7 +78,7 @@ def test_sigterm_then_start_again_serves_every_chunk_byte_exact(segment):
 
 def test_sigkill_then_start_again_is_cold_with_no_stale_segment(segment):
     hashes = prompt(tag=1610, num_chunks=2)
-    server = ServerProcess(None, ["--cpu-size", "64MiB", "--pool-segment", segment])
+    server = server_process(None, ["--cpu-size", "64MiB", "--pool-segment", segment])
     with server:
         store(server, hashes, seed=31)
         inode = (SHM_DIR / segment).stat().st_ino
@@ -137,14 +136,14 @@ def test_a_snapshot_that_does_not_match_starts_cold(segment, spoil, restart_args
 
 
 def test_adopt_require_refuses_to_start_cold_and_segments_are_not_shared(segment):
-    cold = ServerProcess(None, ["--cpu-size", "64MiB", "--pool-segment", segment,
+    cold = server_process(None, ["--cpu-size", "64MiB", "--pool-segment", segment,
                                 "--adopt", "require"])
     with pytest.raises(RuntimeError, match="exited with 2"):
         cold.start()
     assert "--adopt require" in cold.output()
     cold.close()
     with run_server("--pool-segment", segment):
-        twin = ServerProcess(None, ["--cpu-size", "64MiB", "--pool-segment", segment])
+        twin = server_process(None, ["--cpu-size", "64MiB", "--pool-segment", segment])
         with pytest.raises(RuntimeError, match="exited with 2"):
             twin.start()
         assert "in use by another server" in twin.output()

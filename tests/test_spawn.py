@@ -1,0 +1,60 @@
+"""ServerProcess: a server forked from the tests' forkserver starts like an exec'd one."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+import pytest
+
+from lmcache_mp import phases
+from lmcache_mp.client import LookupItem
+from lmcache_mp.spawn import ServerProcess
+
+from .utils import run_server, server_process
+from .workers import MODEL, prompt
+
+
+def test_a_forked_server_takes_the_callers_environment_directory_and_log(tmp_path, monkeypatch):
+    """The forkserver started long before: what the server reads must still be the caller's
+    at the time of start(), as an exec'd server's would be."""
+    with run_server():  # the forkserver runs from before the changes below
+        pass
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LMCACHE_MP_CPU_SIZE", "48MiB")
+    monkeypatch.setenv("LMCACHE_MP_LOG_LEVEL", "info")
+    monkeypatch.setenv("LMCACHE_MP_PROFILE", str(tmp_path))
+    server = server_process(runtime_dir="relative-runtime-dir")
+    server.start()
+    try:
+        assert (tmp_path / "relative-runtime-dir" / "token").exists()
+        with server.client() as client:
+            assert client.stats().capacity_bytes == 48 << 20
+            assert client.lookup(MODEL, 1, [LookupItem.build("r", prompt(1, 2))]) == [0]
+        assert server.proc.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            server.proc.wait(0.1)
+    finally:
+        assert server.close() == 0
+    assert "configuration:" in server.output()  # info, from the environment, into its log
+    profile = phases.read(tmp_path)  # timed, and its totals written as it exited
+    assert profile["LOOKUP\tserver index"][1:] == [1, 2]  # one span, two keys
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "exec'd"])
+def test_exit_codes_and_errors_are_those_of_the_command(forked, tmp_path):
+    """A refusal exits 2 with its reason in the log; SIGKILL reads as -9, as from Popen."""
+    refusing = ["--cpu-size", "16MiB", "--pool-segment", f"lmcache-mp-absent-{tmp_path.name}",
+                "--adopt", "require"]
+    make = server_process if forked else ServerProcess
+    server = make(None, refusing)
+    with pytest.raises(RuntimeError, match="exited with 2"):
+        server.start()
+    server.close()
+    assert "cannot use the pool segment" in server.output()
+
+    server = make(None, ["--cpu-size", "16MiB"])
+    server.start()
+    server.proc.send_signal(signal.SIGKILL)
+    assert server.proc.wait(20) == -signal.SIGKILL
+    assert server.close() == -signal.SIGKILL
