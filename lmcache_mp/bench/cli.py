@@ -6,14 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 from ..errors import LMCacheMPError
 from ..runtime import default_url
-from . import nodes, vllm_ttft
+from .options import UNIFORM, WORKLOADS, BenchOptions
 from .redis_peer import PeerUnavailable, check_redis_available
-from .report import render, render_profile, to_json
-from .run import UNIFORM, WORKLOADS, BenchOptions, run
 from .shapes import SHAPES
 
 DESCRIPTION = """\
@@ -174,6 +170,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_nodes_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """--nodes, --l2 and --adopt-restart against the rest of the command line."""
+    if args.nodes == 1:
+        if args.l2 is not None or args.adopt_restart:
+            parser.error("--l2 and --adopt-restart need --nodes 2 or more")
+        return
+    if args.workload != "chat":
+        parser.error("--nodes runs the chat workload: add --workload chat")
+    if args.url is not None or args.peer is not None or args.profile or args.plot is not None:
+        parser.error("--nodes spawns its own servers: --url, --peer, --profile and --plot "
+                     "do not apply")
+    if args.l2 is not None and not args.l2.startswith(("redis://", "rediss://")):
+        parser.error("--l2: a redis:// or rediss:// URL")
+    if args.l2 is None:
+        try:
+            check_redis_available()
+        except PeerUnavailable as exc:
+            parser.error(str(exc))
+
+
 def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BenchOptions:
     requests, chunks, batch, shape_name = DEFAULTS[args.workload]
     if args.workload in UNIFORM:
@@ -220,8 +236,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.workload == "engine":
         return engine_main(args)
-    nodes.check_flags(args, parser)
+    check_nodes_flags(args, parser)
     options = options_from(args, parser)
+    # What runs imports torch: seconds that --help and a flag error do without.
+    import torch
+
+    from . import nodes
+    from .report import render, render_profile, to_json
+    from .run import run
+
     torch.set_num_threads(1)
     try:
         if args.nodes > 1:
@@ -253,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def engine_main(args: argparse.Namespace) -> int:
+    from . import vllm_ttft
+
     reason = vllm_ttft.skip_reason()
     if reason is not None:
         log(f"--workload engine skipped: {reason}")

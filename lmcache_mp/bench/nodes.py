@@ -20,9 +20,9 @@ from ..protocol import StatsReply
 from ..server.l2.codec import HEADER_BYTES
 from ..spawn import ServerProcess
 from .engine import Engine, EngineSetup, RequestOutcome
-from .redis_peer import PeerUnavailable, RedisServer, check_redis_available
+from .redis_peer import RedisServer
 from .report import Checks, PhaseResult, markdown_table
-from .run import BenchOptions
+from .options import BenchOptions
 from .stats import Latency, rate, ratio
 from .workloads import ChatWorkload, Request, random_tokens
 
@@ -491,26 +491,6 @@ def _nulls(value: object) -> object:
     if isinstance(value, list):
         return [_nulls(item) for item in value]
     return value
-
-
-def check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """--nodes, --l2 and --adopt-restart against the rest of the command line."""
-    if args.nodes == 1:
-        if args.l2 is not None or args.adopt_restart:
-            parser.error("--l2 and --adopt-restart need --nodes 2 or more")
-        return
-    if args.workload != "chat":
-        parser.error("--nodes runs the chat workload: add --workload chat")
-    if args.url is not None or args.peer is not None or args.profile or args.plot is not None:
-        parser.error("--nodes spawns its own servers: --url, --peer, --profile and --plot "
-                     "do not apply")
-    if args.l2 is not None and not args.l2.startswith(("redis://", "rediss://")):
-        parser.error("--l2: a redis:// or rediss:// URL")
-    if args.l2 is None:
-        try:
-            check_redis_available()
-        except PeerUnavailable as exc:
-            parser.error(str(exc))
 
 
 def nodes_main(args: argparse.Namespace, options: BenchOptions,

@@ -246,7 +246,7 @@ def rank_main(setup: RankSetup, conn: Connection) -> None:
     torch.set_num_threads(1)
     shape, parallel = setup.shape, setup.parallel
     with SharedKVCache(shape.layout, shape.layers, setup.num_blocks, shape.block_size,
-                       shape.heads, shape.head_dim, shape.dtype) as cache, \
+                       shape.heads, shape.head_dim, getattr(torch, shape.dtype)) as cache, \
             CacheClient(setup.url, timeout=setup.timeout, client_name="lmcache-mp-bench rank",
                         mla_follower=not parallel.sends_transfers, engine=setup.engine,
                         token=setup.token) as client:

@@ -1,12 +1,14 @@
-"""The KV-cache shapes every benchmark uses (docs/benchmarks.md, "Benchmark workloads")."""
+"""The KV-cache shapes every benchmark uses (docs/benchmarks.md, "Benchmark workloads").
+
+Torch-free: a dtype is torch's name for it, so that the CLI checks --shape without
+importing torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 MiB = 1024**2
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -18,7 +20,7 @@ class KVShape:
     layers: int
     heads: int  # 1 under MLA
     head_dim: int  # the latent dimension under MLA
-    dtype: torch.dtype
+    dtype: str  # torch's name: getattr(torch, dtype)
     block_size: int = 16
     chunk_size: int = 256
 
@@ -29,22 +31,19 @@ class KVShape:
     @property
     def chunk_bytes(self) -> int:
         kv = 2 if self.layout == "mha" else 1
-        return kv * self.layers * self.chunk_size * self.heads * self.head_dim * self.dtype.itemsize
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
+        return (kv * self.layers * self.chunk_size * self.heads * self.head_dim
+                * DTYPE_BYTES[self.dtype])
 
     def describe(self) -> str:
         per_token = (f"{self.heads}×{self.head_dim}" if self.layout == "mha"
                      else str(self.head_dim))
         return (f"{self.name}: {self.layout.upper()} {self.layers} layers, {per_token}, "
-                f"{self.dtype_name}, block {self.block_size}, chunk {self.chunk_size} "
+                f"{self.dtype}, block {self.block_size}, chunk {self.chunk_size} "
                 f"({self.chunk_bytes / MiB:g} MiB a chunk)")
 
 
 SHAPES = {shape.name: shape for shape in (
-    KVShape("W1", "mha", 32, 8, 128, torch.float16),
-    KVShape("W2", "mha", 4, 2, 64, torch.float16),
-    KVShape("W3", "mla", 32, 1, 576, torch.bfloat16),
+    KVShape("W1", "mha", 32, 8, 128, "float16"),
+    KVShape("W2", "mha", 4, 2, 64, "float16"),
+    KVShape("W3", "mla", 32, 1, 576, "bfloat16"),
 )}

@@ -190,6 +190,21 @@ def test_bad_flags_are_refused_before_anything_starts(args, message):
     assert message in result.stderr
 
 
+@pytest.mark.parametrize("argv, code", [(["--help"], 0), (["--workload", "W1", "--mla"], 2),
+                                        (["--workload", "chat", "--nodes", "2", "--url"], 2)])
+def test_help_and_flag_errors_come_without_importing_torch(argv, code):
+    """torch takes seconds to import: --help and a typo are answered without it."""
+    probe = ("import sys\n"
+             "from lmcache_mp.bench.cli import main\n"
+             "try:\n"
+             f"    main({argv!r})\n"
+             "except SystemExit as exc:\n"
+             "    print('exit', exc.code, 'torch' in sys.modules, file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60)
+    assert done.stderr.splitlines()[-1] == f"exit {code} False", done.stderr
+
+
 def test_a_server_that_does_not_answer_fails_the_run_in_bounded_time():
     nobody = "ipc:///tmp/lmcache-mp-test-nobody-listens.sock"
     result = bench("--url", nobody, "--workload", "W2", "--requests", "1", "--timeout", "2",
