@@ -2,8 +2,8 @@
 
 With LMCACHE_MP_PROFILE naming a directory (the bench sets it for the server it starts),
 every process that imports this module adds perf_counter_ns() spans per "OP phase" and
-writes its totals there as JSON when it exits; the bench's ranks, forked rather than
-started, call enable() and dump() themselves. Off, a stamp is a call and a flag test: no
+writes its totals there as JSON when it exits; a process forked rather than started (the
+bench's ranks, a server forked by spawn.py) calls configure() and dump() itself. Off, a stamp is a call and a flag test: no
 clock read, no formatting; where a call is too much (the Python calls around a LOOKUP, ~3%
 of its own work), the caller tests `enabled` first.
 """
@@ -38,6 +38,15 @@ def disable() -> None:
     dump()
     enabled = False
     _totals.clear()
+
+
+def configure(directory: str | None) -> None:
+    """Time into `directory`, or not at all: a process forked from one that imported this
+    module under another environment sets what its own run asks for."""
+    if directory:
+        enable(directory)
+    else:
+        disable()
 
 
 def now() -> int:
@@ -83,5 +92,4 @@ def read(directory: str | os.PathLike[str]) -> dict[str, list[int]]:
     return merged
 
 
-if os.environ.get(ENV):
-    enable(os.environ[ENV])
+configure(os.environ.get(ENV))

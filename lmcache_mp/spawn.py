@@ -178,8 +178,7 @@ def _serve_forked(argv: list[str], log_path: str, environ: dict[str, str], cwd: 
     os.dup2(log, 2)
     os.close(log)
     from . import phases
-    if environ.get(phases.ENV):  # phases read it on import, in the forkserver's environment
-        phases.enable(environ[phases.ENV])
+    phases.configure(environ.get(phases.ENV))  # read on import, in the forkserver's environment
     from .server.cli import main
     try:
         code = main(argv)

@@ -239,10 +239,7 @@ def rank_main(setup: RankSetup, conn: Connection) -> None:
     # It forks from a server that imported phases under the environment that server began
     # with: this run's --profile decides, and its totals are written below (a forked
     # process runs no atexit).
-    if setup.profile_dir is None:
-        phases.disable()
-    else:
-        phases.enable(setup.profile_dir)
+    phases.configure(setup.profile_dir)
     torch.set_num_threads(1)
     shape, parallel = setup.shape, setup.parallel
     with SharedKVCache(shape.layout, shape.layers, setup.num_blocks, shape.block_size,
