@@ -52,7 +52,8 @@ class ServerProcess:
         return CacheClient(self.url, token=self.token(admin), **kwargs)
 
     def start(self, ready_timeout: float = 60.0) -> float:
-        """Start it and wait until it answers HELLO; return the seconds that took."""
+        """Start it and wait until it answers HELLO; return the seconds that took. One that
+        does not is stopped and closed (its output() kept) before the error propagates."""
         started = time.monotonic()
         argv = ["--url", self.url, "--runtime-dir", str(self.runtime_dir), *self.args]
         if self.preloaded is None:
@@ -60,6 +61,13 @@ class ServerProcess:
                                          stdout=self._log, stderr=subprocess.STDOUT)
         else:
             self.proc = ForkedServer(self.preloaded, argv, self._log.name)
+        try:
+            return self._wait_ready(started, ready_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_ready(self, started: float, ready_timeout: float) -> float:
         while not (self.runtime_dir / runtime.TOKEN_NAME).exists():
             self.check_alive()
             if time.monotonic() - started > ready_timeout:

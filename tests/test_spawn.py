@@ -58,3 +58,14 @@ def test_exit_codes_and_errors_are_those_of_the_command(forked, tmp_path):
     server.proc.send_signal(signal.SIGKILL)
     assert server.proc.wait(20) == -signal.SIGKILL
     assert server.close() == -signal.SIGKILL
+
+
+def test_a_server_that_is_not_ready_in_time_is_stopped_and_closed_by_start():
+    """start() that raises leaves nothing behind for a caller that never reaches close():
+    no running server, no runtime directory, no open log."""
+    server = server_process(None, ["--cpu-size", "16MiB"])
+    with pytest.raises(RuntimeError, match="wrote no token in 0"):
+        server.start(ready_timeout=0.0)
+    assert server.proc.returncode is not None
+    assert not server.runtime_dir.exists()
+    assert server.close() == server.proc.returncode  # closing again is harmless

@@ -7,12 +7,14 @@ lookup holds and MLA groups live, so that no other engine can use, join or relea
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
 import os
 import secrets
 import stat
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,12 +79,19 @@ def load_or_create_token(path: Path, mode: int, gid: int | None) -> str:
     """The token in `path`, kept across restarts so that clients keep working; a new random
     one, written with `mode`, when there is none."""
     if not os.path.lexists(path):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-        with os.fdopen(fd, "w") as file:
-            file.write(secrets.token_hex(32) + "\n")
-        if gid is not None:
-            os.chown(path, -1, gid)
-        os.chmod(path, mode)
+        # Written aside and linked into place whole: a client that sees the file must never
+        # read it empty, and link(), unlike rename(), keeps a token another server put there.
+        fd, draft = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as file:
+                file.write(secrets.token_hex(32) + "\n")
+                if gid is not None:
+                    os.fchown(file.fileno(), -1, gid)
+                os.fchmod(file.fileno(), mode)
+            with contextlib.suppress(FileExistsError):
+                os.link(draft, path)
+        finally:
+            os.unlink(draft)
     return read_token_file(path, mode)
 
 
