@@ -987,8 +987,15 @@ def push_frames(message: Any) -> list[bytes]:
     return [encode_request_id(PUSH_REQUEST_ID), STATUS_OK, pack(message)]
 
 
+@dataclass(frozen=True)
+class Packed:
+    """A reply packed already (off the server's loop, for a large one): sent as it is."""
+    payload: bytes
+
+
 def reply_frames(request_id: int, message: Any) -> list[bytes]:
-    return [encode_request_id(request_id), STATUS_OK, pack(message)]
+    payload = message.payload if type(message) is Packed else pack(message)
+    return [encode_request_id(request_id), STATUS_OK, payload]
 
 
 def error_frames(request_id: int, code: str, message: str) -> list[bytes]:

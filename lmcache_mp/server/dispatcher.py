@@ -45,6 +45,7 @@ from ..protocol import (
     LoadProgress,
     LookupReply,
     LookupRequest,
+    Packed,
     PingReply,
     QuotaDeleteRequest,
     QuotaGetRequest,
@@ -68,6 +69,7 @@ from ..protocol import (
     UnregisterKVCacheReply,
     UnregisterKVCacheRequest,
     check_hashes,
+    pack,
     split_hashes,
     unpack_hashes,
     validate_salt,
@@ -750,10 +752,21 @@ class Dispatcher:
             validate_salt(req.cache_salt, "cache_salt")
         return ClearReply(self.store.clear(req.cache_salt))
 
-    def stats(self, session: Session, req: StatsRequest) -> StatsReply:
+    def stats(self, session: Session, req: StatsRequest) -> StatsReply | Awaitable[Packed]:
         """Aggregates for everyone; per-tenant figures and every registration for admins
-        only: an engine sees its own engine's registrations and never a salt."""
-        return self.snapshot(session.role == ROLE_ADMIN, session.engine)
+        only: an engine sees its own engine's registrations and never a salt.
+
+        An admin's reply lists every tenant: with per-user salts, thousands, whose figures
+        took ~2 µs each to build and ~0.7 µs to pack, on the loop, in front of every other
+        request. The loop copies the listing; a thread builds and packs the reply."""
+        if session.role != ROLE_ADMIN:
+            return self.snapshot(False, session.engine)
+        reply, tenants = self.snapshot_without_tenants(True, session.engine)
+
+        def build() -> Packed:
+            reply.tenants = tenants()
+            return Packed(pack(reply))
+        return asyncio.get_running_loop().run_in_executor(None, build)
 
     def snapshot(self, admin: bool = True, engine: str | None = None) -> StatsReply:
         """STATS as an admin (or, with `admin` false, as `engine`) sees it."""

@@ -201,10 +201,9 @@ def test_l2_metrics_move_with_writes_pulls_corruption_and_an_outage(cache):
         client_b.unregister(on_b)
 
 
-def test_a_scrape_with_thousands_of_salts_costs_the_loop_no_walk_of_them():
-    """The loop's part of a scrape copies the listing of salts; the metrics thread builds
-    each tenant's figures from it. Per-user salts run to thousands: a walk of them on the
-    loop stalled every request behind each scrape."""
+def dispatcher_with_salts(salts):
+    """A Dispatcher over a store holding a chunk under each of `salts` salts, and a quota
+    for one more salt that holds none."""
     import time
 
     from lmcache_mp.server.access import Sessions
@@ -216,7 +215,6 @@ def test_a_scrape_with_thousands_of_salts_costs_the_loop_no_walk_of_them():
     from lmcache_mp.server.registry import Registry
     from lmcache_mp.server.store import ChunkKey, ChunkStore
 
-    salts = 2_000
     pool = CpuPool(salts * 4096)
     store = ChunkStore(pool.allocator, 60.0)
     for i in range(salts):
@@ -224,9 +222,17 @@ def test_a_scrape_with_thousands_of_salts_costs_the_loop_no_walk_of_them():
         store.commit(store.reserve(key, 4096, "g").chunk)
     store.quotas.set("configured-only", Quota(cap=8192, reserve=4096))
     sessions = Sessions("engine-token-0123456789", "admin-token-0123456789", False)
-    dispatcher = Dispatcher(Config(cpu_size=salts * 4096), store, pool,
-                            Registry(256, time.monotonic, lambda ticket: None, None),
-                            CopyEngine(1), sessions, "", push=lambda client, message: None)
+    return Dispatcher(Config(cpu_size=salts * 4096), store, pool,
+                      Registry(256, time.monotonic, lambda ticket: None, None),
+                      CopyEngine(1), sessions, "", push=lambda client, message: None)
+
+
+def test_a_scrape_with_thousands_of_salts_costs_the_loop_no_walk_of_them():
+    """The loop's part of a scrape copies the listing of salts; the metrics thread builds
+    each tenant's figures from it. Per-user salts run to thousands: a walk of them on the
+    loop stalled every request behind each scrape."""
+    salts = 2_000
+    dispatcher = dispatcher_with_salts(salts)
     (reply, tenants), lines = lines_run(dispatcher.snapshot_without_tenants)
     assert reply.tenants == {} and reply.chunks == salts
     assert lines < 300
@@ -235,3 +241,33 @@ def test_a_scrape_with_thousands_of_salts_costs_the_loop_no_walk_of_them():
     assert (listed["salt-7"].bytes_used, listed["salt-7"].chunks) == (4096, 1)
     assert (listed["configured-only"].cap, listed["configured-only"].bytes_used) == (8192, 0)
     assert dispatcher.snapshot().tenants == listed
+
+
+def test_an_admin_stats_with_thousands_of_salts_is_built_and_packed_off_the_loop():
+    """The same for STATS over the socket: the loop copies the listing and hands the rest
+    (each tenant's figures, and packing a reply of megabytes) to a thread. An engine's
+    STATS, which lists no tenant, stays on the loop."""
+    import asyncio
+
+    from lmcache_mp import protocol
+    from lmcache_mp.protocol import ROLE_ADMIN, ROLE_ENGINE, StatsReply, StatsRequest
+    from lmcache_mp.server.access import Session
+
+    salts = 2_000
+    dispatcher = dispatcher_with_salts(salts)
+    admin = Session(b"admin", ROLE_ADMIN, b"ops", 0.0)
+    engine = Session(b"engine", ROLE_ENGINE, b"engine-a", 0.0)
+
+    async def admin_stats():
+        await dispatcher.stats(admin, StatsRequest())  # the first starts the loop's threads
+        pending, lines = lines_run(lambda: dispatcher.stats(admin, StatsRequest()))
+        assert lines < 300  # a walk of the salts here: over 10,000
+        return await pending
+    packed = asyncio.run(admin_stats())
+    (_, status, payload) = protocol.reply_frames(1, packed)
+    assert status == protocol.STATUS_OK
+    reply = protocol.unpack(StatsReply, payload)
+    assert reply.tenants == dispatcher.snapshot().tenants and reply.chunks == salts
+    assert len(reply.tenants) == salts + 1 and reply.tenants["salt-7"].bytes_used == 4096
+    own = dispatcher.stats(engine, StatsRequest())
+    assert own.tenants == {} and own.chunks == salts
