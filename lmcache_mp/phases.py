@@ -3,9 +3,9 @@
 With LMCACHE_MP_PROFILE naming a directory (the bench sets it for the server it starts),
 every process that imports this module adds perf_counter_ns() spans per "OP phase" and
 writes its totals there as JSON when it exits; a process forked rather than started (the
-bench's ranks, a server forked by spawn.py) calls configure() and dump() itself. Off, a stamp is a call and a flag test: no
-clock read, no formatting; where a call is too much (the Python calls around a LOOKUP, ~3%
-of its own work), the caller tests `enabled` first.
+bench's ranks, a server forked by spawn.py) calls configure() and dump() itself. Off, a
+stamp is a call and a flag test: no clock read, no formatting; where a call is too much
+(the Python calls around a LOOKUP, ~3% of its own work), the caller tests `enabled` first.
 """
 
 from __future__ import annotations
