@@ -271,3 +271,31 @@ def test_an_admin_stats_with_thousands_of_salts_is_built_and_packed_off_the_loop
     assert len(reply.tenants) == salts + 1 and reply.tenants["salt-7"].bytes_used == 4096
     own = dispatcher.stats(engine, StatsRequest())
     assert own.tenants == {} and own.chunks == salts
+
+
+def test_pipelined_admin_stats_beyond_the_bound_are_built_on_the_loop():
+    """Each STATS built off the loop holds its copy of the listing until its turn: past
+    MAX_STATS_OFF_LOOP at once, a STATS is answered on the loop, as every one was before,
+    and the bound frees up as the built ones finish."""
+    import asyncio
+
+    from lmcache_mp import protocol
+    from lmcache_mp.protocol import ROLE_ADMIN, StatsReply, StatsRequest
+    from lmcache_mp.server.access import Session
+    from lmcache_mp.server.dispatcher import MAX_STATS_OFF_LOOP
+
+    dispatcher = dispatcher_with_salts(50)
+    admin = Session(b"admin", ROLE_ADMIN, b"ops", 0.0)
+
+    async def pipelined():
+        replies = [dispatcher.stats(admin, StatsRequest()) for _ in range(MAX_STATS_OFF_LOOP + 2)]
+        off_loop = [r for r in replies if isinstance(r, asyncio.Future)]
+        assert len(off_loop) == MAX_STATS_OFF_LOOP
+        on_loop = replies[MAX_STATS_OFF_LOOP:]
+        assert all(isinstance(r, StatsReply) and len(r.tenants) == 51 for r in on_loop)
+        packed = await asyncio.gather(*off_loop)
+        assert all(len(protocol.unpack(StatsReply, p.payload).tenants) == 51 for p in packed)
+        freed = dispatcher.stats(admin, StatsRequest())
+        assert isinstance(freed, asyncio.Future)
+        await freed
+    asyncio.run(pipelined())
