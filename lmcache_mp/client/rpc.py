@@ -13,7 +13,6 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -29,6 +28,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 5.0
 _IDLE_WAIT_S = 0.05
 _RETRY_SEND_S = 0.005
+_RECONNECT_IVL_MS = 100
+# How recent a read of the socket monitor spares a send from reading it again. ZeroMQ
+# publishes a lost connection's event before it starts the reconnect timer, which waits at
+# least RECONNECT_IVL: an event unread at a send published after the last read, so no new
+# connection can carry that send until RECONNECT_IVL after that read. Well under it, this
+# spares a sequence of calls a zmq_poll of the monitor each (~3 µs of a ~150 µs LOOKUP).
+_MONITOR_FRESH_S = 0.02
 
 
 class _Future(Future):
@@ -54,14 +60,12 @@ class _Reply:
     """What call() waits for, in place of a Future: set once, under the client's lock, by the
     thread that reads the reply, and read by the caller only after that. Nobody else sees
     it, so it needs none of a Future's Condition, which takes a lock at each step: a Future
-    created, set and read costs ~3 µs, this ~0.3."""
+    created, set and read costs ~3 µs, this ~0.3. Its fields start as class defaults: no
+    __init__ to run per call."""
 
-    __slots__ = ("settled", "_value", "_error")
-
-    def __init__(self) -> None:
-        self.settled = False
-        self._value: Any = None
-        self._error: BaseException | None = None
+    settled = False
+    _value: Any = None
+    _error: BaseException | None = None
 
     def done(self) -> bool:
         return self.settled
@@ -83,17 +87,23 @@ class _Reply:
         return self._value
 
 
-@dataclass(slots=True)
 class _Call:
-    request_id: int
-    reply_type: type
-    frames: list[bytes]
-    deadline: float
-    future: Future | _Reply
-    attended: bool  # a thread in call() waits on it
-    retried: bool = False  # sent again after HELLO, once, when the server had no session
-    wait_for_connection: bool = True  # False: fail at once when it cannot be sent now
-    sent: int = 0  # phases.now() when it was queued (lmcache-mp-bench --profile)
+    """A request from its queueing to its reply. What is mostly left as it was is a class
+    default, not set in __init__: a call is built per request, and each assignment there
+    is a line of Python on every round trip."""
+
+    retried = False  # sent again after HELLO, once, when the server had no session
+    wait_for_connection = True  # False: fail at once when it cannot be sent now
+    sent = 0  # phases.now() when it was queued (lmcache-mp-bench --profile)
+
+    def __init__(self, request_id: int, reply_type: type, frames: list[bytes], deadline: float,
+                 future: Future | _Reply, attended: bool):
+        self.request_id = request_id
+        self.reply_type = reply_type
+        self.frames = frames
+        self.deadline = deadline
+        self.future = future
+        self.attended = attended  # a thread in call() waits on it
 
 
 class RpcClient:
@@ -149,14 +159,17 @@ class RpcClient:
         # A fixed identity keeps this client's registrations usable across reconnects.
         self._dealer.setsockopt(zmq.ROUTING_ID, b"lmcache-mp-" + uuid.uuid4().bytes)
         self._dealer.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a dead server
-        self._dealer.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._dealer.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
         self._dealer.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         # Before connect(), so that no event is missed.
         self._monitor = self._dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.disconnects = 0  # connections lost so far: a change means the server went away
+        # time.monotonic() before the latest read of the monitor that left no event unread.
+        self._monitor_read_at = -math.inf
         self._dealer.connect(url)
         self._kick_r, self._kick_w = os.pipe()  # wakes the leader when another thread sent
         os.set_blocking(self._kick_r, False)
+        self._watched = [(self._dealer, POLLIN), (self._monitor, POLLIN), (self._kick_r, POLLIN)]
         # Guards the socket and every field below. Taken directly (`with self._lock`), not
         # through a Condition on it, whose `with` costs two Python calls, a dozen per call.
         self._lock = threading.Lock()
@@ -246,27 +259,25 @@ class RpcClient:
 
         def over() -> bool:
             return until() or self._closed or (end is not None and time.monotonic() >= end)
-        while not over():
-            if self._leader != me:
-                with self._lock:
-                    self._followers += 1
-                    if self._leader is not None and not self._kicked:
-                        self._kicked = True  # the background thread hands over when it wakes
-                        os.write(self._kick_w, b"x")
-                    while self._leader is not None and not over():
-                        self._state.wait(None if end is None else end - time.monotonic())
-                    self._followers -= 1
-                    if over():
-                        if self._leader is None:  # the socket may need a watcher again
-                            self._background_wake.notify()
-                        return
-                    self._leader = me
-            try:
-                self._lead(until=until,
-                           at_most=None if end is None else max(0.0, end - time.monotonic()))
-            finally:
-                with self._lock:
-                    self._resign()
+        if self._leader != me:
+            with self._lock:
+                self._followers += 1
+                if self._leader is not None and not self._kicked:
+                    self._kicked = True  # the background thread hands over when it wakes
+                    os.write(self._kick_w, b"x")
+                while self._leader is not None and not over():
+                    self._state.wait(None if end is None else end - time.monotonic())
+                self._followers -= 1
+                if over():
+                    if self._leader is None:  # the socket may need a watcher again
+                        self._background_wake.notify()
+                    return
+                self._leader = me
+        try:
+            self._lead(until, end)  # it returns once over() holds
+        finally:
+            with self._lock:
+                self._resign()
 
     def close(self) -> None:
         with self._lock:
@@ -310,7 +321,6 @@ class RpcClient:
             call = self._new_call(op, payload, timeout, future, attended)
             call.wait_for_connection = wait_for_connection
             call.sent = stamp
-            self._unsent.append(call)
             if attended or lead:
                 if self._leader is None:  # lead straight away: no hand-off on the way back
                     self._leader = threading.get_ident()
@@ -318,7 +328,16 @@ class RpcClient:
                 self._unattended_ids.add(call.request_id)
                 if not lead:
                     self._background_wake.notify()  # it may need to lead
-            self._flush_unsent()
+            if self._unsent:  # others wait to be sent: in turn
+                self._unsent.append(call)
+                self._flush_unsent()
+            else:
+                self._watch_connection_before_send()
+                if self._try_send(call):
+                    self._after_send()
+                else:
+                    self._unsent.append(call)
+                    self._fail_unsendable()
         return future
 
     def _new_call(self, op: str, payload: bytes, timeout: float | None,
@@ -367,37 +386,40 @@ class RpcClient:
 
     # -- leading (one thread at a time) ---------------------------------------------------
 
-    def _lead(self, until, at_most: float | None = None) -> None:
+    def _lead(self, until: Callable[[], bool], end: float | None) -> None:
         """Wait on the socket and pump, until `until()` is true, the client closes, or
-        `at_most` seconds have passed."""
-        end = None if at_most is None else time.monotonic() + at_most
+        time.monotonic() reaches `end` (None: no end)."""
         # zmq_poll, unlike select() on the sockets' edge-triggered FDs, sees a message that
-        # came before the wait: nothing needs reading before the first one.
-        watched = [(self._dealer, POLLIN), (self._monitor, POLLIN), (self._kick_r, POLLIN)]
-        ready: list[tuple[Any, int]] = []  # what the last poll found readable
+        # came before the wait, and the kick pipe is level-triggered: nothing needs reading
+        # before the first wait; calls queued or expired meanwhile are dealt with after it
+        # (it ends by a call's deadline, or within _RETRY_SEND_S while calls are queued).
+        watched = self._watched
+        ready: list[tuple[Any, int]] | None = None  # what the last poll found readable
         while True:
-            receive = watch = False
-            for item, _ in ready:
-                if item is self._dealer:
-                    receive = True
-                elif item is self._monitor:
-                    watch = True
             with self._lock:
-                self._pump(receive, watch, until)
-                if self._followers:
-                    self._state.notify_all()
-                if until() or self._closed or (end is not None and time.monotonic() >= end):
+                if ready is not None:
+                    self._pump(ready, polled_at, until)
+                    if self._followers:
+                        self._state.notify_all()
+                polled_at = time.monotonic()  # when the next poll begins, at the latest
+                if until() or self._closed or (end is not None and polled_at >= end):
                     return
                 wait = _RETRY_SEND_S if self._unsent else _IDLE_WAIT_S
                 if self._deadlines:
-                    wait = max(0.0, min(wait, self._deadlines[0][0] - time.monotonic()))
+                    wait = max(0.0, min(wait, self._deadlines[0][0] - polled_at))
             ready = zmq.zmq_poll(watched, math.ceil(wait * 1000))
 
-    def _pump(self, receive: bool, watch: bool, until: Callable[[], bool]) -> None:
-        """Send what waits, fail what expired; `receive`: read what arrived (the leader's
-        poll saw a message), until `until()`; `watch`: read the monitor's events too. The
-        leader's poll says when; a send reads the monitor's events first whatever `watch`
-        says (_flush_unsent)."""
+    def _pump(self, ready: list[tuple[Any, int]], polled_at: float,
+              until: Callable[[], bool]) -> None:
+        """After a poll that began at `polled_at` found `ready` readable: read the monitor's
+        events and the replies that arrived (until `until()`), send what waits, fail what
+        expired."""
+        receive = watch = False
+        for item, _ in ready:
+            if item is self._dealer:
+                receive = True
+            elif item is self._monitor:
+                watch = True
         if self._kicked:
             self._kicked = False
             try:
@@ -405,21 +427,25 @@ class RpcClient:
                     pass
             except BlockingIOError:
                 pass
+        if watch:  # before any send: a loss read after it would fail a call sent after it
+            self._watch_connection()
+        elif polled_at > self._monitor_read_at:  # the poll tested the monitor after it began
+            self._monitor_read_at = polled_at
         self._flush_unsent()
         if receive:
             self._receive(seen=True, until=until)
-        if watch:
-            self._watch_connection()
         self._expire()
 
     def _watch_connection(self) -> None:
         """Read the socket monitor's events; on a lost connection, fail the calls sent on it."""
         lost = False
+        read_at = time.monotonic()
         while readable(self._monitor):
             event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
             if event == zmq.EVENT_DISCONNECTED:  # not MONITOR_STOPPED, sent at close()
                 self.disconnects += 1
                 lost = True
+        self._monitor_read_at = read_at
         if not lost:
             return
         self._receive()  # replies that came in before the connection dropped
@@ -433,24 +459,35 @@ class RpcClient:
     def _flush_unsent(self) -> None:
         if not self._unsent:
             return
-        # Events first: a loss read after a send would fail a call sent on the new connection.
-        self._watch_connection()
+        self._watch_connection_before_send()
         sent = False
         while self._unsent:
             call = self._unsent[0]
             if call.future.done():
                 self._unsent.popleft()
                 continue
-            try:
-                send_frames(self._dealer, call.frames)
-            except zmq.Again:  # not connected yet; retried until the call's deadline
+            if not self._try_send(call):  # not connected yet; retried until its deadline
                 self._fail_unsendable()
                 break
             self._unsent.popleft()
-            self._waiting[call.request_id] = call
             sent = True
         if sent:
             self._after_send()
+
+    def _watch_connection_before_send(self) -> None:
+        """Read the monitor's events unless they were read within _MONITOR_FRESH_S: a loss
+        read after a send would fail a call sent on the new connection."""
+        if time.monotonic() - self._monitor_read_at >= _MONITOR_FRESH_S:
+            self._watch_connection()
+
+    def _try_send(self, call: _Call) -> bool:
+        """Send a call (lock held); False: not connected, nothing sent."""
+        try:
+            send_frames(self._dealer, call.frames)
+        except zmq.Again:
+            return False
+        self._waiting[call.request_id] = call
+        return True
 
     def _fail_unsendable(self) -> None:
         """The server cannot be reached now: fail the calls that must not wait for it."""
@@ -502,12 +539,12 @@ class RpcClient:
             if status == protocol.STATUS_OK:
                 if phases.enabled:
                     stamp = phases.add(call.frames[1], "client round trip", call.sent)
-                reply = protocol.unpack(call.reply_type, payload)
+                reply = protocol.unpack_reply(call.reply_type, payload)
                 if phases.enabled:
                     phases.add(call.frames[1], "client decode", stamp)
                 call.future.set_result(reply)
                 return
-            reply = protocol.unpack(protocol.ErrorReply, payload)
+            reply = protocol.unpack_reply(protocol.ErrorReply, payload)
         except ServerError as exc:  # the server's payload did not decode
             call.future.set_exception(exc)
             return
@@ -559,8 +596,8 @@ class RpcClient:
                 self._leader = threading.get_ident()
             try:
                 # Hand the socket over as soon as a call() wants it: it leads for itself.
-                self._lead(until=lambda: self._followers > 0 or not self._needs_watcher(),
-                           at_most=idle_wait)
+                self._lead(lambda: self._followers > 0 or not self._needs_watcher(),
+                           time.monotonic() + idle_wait)
             finally:
                 with self._lock:
                     self._resign()
