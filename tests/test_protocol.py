@@ -44,6 +44,24 @@ def test_every_message_round_trips(op):
         assert protocol.unpack(cls, protocol.pack(message)) == message
 
 
+@pytest.mark.parametrize("op", list(protocol.OPS) + ["error"])
+def test_a_client_decodes_every_reply_as_the_general_decoder_does(op):
+    cls = protocol.ErrorReply if op == "error" else protocol.OPS[op].reply
+    message = sample(cls)
+    assert protocol.unpack_reply(cls, protocol.pack(message)) == message
+    newer = msgpack.packb({**msgpack.unpackb(protocol.pack(message)), "added_later": 1})
+    assert protocol.unpack_reply(cls, newer) == message  # a newer server's field is ignored
+
+
+def test_a_reply_msgspec_refuses_goes_to_the_general_decoder():
+    assert protocol.unpack_reply(protocol.LookupReply, msgpack.packb({"hits": [2.0]})) \
+        == protocol.LookupReply([2])
+    with pytest.raises(BadRequest, match=r"`hits\[0\]`"):
+        protocol.unpack_reply(protocol.LookupReply, msgpack.packb({"hits": ["x"]}))
+    with pytest.raises(BadRequest, match="not valid msgpack"):
+        protocol.unpack_reply(protocol.LookupReply, b"\xc1")
+
+
 def test_errors_name_the_field():
     payload = protocol.pack(protocol.LookupRequest("m", 1, [protocol.LookupItem("r", b"")]))
     raw = msgpack.unpackb(payload)

@@ -335,18 +335,15 @@ class Server:
         timing = phases.enabled  # its stamps are Python calls: ~3% of a LOOKUP's own work
         stamp = phases.now() if timing else 0
         client, body = frames[0], frames[1:]
-        request_id = protocol.request_id_of(body)
-        op = "invalid"
+        request_id = op = None
         try:
-            parsed = protocol.parse_request_frames(body)
-            op = parsed.op
+            request_id, op, payload = protocol.parse_request_frames(body)
             # Who may send it is known from the frames: no decoding for those who may not.
-            session = self.dispatcher.admit(client, parsed.op)
-            request = protocol.unpack(protocol.OPS[parsed.op].request, parsed.payload,
-                                      bounded=True)
+            session = self.dispatcher.admit(client, op)
+            request = protocol.unpack(protocol.OPS[op].request, payload, bounded=True)
             if timing:
                 stamp = phases.add(op, "server decode", stamp)
-            result = self.dispatcher.serve(client, parsed.op, request, session)
+            result = self.dispatcher.serve(client, op, request, session)
             if timing:
                 stamp = phases.add(op, "server handle", stamp)
             # inspect.isawaitable(), less its three Python calls: a coroutine or a Future.
@@ -356,6 +353,8 @@ class Server:
                 if timing:
                     phases.add(op, "server reply", stamp)
         except Exception as exc:
+            if op is None:  # the frames did not parse
+                request_id, op = protocol.request_id_of(body), "invalid"
             self._send_error(client, request_id, exc, op, started)
         else:
             if awaitable:

@@ -326,6 +326,8 @@ class ChunkStore:
                 ) -> list[dict[bytes, Chunk]]:
         """Each kv worker's chunks by hash (empty for a worker with none), for _probe(): valid
         until the index changes, so taken again for each slice of a sliced scan."""
+        if kv_world_size == 1:  # most lookups: no comprehension (a call of its own)
+            return [self._by_scope.get((model, 1, 0, cache_salt), _NO_CHUNKS)]
         return [self._by_scope.get((model, kv_world_size, worker, cache_salt), _NO_CHUNKS)
                 for worker in range(kv_world_size)]
 
