@@ -34,7 +34,7 @@ BLOCK_ID_BYTES = 4  # int32, little-endian
 SKIP_BLOCK = -1  # in RETRIEVE block_ids: leave this block of the chunk unwritten
 TICKET_BYTES = 16  # a memfd handle's ticket, issued by the fd channel
 
-_REQUEST_ID = struct.Struct("<Q")
+REQUEST_ID = struct.Struct("<Q")  # a request id frame: REQUEST_ID_BYTES, little-endian
 
 
 # ---------------------------------------------------------------------------
@@ -631,7 +631,7 @@ def unpack(cls: type, payload: bytes, bounded: bool = False) -> Any:
     `bounded` (the server, for requests): msgpack refuses arrays, maps and strings over
     the LIMITS as it reads their headers, before building anything, and the whole payload
     over MAX_REQUEST_VALUES values as it builds them."""
-    twin = _twin(cls)
+    twin = _TWINS[cls] if cls in _TWINS else _twin(cls)
     if twin is not None:
         message = twin.decode(payload)
         if message is not None:
@@ -949,19 +949,19 @@ def _direct_decoder(cls: type) -> Callable[[bytes], Any]:
 # Frames.
 
 def encode_request_id(request_id: int) -> bytes:
-    return _REQUEST_ID.pack(request_id)
+    return REQUEST_ID.pack(request_id)
 
 
 def decode_request_id(frame: bytes) -> int:
     if len(frame) != REQUEST_ID_BYTES:
         raise BadFrame(f"request_id frame must be {REQUEST_ID_BYTES} bytes, got {len(frame)}")
-    return _REQUEST_ID.unpack(frame)[0]
+    return REQUEST_ID.unpack(frame)[0]
 
 
 def request_id_of(frames: list[bytes]) -> int:
     """The request id of a DEALER's frames, or PUSH_REQUEST_ID when it cannot be read."""
     if frames and len(frames[0]) == REQUEST_ID_BYTES:
-        return _REQUEST_ID.unpack(frames[0])[0]
+        return REQUEST_ID.unpack(frames[0])[0]
     return PUSH_REQUEST_ID
 
 
@@ -1014,7 +1014,7 @@ class Packed:
 
 def reply_frames(request_id: int, message: Any) -> list[bytes]:
     payload = message.payload if type(message) is Packed else pack(message)
-    return [encode_request_id(request_id), STATUS_OK, payload]
+    return [REQUEST_ID.pack(request_id), STATUS_OK, payload]
 
 
 def error_frames(request_id: int, code: str, message: str) -> list[bytes]:

@@ -96,12 +96,11 @@ class _Call:
     wait_for_connection = True  # False: fail at once when it cannot be sent now
     sent = 0  # phases.now() when it was queued (lmcache-mp-bench --profile)
 
-    def __init__(self, request_id: int, reply_type: type, frames: list[bytes], deadline: float,
+    def __init__(self, request_id: int, reply_type: type, frames: list[bytes],
                  future: Future | _Reply, attended: bool):
         self.request_id = request_id
         self.reply_type = reply_type
         self.frames = frames
-        self.deadline = deadline
         self.future = future
         self.attended = attended  # a thread in call() waits on it
 
@@ -348,7 +347,7 @@ class RpcClient:
         heapq.heappush(self._deadlines, (deadline, request_id))
         return _Call(request_id, protocol.OPS[op].reply,
                      [protocol.encode_request_id(request_id), op.encode("ascii"), payload],
-                     deadline, future, attended)
+                     future, attended)
 
     def _queue_hello(self) -> None:
         """Put HELLO at the front of what goes out next (lock held); nobody waits on it."""
@@ -429,9 +428,10 @@ class RpcClient:
                 pass
         if watch:  # before any send: a loss read after it would fail a call sent after it
             self._watch_connection()
-        elif polled_at > self._monitor_read_at:  # the poll tested the monitor after it began
+        else:  # the poll tested the monitor after it began (an older time only costs a read)
             self._monitor_read_at = polled_at
-        self._flush_unsent()
+        if self._unsent:
+            self._flush_unsent()
         if receive:
             self._receive(seen=True, until=until)
         self._expire()
@@ -520,7 +520,7 @@ class RpcClient:
             if len(frames) != 3 or len(frames[0]) != protocol.REQUEST_ID_BYTES:
                 logger.warning("dropping a malformed reply of %d frames", len(frames))
                 continue
-            request_id = protocol.decode_request_id(frames[0])
+            request_id, = protocol.REQUEST_ID.unpack(frames[0])
             if request_id == protocol.PUSH_REQUEST_ID and frames[1] == protocol.STATUS_OK:
                 if self.on_push is not None:
                     self.on_push(frames[2])

@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
 from functools import partial
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -43,6 +44,7 @@ from ..protocol import (
     LoadDone,
     LoadDoneItem,
     LoadProgress,
+    LookupItem,
     LookupReply,
     LookupRequest,
     Packed,
@@ -154,6 +156,9 @@ def _deadline(budget_ms: int) -> float | None:
     if not 0 <= budget_ms <= MAX_BUDGET_MS:
         raise BadRequest(f"`budget_ms`: must be in [0, {MAX_BUDGET_MS}], got {budget_ms}")
     return time.monotonic() + budget_ms / 1000 if budget_ms else None
+
+
+_chunk_hashes = attrgetter("chunk_hashes")
 
 
 def _check_length(value: str, limit: int, path: str) -> None:
@@ -354,10 +359,10 @@ class Dispatcher:
 
     # -- the cache -------------------------------------------------------------------------
 
-    def _check_batch_size(self, packed_hashes: list[bytes]) -> int:
-        """The chunks a message names, from its packed hashes' lengths: checked before any
-        per-chunk work."""
-        total = sum(map(len, packed_hashes)) // CHUNK_HASH_BYTES
+    def _check_batch_size(self, items: Sequence[LookupItem | TransferItem]) -> int:
+        """The chunks a message's items name, from their packed hashes' lengths: checked
+        before any per-chunk work."""
+        total = sum(map(len, map(_chunk_hashes, items))) // CHUNK_HASH_BYTES
         if total > self.config.max_chunks_per_message:
             raise BadRequest(f"`items`: {total} chunks in one message; the limit is "
                              f"{self.config.max_chunks_per_message}")
@@ -368,8 +373,7 @@ class Dispatcher:
         if not 0 < req.kv_world_size <= MAX_KV_WORLD_SIZE:
             raise BadRequest(f"`kv_world_size`: must be in [1, {MAX_KV_WORLD_SIZE}]")
         _check_length(req.model, MAX_MODEL_CHARS, "model")
-        probes = self._check_batch_size([item.chunk_hashes for item in req.items]) \
-            * req.kv_world_size
+        probes = self._check_batch_size(req.items) * req.kv_world_size
         if probes > MAX_LOOKUP_PROBES:
             raise BadRequest(f"`items`: {probes} index probes (chunk hashes times kv_world_size "
                              f"{req.kv_world_size}) in one LOOKUP; the limit is "
@@ -438,7 +442,7 @@ class Dispatcher:
 
     def _transfers(self, session: Session, instance: KVCacheInstance,
                    items: list[TransferItem], allow_skip: bool = False) -> list[_Transfer]:
-        self._check_batch_size([item.chunk_hashes for item in items])
+        self._check_batch_size(items)
         block_ids = _BlockIds(instance, items, allow_skip)
         return [_Transfer(session, instance, item, f"items[{i}]", ids, skips)
                 for i, (item, ids, skips) in enumerate(zip(items, block_ids.per_item,
