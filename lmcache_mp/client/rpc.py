@@ -37,6 +37,11 @@ _RECONNECT_IVL_MS = 100
 _MONITOR_FRESH_S = 0.02
 
 
+# Per request type: its op's name, its op frame, its reply's type.
+_ROUTES: dict[type, tuple[str, bytes, type]] = {
+    spec.request: (name, name.encode("ascii"), spec.reply) for name, spec in protocol.OPS.items()}
+
+
 class _Future(Future):
     """A Future that also keeps a plain flag of having a result or an exception: the thread
     waiting for a call tests it after each read of the socket, where done() takes the
@@ -308,7 +313,7 @@ class RpcClient:
     def _submit(self, request: Any, timeout: float | None, attended: bool,
                 wait_for_connection: bool = True, lead: bool = False) -> _Future | _Reply:
         """Queue and send the request; `attended`: call() waits for it, and gets a _Reply."""
-        op = protocol.op_name(request)
+        op, op_frame, reply_type = _ROUTES[type(request)]
         stamp = phases.now() if phases.enabled else 0  # a stamp is a call: only if profiling
         payload = protocol.pack(request)
         if phases.enabled:
@@ -317,7 +322,7 @@ class RpcClient:
         with self._lock:
             if self._closed:
                 raise ServerUnavailable("the client is closed")
-            call = self._new_call(op, payload, timeout, future, attended)
+            call = self._new_call(op_frame, reply_type, payload, timeout, future, attended)
             call.wait_for_connection = wait_for_connection
             call.sent = stamp
             if attended or lead:
@@ -339,23 +344,23 @@ class RpcClient:
                     self._fail_unsendable()
         return future
 
-    def _new_call(self, op: str, payload: bytes, timeout: float | None,
-                  future: Future | _Reply, attended: bool) -> _Call:
+    def _new_call(self, op_frame: bytes, reply_type: type, payload: bytes,
+                  timeout: float | None, future: Future | _Reply, attended: bool) -> _Call:
         """A call with its id and deadline (lock held); the caller queues it."""
         request_id = next(self._ids)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         heapq.heappush(self._deadlines, (deadline, request_id))
-        return _Call(request_id, protocol.OPS[op].reply,
-                     [protocol.encode_request_id(request_id), op.encode("ascii"), payload],
-                     future, attended)
+        frames = [protocol.REQUEST_ID.pack(request_id), op_frame, payload]
+        return _Call(request_id, reply_type, frames, future, attended)
 
     def _queue_hello(self) -> None:
         """Put HELLO at the front of what goes out next (lock held); nobody waits on it."""
         future: Future = Future()
         future.add_done_callback(self._hello_done)
         stamp = phases.now()
-        call = self._new_call("HELLO", protocol.pack(self.hello_request), None, future,
-                              attended=True)
+        _, op_frame, reply_type = _ROUTES[protocol.HelloRequest]
+        call = self._new_call(op_frame, reply_type, protocol.pack(self.hello_request), None,
+                              future, attended=True)
         call.sent = stamp  # its round trip in --profile starts here, as a call's does
         self._unsent.appendleft(call)
 
