@@ -277,11 +277,7 @@ class RpcClient:
                         self._background_wake.notify()
                     return
                 self._leader = me
-        try:
-            self._lead(until, end)  # it returns once over() holds
-        finally:
-            with self._lock:
-                self._resign()
+        self._lead(until, end)  # it resigns once over() holds
 
     def close(self) -> None:
         with self._lock:
@@ -392,38 +388,42 @@ class RpcClient:
 
     def _lead(self, until: Callable[[], bool], end: float | None) -> None:
         """Wait on the socket and pump, until `until()` is true, the client closes, or
-        time.monotonic() reaches `end` (None: no end)."""
+        time.monotonic() reaches `end` (None: no end); then, or when it raises, resign."""
         # zmq_poll, unlike select() on the sockets' edge-triggered FDs, sees a message that
         # came before the wait, and the kick pipe is level-triggered: nothing needs reading
         # before the first wait; calls queued or expired meanwhile are dealt with after it
         # (it ends by a call's deadline, or within _RETRY_SEND_S while calls are queued).
         watched = self._watched
         ready: list[tuple[Any, int]] | None = None  # what the last poll found readable
-        while True:
+        try:
+            while True:
+                with self._lock:
+                    if ready is not None:
+                        self._pump(ready, polled_at, until)
+                        if self._followers:
+                            self._state.notify_all()
+                    polled_at = time.monotonic()  # when the next poll begins, at the latest
+                    if until() or self._closed or (end is not None and polled_at >= end):
+                        self._resign()  # in the same hold of the lock: one acquire fewer
+                        return
+                    wait = _RETRY_SEND_S if self._unsent else _IDLE_WAIT_S
+                    if self._deadlines:
+                        wait = max(0.0, min(wait, self._deadlines[0][0] - polled_at))
+                ready = zmq.zmq_poll(watched, math.ceil(wait * 1000))
+        except BaseException:
             with self._lock:
-                if ready is not None:
-                    self._pump(ready, polled_at, until)
-                    if self._followers:
-                        self._state.notify_all()
-                polled_at = time.monotonic()  # when the next poll begins, at the latest
-                if until() or self._closed or (end is not None and polled_at >= end):
-                    return
-                wait = _RETRY_SEND_S if self._unsent else _IDLE_WAIT_S
-                if self._deadlines:
-                    wait = max(0.0, min(wait, self._deadlines[0][0] - polled_at))
-            ready = zmq.zmq_poll(watched, math.ceil(wait * 1000))
+                self._resign()
+            raise
 
     def _pump(self, ready: list[tuple[Any, int]], polled_at: float,
               until: Callable[[], bool]) -> None:
         """After a poll that began at `polled_at` found `ready` readable: read the monitor's
         events and the replies that arrived (until `until()`), send what waits, fail what
         expired."""
-        receive = watch = False
-        for item, _ in ready:
-            if item is self._dealer:
-                receive = True
-            elif item is self._monitor:
-                watch = True
+        # In the order watched: the dealer first. Anything else is the monitor or the kick
+        # pipe; a read of the monitor that finds nothing costs a zmq_poll.
+        receive = bool(ready) and ready[0][0] is self._dealer
+        watch = len(ready) > receive
         if self._kicked:
             self._kicked = False
             try:
@@ -599,13 +599,9 @@ class RpcClient:
                     self._background_wake.wait(idle_wait)
                     continue
                 self._leader = threading.get_ident()
-            try:
-                # Hand the socket over as soon as a call() wants it: it leads for itself.
-                self._lead(lambda: self._followers > 0 or not self._needs_watcher(),
-                           time.monotonic() + idle_wait)
-            finally:
-                with self._lock:
-                    self._resign()
+            # Hand the socket over as soon as a call() wants it: it leads for itself.
+            self._lead(lambda: self._followers > 0 or not self._needs_watcher(),
+                       time.monotonic() + idle_wait)
 
     def _needs_watcher(self) -> bool:
         return self._push_watcher or self._unattended()
