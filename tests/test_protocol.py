@@ -53,6 +53,15 @@ def test_a_client_decodes_every_reply_as_the_general_decoder_does(op):
     assert protocol.unpack_reply(cls, newer) == message  # a newer server's field is ignored
 
 
+def test_no_message_needs_its_init_run():
+    """msgspec builds messages (replies, requests the twin took) without their __init__."""
+    messages = [cls for cls in vars(protocol).values()
+                if isinstance(cls, type) and dataclasses.is_dataclass(cls)
+                and cls.__module__ == protocol.__name__]
+    assert protocol.LookupItem in messages
+    assert [cls for cls in messages if hasattr(cls, "__post_init__")] == []
+
+
 def test_a_reply_msgspec_refuses_goes_to_the_general_decoder():
     assert protocol.unpack_reply(protocol.LookupReply, msgpack.packb({"hits": [2.0]})) \
         == protocol.LookupReply([2])

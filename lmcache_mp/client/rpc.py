@@ -31,9 +31,11 @@ _RETRY_SEND_S = 0.005
 _RECONNECT_IVL_MS = 100
 # How recent a read of the socket monitor spares a send from reading it again. ZeroMQ
 # publishes a lost connection's event before it starts the reconnect timer, which waits at
-# least RECONNECT_IVL: an event unread at a send published after the last read, so no new
-# connection can carry that send until RECONNECT_IVL after that read. Well under it, this
-# spares a sequence of calls a zmq_poll of the monitor each (~3 µs of a ~150 µs LOOKUP).
+# least RECONNECT_IVL. An event still unread at a send was published after the last read,
+# so no new connection exists until RECONNECT_IVL after that read: a send sooner goes out
+# on the lost connection or not at all, and the event, read after it, rightly fails it.
+# Well under RECONNECT_IVL, this spares back-to-back calls a zmq_poll of the monitor each
+# (~3 µs of a ~150 µs LOOKUP).
 _MONITOR_FRESH_S = 0.02
 
 
