@@ -649,8 +649,9 @@ def unpack_reply(cls: type, payload: bytes) -> Any:
     if decode is None:
         try:
             decode = _direct_decoder(cls)
-        except TypeError:  # a type msgspec cannot build (a union of dataclasses)
-            return unpack(cls, payload)
+        except TypeError:  # a type msgspec cannot build (a union of dataclasses): from now
+            # on the general decoder, not a Decoder tried and refused on every reply
+            decode = _DIRECT_DECODERS[cls] = functools.partial(unpack, cls)
     try:
         return decode(payload)
     except msgspec.DecodeError:  # its ValidationError too
@@ -938,7 +939,8 @@ _DIRECT_DECODERS: dict[type, Callable[[bytes], Any]] = {}
 
 def _direct_decoder(cls: type) -> Callable[[bytes], Any]:
     """msgspec's decoder straight into a message class (built once; a dataclass's fields
-    are set without its __init__, which none of the messages needs)."""
+    are set without its __init__, which none of the messages needs). unpack_reply() keeps
+    the general decoder here for a class msgspec cannot build."""
     decode = _DIRECT_DECODERS.get(cls)
     if decode is None:
         decode = _DIRECT_DECODERS[cls] = msgspec.msgpack.Decoder(cls).decode

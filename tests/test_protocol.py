@@ -53,6 +53,14 @@ def test_a_client_decodes_every_reply_as_the_general_decoder_does(op):
     assert protocol.unpack_reply(cls, newer) == message  # a newer server's field is ignored
 
 
+def test_a_type_msgspec_cannot_build_decodes_through_the_general_decoder_every_time():
+    cls = protocol.RegisterKVCacheRequest  # its handles are a tagged union of dataclasses
+    message = sample(cls)
+    for _ in range(2):  # the second from the decoder kept for it, not a refused Decoder
+        assert protocol.unpack_reply(cls, protocol.pack(message)) == message
+    assert protocol._DIRECT_DECODERS[cls].func is protocol.unpack
+
+
 def test_no_message_needs_its_init_run():
     """msgspec builds messages (replies, requests the twin took) without their __init__."""
     messages = [cls for cls in vars(protocol).values()

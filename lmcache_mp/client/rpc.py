@@ -261,25 +261,28 @@ class RpcClient:
     def _wait_leading(self, until: Callable[[], bool], end: float | None) -> None:
         """Until `until()` (or time.monotonic() reaches `end`; None: no end): lead while
         nobody else does, else wait for the leader's signal and take over when it resigns."""
-        me = threading.get_ident()
+        if self._leader == threading.get_ident() or self._take_lead(until, end):
+            self._lead(until, end)  # it resigns once the wait is over
 
+    def _take_lead(self, until: Callable[[], bool], end: float | None) -> bool:
+        """Follow the leader until it resigns, then lead (True); or until `until()`, the
+        client's close or `end` (False)."""
         def over() -> bool:
             return until() or self._closed or (end is not None and time.monotonic() >= end)
-        if self._leader != me:
-            with self._lock:
-                self._followers += 1
-                if self._leader is not None and not self._kicked:
-                    self._kicked = True  # the background thread hands over when it wakes
-                    os.write(self._kick_w, b"x")
-                while self._leader is not None and not over():
-                    self._state.wait(None if end is None else end - time.monotonic())
-                self._followers -= 1
-                if over():
-                    if self._leader is None:  # the socket may need a watcher again
-                        self._background_wake.notify()
-                    return
-                self._leader = me
-        self._lead(until, end)  # it resigns once over() holds
+        with self._lock:
+            self._followers += 1
+            if self._leader is not None and not self._kicked:
+                self._kicked = True  # the background thread hands over when it wakes
+                os.write(self._kick_w, b"x")
+            while self._leader is not None and not over():
+                self._state.wait(None if end is None else end - time.monotonic())
+            self._followers -= 1
+            if over():
+                if self._leader is None:  # the socket may need a watcher again
+                    self._background_wake.notify()
+                return False
+            self._leader = threading.get_ident()
+            return True
 
     def close(self) -> None:
         with self._lock:
