@@ -209,7 +209,9 @@ class HostRows:
             parts, rows, src = [parts[part]], rows[layer_rows], src[part:part + 1, layer_rows]
         for part, rows_of_part in zip(parts, src):
             if self._byte_rows is not None:
-                part[rows] = rows_of_part.view(np.uint8).reshape(len(rows), -1)
+                # The row width, not -1: no rows (a chunk whose blocks are all skipped) is
+                # an empty copy, where numpy cannot infer a width from nothing.
+                part[rows] = rows_of_part.view(np.uint8).reshape(len(rows), part.shape[1])
             else:
                 np.put(part, rows, rows_of_part, mode="clip")
 

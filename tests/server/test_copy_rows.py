@@ -66,6 +66,9 @@ def test_gather_and_scatter_move_exact_bytes(block_shape, dtype, offset, gap, st
     others = [b for b in range(20) if b not in (5, 6, 9)]
     assert torch.equal(typed.index_select(block_dim, torch.tensor(others)),
                        before.index_select(block_dim, torch.tensor(others)))
+    before = typed.clone()
+    cache.scatter(torch.tensor([SKIP_BLOCK] * 4), source, has_skips=True)  # all skipped
+    assert torch.equal(typed, before)
 
 
 # -- HostRows: the numpy row copies the dispatcher uses for caches in CPU memory ----------
@@ -134,6 +137,21 @@ def test_host_rows_move_the_canonical_chunk_bytes(physical, stacked):
                            old.index_select(1, torch.tensor([0, 5])))
                for layer, old in zip(layers, before))
     assert host.rows(np.zeros((0, 2), dtype=np.int64)).shape[0] == 0  # an empty item
+
+
+@pytest.mark.parametrize("head_dim", [32, 128], ids=["narrow-rows", "wide-rows"])
+def test_a_chunk_whose_blocks_are_all_skipped_writes_nothing(head_dim):
+    """The engine holds every block of the chunk: its copy writes nothing, and succeeds
+    (rows from HostRows.WIDE_ROW_BYTES up are assigned as byte rows, narrower ones put)."""
+    layers, _ = _mha_layers(3, 20, (0, 1, 2, 3, 4), head_dim=head_dim)
+    host = HostRows.of(layers, None, block_dim=1)
+    geometry = _host_geometry(layers, 2)
+    assert (host._byte_rows is not None) == (head_dim == 128)
+    before = [layer.clone() for layer in layers]
+    source = torch.randint(-1000, 1000, geometry.chunk_shape).to(layers[0].dtype)
+    host.scatter_skipping(np.array([SKIP_BLOCK, SKIP_BLOCK]), host.chunk(
+        source.view(-1).view(torch.uint8).numpy()))
+    assert all(torch.equal(layer, old) for layer, old in zip(layers, before))
 
 
 def test_a_run_of_chunks_moves_as_each_chunk_would():
