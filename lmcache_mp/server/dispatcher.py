@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import resource
 import time
 from collections import Counter
@@ -82,7 +83,7 @@ from .copy_engine import CopyEngine, DeadlinePassed, attempt, expired
 from .metrics import ServerMetrics
 from .pool import CpuPool, DevicePool
 from .quotas import Quota, QuotaError, load_quota_file
-from .registry import DTYPES, KVCacheInstance, Registry
+from .registry import DTYPES, HostRows, KVCacheInstance, Registry
 from .slices import SliceRunner
 from .store import (GPU_TIER, Chunk, ChunkKey, ChunkStore, Demotion, LeaseOwner, PrefixScan,
                     Reservation)
@@ -98,6 +99,8 @@ MAX_STATS_OFF_LOOP = 2
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+logger = logging.getLogger(__name__)
 
 
 def _leading_successes(errors, count: int) -> int:
@@ -143,6 +146,47 @@ def _copy_runs(places: Sequence[tuple[int, int, Chunk]],
                 continue
         runs.append((index, 1))
     return runs
+
+
+def _windows(transfers: Sequence[_Transfer]) -> list[list[tuple[int, int, int]]]:
+    """The items' chunks, in order, as windows of at most TRANSFER_SLICE_CHUNKS: each a list
+    of (item, start, stop) stretches of one item."""
+    windows: list[list[tuple[int, int, int]]] = [[]]
+    room = TRANSFER_SLICE_CHUNKS
+    for i, transfer in enumerate(transfers):
+        start = 0
+        while start < len(transfer.keys):
+            if not room:
+                windows.append([])
+                room = TRANSFER_SLICE_CHUNKS
+            stop = min(len(transfer.keys), start + room)
+            windows[-1].append((i, start, stop))
+            room -= stop - start
+            start = stop
+    return windows
+
+
+def _message_rows(host: HostRows, transfers: Sequence[_Transfer]
+                  ) -> tuple[np.ndarray, list[int]]:
+    """host.rows() of every chunk of a message's items, from one call (numpy's cost per call
+    paid once a message, not once an item), and where each item's chunks start: item i's
+    chunk c is row first[i] + c. Rows of skipped blocks are made too, and never used."""
+    ids = [transfer.block_ids for transfer in transfers]
+    rows = host.rows(np.concatenate(ids)) if ids else np.empty((0, 0), dtype=np.int64)
+    return rows, [0, *itertools.accumulate(len(block_ids) for block_ids in ids)]
+
+
+def _log_copy_failures(op: str, outcomes: Sequence[BaseException | None]) -> None:
+    """A copy that raised (not one its deadline kept from starting) is the server's or the
+    device's fault, never the client's: say so, once a request, with the first error. The
+    client hears of it only as chunks not stored or not loaded."""
+    if not any(outcomes):
+        return
+    failed = [error for error in outcomes
+              if error is not None and not isinstance(error, DeadlinePassed)]
+    if failed:
+        logger.error("%s: %d of %d chunk copies failed", op, len(failed), len(outcomes),
+                     exc_info=failed[0])
 
 
 def _per_chunk(runs: list[tuple[int, int]], outcomes: Sequence[T]) -> list[T]:
@@ -212,7 +256,8 @@ class _BlockIds:
             self._refuse_range(instance, ids, skipped, allow_skip)
         rows = ids.reshape(-1, per_chunk)
         ends = list(itertools.accumulate(self.chunks))
-        self.per_item: list[np.ndarray] = np.split(rows, ends[:-1]) if items else []
+        # Slices, not np.split (whose Python costs ~3 µs an item).
+        self.per_item: list[np.ndarray] = [rows[end - n:end] for end, n in zip(ends, self.chunks)]
         flags = (skipped.reshape(-1, per_chunk).any(1).tolist() if skipped is not None
                  else [False] * len(rows))
         self.skips = [flags[end - n:end] for end, n in zip(ends, self.chunks)]
@@ -453,11 +498,11 @@ class Dispatcher:
                       ) -> tuple[list[tuple[int, int]], Callable[[tuple[int, int]], Callable]]:
         """The runs of `flat` copied as one (_copy_runs; a chunk each unless `merge`), and
         what makes the copy of a run into a CPU target's blocks: through its HostRows
-        (index arrays built here, once per item) where it has them. A target with rows in
+        (index arrays built here, once per message) where it has them. A target with rows in
         more than one part (per-layer tensors) holds a chunk's rows part by part: its
         chunks copy one by one, as do chunks with skipped blocks and GPU tier chunks."""
         host = target.host_rows
-        rows = [host.rows(t.block_ids) for t in transfers] if host is not None else []
+        rows, first = _message_rows(host, transfers) if host is not None else (None, [])
         merge = merge and host is not None and len(host.parts) == 1
         runs = _copy_runs(flat, lambda place: merge and place[2].tier != GPU_TIER
                           and not transfers[place[0]].skips[place[1]])
@@ -472,7 +517,8 @@ class Dispatcher:
             src = host.chunk(self.pool.array_view(chunk.offset, count * chunk.nbytes))
             if transfer.skips[c]:
                 return partial(host.scatter_skipping, transfer.block_ids[c], src)
-            return partial(host.scatter, rows[i][c:c + count].reshape(-1), src)
+            return partial(host.scatter, rows[first[i] + c:first[i] + c + count].reshape(-1),
+                           src)
         return runs, job
 
     def _chunk_bytes(self, chunk: Chunk) -> torch.Tensor:
@@ -495,14 +541,15 @@ class Dispatcher:
                 self.registry.copy_finished(instance)
         return unpin
 
-    async def _each(self, values: Sequence[T], work: Callable[[T], R], done: list[R]) -> None:
-        """Append work(value) to `done` for every value, TRANSFER_SLICE_CHUNKS at a time
-        between other clients' requests; on failure `done` holds what was finished."""
+    async def _each(self, values: Sequence[T], work: Callable[[T], R], done: list[R],
+                    per_step: int = TRANSFER_SLICE_CHUNKS) -> None:
+        """Append work(value) to `done` for every value, `per_step` at a time between other
+        clients' requests; on failure `done` holds what was finished."""
         def step() -> bool:
             start = len(done)
-            done.extend(work(value) for value in values[start:start + TRANSFER_SLICE_CHUNKS])
+            done.extend(work(value) for value in values[start:start + per_step])
             return len(done) == len(values)
-        if len(values) <= TRANSFER_SLICE_CHUNKS:
+        if len(values) <= per_step:
             step()
         else:
             await self.slices.run(step)
@@ -532,12 +579,18 @@ class Dispatcher:
         on_gpu = (self.gpu_pool is not None and instance.lane is not None
                   and instance.lane.staging[0].device == self.gpu_pool.device)
         places = [(i, c, key) for i, t in enumerate(transfers) for c, key in enumerate(t.keys)]
-        reservations: list[Reservation] = []
+        reserved: list[list[Reservation]] = []  # per window (_windows)
         pending: list[tuple[int, int, Chunk]] = []
         demotions: list[Demotion] = []
 
+        def reserve(window: list[tuple[int, int, int]]) -> list[Reservation]:
+            return [reservation for i, start, stop in window
+                    for reservation in self.store.reserve_run(
+                        transfers[i].keys[start:stop], geometry.chunk_bytes, geometry, on_gpu,
+                        transfers[i].parents[start])]
+
         def abort_all(demotions_landed: bool) -> None:
-            for reservation in reservations:
+            for reservation in itertools.chain.from_iterable(reserved):
                 if reservation.chunk is not None:
                     self.store.abort(reservation.chunk)
             settle = self.store.finish_demotion if demotions_landed else self.store.abort_demotion
@@ -545,9 +598,8 @@ class Dispatcher:
                 settle(demotion)
         stamp = phases.now()
         try:
-            await self._each(places, lambda place: self.store.reserve(
-                place[2], geometry.chunk_bytes, geometry, on_gpu,
-                transfers[place[0]].parents[place[1]]), reservations)
+            await self._each(_windows(transfers), reserve, reserved, per_step=1)
+            reservations = list(itertools.chain.from_iterable(reserved))
             pending = [(i, c, r.chunk) for (i, c, _), r in zip(places, reservations)
                        if r.chunk is not None]
             demotions = [r.demotion for r in reservations if r.demotion is not None]
@@ -559,16 +611,18 @@ class Dispatcher:
                 await self._each(pending, lambda p: (
                     torch.from_numpy(transfers[p[0]].block_ids[p[1]]),
                     self._chunk_tensor(p[2], instance)), jobs)
-            elif host is not None:  # one index array per item, one np.take per run
-                rows = [host.rows(t.block_ids) for t in transfers]
+            elif host is not None:  # one index array per message, one np.take per run
+                rows, first = _message_rows(host, transfers)
                 one_part = len(host.parts) == 1  # else a chunk's rows lie part by part
                 runs = _copy_runs(pending, lambda place: one_part)
 
                 def gather(run: tuple[int, int]) -> Callable[[], None]:
                     start, count = run
                     i, c, chunk = pending[start]
-                    return partial(host.gather, rows[i][c:c + count].reshape(-1), host.chunk(
-                        self.pool.array_view(chunk.offset, count * chunk.nbytes)))
+                    return partial(host.gather,
+                                   rows[first[i] + c:first[i] + c + count].reshape(-1),
+                                   host.chunk(self.pool.array_view(chunk.offset,
+                                                                   count * chunk.nbytes)))
                 await self._each(runs, gather, jobs)
             else:
                 await self._each(pending, lambda p: partial(
@@ -586,6 +640,7 @@ class Dispatcher:
                 if runs is not None:
                     errors = _per_chunk(runs, errors)
             self.metrics.copied("store", time.perf_counter() - copy_started)
+            _log_copy_failures("STORE", errors)
             stamp = phases.add("STORE", "server copy", stamp, len(pending))
         except DeviceStalled as stall:
             # The device may still write into those chunks; when it is done, demotions landed.
@@ -614,8 +669,12 @@ class Dispatcher:
                 self.store.abort(chunk)
                 statuses[i][c] = (StoreStatus.EXPIRED if isinstance(error, DeadlinePassed)
                                   else StoreStatus.FAILED)
-        kept: list[bool] = []
-        await self._each([chunk for _, _, chunk in copied], self.store.commit, kept)
+        settled = [chunk for _, _, chunk in copied]
+        kept_per_window: list[list[bool]] = []
+        await self._each([settled[start:start + TRANSFER_SLICE_CHUNKS]
+                          for start in range(0, len(settled), TRANSFER_SLICE_CHUNKS)],
+                         self.store.commit_many, kept_per_window, per_step=1)
+        kept = list(itertools.chain.from_iterable(kept_per_window))
         for (i, c, _), stays in zip(copied, kept):
             if not stays:  # the copy of the chunk before it failed: no lookup could reach it
                 statuses[i][c] = StoreStatus.NO_PREFIX
@@ -697,6 +756,7 @@ class Dispatcher:
                     outcomes += _per_chunk(runs, per_run[done:done + len(runs)])
                     done += len(runs)
             self.metrics.copied("retrieve", time.perf_counter() - copy_started)
+            _log_copy_failures("RETRIEVE", outcomes)
             stamp = phases.add("RETRIEVE", "server copy", stamp, len(flat) * len(targets))
         except DeviceStalled as stall:
             stall.after(unhold)  # the device may still read those chunks

@@ -412,6 +412,67 @@ class ChunkStore:
         self._tenant(key.cache_salt).bytes_used += size
         return Reservation(StoreStatus.STORED, chunk, demotion)
 
+    def reserve_run(self, keys: Sequence[ChunkKey], nbytes: int, geometry: Hashable,
+                    on_gpu: bool = False, parent: ChunkKey | None = None
+                    ) -> list[Reservation]:
+        """reserve() of a prompt's consecutive chunks in one scope (model, kv worker, salt),
+        keys[0] after `parent` and each after the key before it: the same outcomes as
+        reserving them one by one, in order. A stretch of new chunks (of a salt without a
+        cap, in the CPU tier) takes one extent where the pool has it free: one allocation,
+        not one a chunk, and its chunks lie side by side for the copy. Else, or where
+        eviction must make room, they are reserved one by one."""
+        if not keys or (on_gpu and GPU_TIER in self.allocators) \
+                or self.quotas.get(keys[0].cache_salt).cap is not None:
+            return self._reserve_each(keys, nbytes, geometry, on_gpu, parent)
+        chunks, size = self._chunks, aligned(nbytes)
+        reservations: list[Reservation] = []
+        start, count = 0, len(keys)
+        while start < count:
+            end, new = start, set()  # keys[start:end]: neither stored nor named twice
+            while end < count and (key := keys[end]) not in chunks and key not in new:
+                new.add(key)
+                end += 1
+            parent_key = parent if start == 0 else keys[start - 1]
+            parent_chunk = None if parent_key is None else chunks.get(parent_key)
+            offset = None
+            if end - start > 1 and (parent_key is None or (
+                    parent_chunk is not None and not parent_chunk.orphaned)):
+                offset = self.allocator.allocate((end - start) * size)
+            if offset is None:  # one by one: reserve() says why not, or evicts to make room
+                end = max(end, start + 1)
+                reservations += self._reserve_each(keys[start:end], nbytes, geometry, on_gpu,
+                                                   parent_key)
+                start = end
+                continue
+            if parent_chunk is not None and parent_chunk.evictable:  # no longer: followed
+                self._policies[parent_chunk.tier].remove(parent_chunk.key.cache_salt,
+                                                         parent_chunk.key)
+            scope = self._by_scope.get(keys[start][:4])
+            if scope is None:
+                scope = self._by_scope[keys[start][:4]] = {}
+            for key in keys[start:end]:  # _index(), for chunks of one scope
+                chunk = chunks[key] = scope[key.chunk_hash] = Chunk(key, offset, nbytes,
+                                                                    geometry,
+                                                                    parent=parent_chunk)
+                if parent_chunk is not None:
+                    if parent_chunk.successors is None:
+                        parent_chunk.successors = set()
+                    parent_chunk.successors.add(chunk)
+                reservations.append(Reservation(StoreStatus.STORED, chunk))
+                parent_chunk, offset = chunk, offset + size
+            self._pending += end - start
+            self._tenant(keys[0].cache_salt).bytes_used += (end - start) * size
+            start = end
+        return reservations
+
+    def _reserve_each(self, keys: Sequence[ChunkKey], nbytes: int, geometry: Hashable,
+                      on_gpu: bool, parent: ChunkKey | None) -> list[Reservation]:
+        reservations = []
+        for key in keys:
+            reservations.append(self.reserve(key, nbytes, geometry, on_gpu, parent))
+            parent = key
+        return reservations
+
     def _allocate_gpu(self, size: int) -> tuple[int | None, Demotion | None]:
         """GPU bytes for a new chunk: free ones, or those of the least recently used GPU chunk
         of the same size, which moves to the CPU tier (or, with no room there, is evicted)."""
@@ -494,6 +555,28 @@ class ChunkStore:
         chunk.stamp = self._last_stamp = self._last_stamp + 1
         self._settle(chunk)
         return True
+
+    def commit_many(self, chunks: Sequence[Chunk]) -> list[bool]:
+        """commit() of each chunk in turn, the same outcomes; a salt's cap is looked up once,
+        and a chunk of a salt without one, not orphaned, is committed inline."""
+        capped: dict[str, bool] = {}
+        kept = []
+        for chunk in chunks:
+            salt = chunk.key.cache_salt
+            has_cap = capped.get(salt)
+            if has_cap is None:
+                has_cap = capped[salt] = self.quotas.get(salt).cap is not None
+            if has_cap or chunk.orphaned:  # commit() may abort it, or evict to fit a cap
+                kept.append(self.commit(chunk))
+                continue
+            chunk.committed = True
+            self._pending -= 1
+            self.tenants[salt].chunks += 1  # listed: its pending bytes counted there
+            chunk.stamp = self._last_stamp = self._last_stamp + 1
+            if chunk.evictable:
+                self._policies[chunk.tier].add(salt, chunk.key, chunk.stamp)
+            kept.append(True)
+        return kept
 
     def abort(self, chunk: Chunk) -> None:
         """The pending chunk's copy failed, or never ran: it is gone (and so are its pending

@@ -1,13 +1,16 @@
 """The copy engine on its own: outcomes in job order, failures kept apart, deadlines, and
-no job waiting behind a stalled copy thread while another thread is free."""
+no job waiting behind a stalled copy thread while another thread is free; a copy that
+raised is logged."""
 
 import asyncio
+import logging
 import threading
 import time
 
 import pytest
 
 from lmcache_mp.server.copy_engine import CopyEngine, DeadlinePassed
+from lmcache_mp.server.dispatcher import _log_copy_failures
 
 
 @pytest.fixture
@@ -70,3 +73,15 @@ def test_one_thread_runs_the_jobs_in_order(engine):
     asyncio.run(engine.run([job(i) for i in range(5)], threads=1))
     assert len(threads) == 1
     assert ran == [0, 1, 2, 3, 4]
+
+
+def test_copies_that_raised_are_logged_once_a_request_and_missed_deadlines_not(caplog):
+    with caplog.at_level(logging.ERROR, logger="lmcache_mp.server.dispatcher"):
+        _log_copy_failures("STORE", [None, None])
+        _log_copy_failures("STORE", [DeadlinePassed("late"), None])
+        assert not caplog.records
+        _log_copy_failures("RETRIEVE", [None, ValueError("first"), DeadlinePassed("late"),
+                                        RuntimeError("second")])
+    [record] = caplog.records
+    assert record.getMessage() == "RETRIEVE: 2 of 4 chunk copies failed"
+    assert str(record.exc_info[1]) == "first"

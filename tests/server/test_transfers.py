@@ -5,7 +5,8 @@ import torch
 
 from lmcache_mp.client import SKIP_BLOCK, CacheClient, LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import BadRequest
-from lmcache_mp.protocol import MAX_BUDGET_MS, RetrieveRequest, StoreRequest
+from lmcache_mp.protocol import (MAX_BUDGET_MS, TRANSFER_SLICE_CHUNKS, RetrieveRequest,
+                                 StoreRequest)
 
 from ..utils import run_server
 from ..workers import (
@@ -116,6 +117,41 @@ def test_runs_of_chunks_stop_at_holes_in_the_pool_and_between_items():
                            source.blocks(chunk_blocks(list(range(6, 12)))).view(torch.uint8))
         assert torch.equal(target.blocks(chunk_blocks([6, 7])).view(torch.uint8),
                            source.blocks(chunk_blocks([4, 5])).view(torch.uint8))
+        client.unregister(into)
+        client.unregister(registration)
+
+
+def test_a_store_longer_than_a_slice_keeps_every_chunk_and_its_bytes():
+    """A STORE of more chunks than the server handles between other clients' requests
+    (TRANSFER_SLICE_CHUNKS), an item cut across two slices: every chunk is stored, and the
+    last chunks' bytes come back exact through a RETRIEVE that skips every block of the
+    chunks before them (chunks the engine holds whole: they count as loaded)."""
+    per_item = TRANSFER_SLICE_CHUNKS // 2 + 30
+    slots = 8
+    pool = f"{per_item + 8}MiB"  # two prompts of 0.5 MiB chunks, and room to spare
+    with run_server("--cpu-size", pool) as server, \
+            CacheClient(server.url) as client, \
+            make_cache(slots * BLOCKS_PER_CHUNK, 17) as source, \
+            make_cache(slots * BLOCKS_PER_CHUNK, None) as target:
+        registration = client.register_kv_cache(source.handles(), model=MODEL, layout="mha",
+                                                block_size=16)
+        prompts = [prompt(60, per_item), prompt(61, per_item)]
+        blocks = chunk_blocks([c % slots for c in range(per_item)])
+        items = [TransferItem.build(f"long-{n}", hashes, blocks)
+                 for n, hashes in enumerate(prompts)]
+        assert client.store(registration, items) == [bytes([StoreStatus.STORED] * per_item)] * 2
+        assert client.lookup(MODEL, 1, [LookupItem.build("a", prompts[0]),
+                                        LookupItem.build("b", prompts[1])]) == [per_item] * 2
+        into = client.register_kv_cache(target.handles(), model=MODEL, layout="mha",
+                                        block_size=16)
+        # The second prompt's last `slots` chunks (in the second slice), into slots 0-7.
+        skipped = (per_item - slots) * BLOCKS_PER_CHUNK
+        loaded = client.retrieve(into, [TransferItem.build(
+            "b", prompts[1], [SKIP_BLOCK] * skipped + chunk_blocks(list(range(slots))))])
+        assert loaded == [per_item]
+        sources = [c % slots for c in range(per_item - slots, per_item)]
+        assert torch.equal(target.blocks(chunk_blocks(list(range(slots)))).view(torch.uint8),
+                           source.blocks(chunk_blocks(sources)).view(torch.uint8))
         client.unregister(into)
         client.unregister(registration)
 
