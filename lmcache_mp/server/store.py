@@ -705,7 +705,9 @@ class ChunkStore:
     def hold_if_stored(self, key: ChunkKey, geometry: Hashable) -> Chunk | None:
         """Hold the committed chunk of `key` if it has `geometry` (RETRIEVE reads it next)."""
         chunk = self._visible(key)
-        if chunk is None or chunk.geometry != geometry:
+        # `is` first: a cache reads back what it stored (one Geometry object), and a
+        # dataclass's == compares field by field in Python.
+        if chunk is None or (chunk.geometry is not geometry and chunk.geometry != geometry):
             return None
         self._hold(chunk)
         return chunk
