@@ -25,6 +25,7 @@ from ..errors import InternalError, ServerError, ShuttingDown
 from ..sizes import format_size
 from ..zmq_io import readable, recv_frames, send_frames
 from .access import Sessions, load_or_create_token, prepare_runtime_dir, read_token_file
+from .collector import CollectorGuard
 from .config import Config
 from .copy_engine import CopyEngine
 from .cuda_ipc import CudaIpcSupport, SharedAllocations
@@ -96,6 +97,7 @@ class Server:
         self.metrics = ServerMetrics()
         self._loop_watch = LoopWatch(self.metrics)
         self._loop_watch_task: asyncio.Task | None = None
+        self._collector_guard = CollectorGuard()
         self._http: HttpEndpoint | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._label_key = b""  # keys the tenant labels' digests: the admin token
@@ -233,8 +235,10 @@ class Server:
             self._http = self._open_http_endpoint()
         # Everything built so far (torch's modules above all) lives as long as the process:
         # out of the collector's sight, a full collection costs ~0.2 ms instead of ~100 ms,
-        # which a request allocating a few thousand keys would otherwise trigger.
+        # which a request allocating a few thousand keys would otherwise trigger. What the
+        # store keeps later is frozen likewise, once a full collection grows long.
         gc.freeze()
+        self._collector_guard.install()
         logger.info("lmcache-mp-server %s serving on %s (runtime directory %s%s): chunk size "
                     "%d tokens, CPU pool %s, GPU tier %s, %d copy threads, %s", __version__,
                     config.bind_url, config.runtime_dir,
@@ -517,6 +521,7 @@ class Server:
                 await asyncio.wait(stuck, timeout=_STUCK_REQUESTS_S)
         self._housekeeping.cancel()
         self._loop_watch_task.cancel()
+        self._collector_guard.uninstall()
         asyncio.get_running_loop().remove_reader(self._socket.FD)
         logger.info("shutdown: releasing %d registrations", len(self.dispatcher.registry))
         for instance_id in self.dispatcher.registry.instance_ids():
