@@ -90,6 +90,12 @@ LIMITS: dict[str, Limit] = {
     "MAX_REGISTRATIONS_PER_CONNECTION": Limit(
         64, "KV caches one connection may have registered at once"),
     "MAX_REGISTRATIONS": Limit(4096, "KV caches registered at once, server-wide"),
+    "MAX_LEASES_PER_ENGINE": Limit(
+        32768, "lookup holds one engine keeps at once; a new one past it releases that "
+               "engine's oldest"),
+    "MAX_LEASES": Limit(
+        131072, "lookup holds kept at once, server-wide; past it a LOOKUP answers without "
+                "taking its hold (the chunks stay evictable)"),
     "REPLY_BACKLOG_BYTES": Limit(
         64 * 1024**2, "reply bytes kept for one connection that does not read them; past it "
                       "the server drops that connection's session and backlog"),
@@ -117,6 +123,8 @@ TICKET_TTL_S = LIMITS["TICKET_TTL_S"].value
 MAX_SESSIONS = LIMITS["MAX_SESSIONS"].value
 MAX_REGISTRATIONS_PER_CONNECTION = LIMITS["MAX_REGISTRATIONS_PER_CONNECTION"].value
 MAX_REGISTRATIONS = LIMITS["MAX_REGISTRATIONS"].value
+MAX_LEASES_PER_ENGINE = LIMITS["MAX_LEASES_PER_ENGINE"].value
+MAX_LEASES = LIMITS["MAX_LEASES"].value
 REPLY_BACKLOG_BYTES = LIMITS["REPLY_BACKLOG_BYTES"].value
 
 _CACHE_SALT = re.compile(r"[\x21-\x7e]{0,%d}" % MAX_SALT_CHARS)  # printable ASCII, no spaces
@@ -460,6 +468,7 @@ class StatsReply:
     bytes_retrieved: int = 0  # bytes RETRIEVE copied into KV caches
     evictions_by_cause: dict[str, int] = field(default_factory=dict)  # see docs/operations.md
     clients: int = 0  # connections with a session (said HELLO, not yet expired)
+    holds_refused: int = 0  # LOOKUP holds not taken: MAX_LEASES were held already
     loop_lag_seconds: float = 0.0  # how late the event loop last woke for a timer
     # The L2 tier (--l2; all 0 without one): lmcache_mp.server.l2.base.L2Counters, by name.
     l2_enabled: bool = False

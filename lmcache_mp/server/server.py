@@ -47,6 +47,9 @@ logger = logging.getLogger("lmcache_mp.server")
 
 _MAX_MESSAGES_PER_WAKE = 64
 _HOUSEKEEPING_S = 0.5
+# Leases released at a time when many expire together (~1 ms of the loop on 2 cores).
+_LEASE_EXPIRY_SLICE = 256
+_REFUSALS_LOG_INTERVAL_S = 60.0  # the least time between two lines about holds not taken
 _BACKLOG_RETRY_S = 0.002  # how soon replies a slow reader could not take are offered again
 _GPU_COPY_TIMEOUT_S = 60.0  # one request's device work; a GPU that takes longer has failed
 _STUCK_REQUESTS_S = 2.0  # at shutdown, once copies ended: what requests still waiting get
@@ -474,11 +477,26 @@ class Server:
 
     async def _housekeeping_loop(self) -> None:
         dispatcher = self.dispatcher
+        refused_logged, refusals_log_after = 0, 0.0
         while True:
             await asyncio.sleep(_HOUSEKEEPING_S)
-            expired = dispatcher.store.expire_leases()
+            store = dispatcher.store
+            expired = 0
+            while True:  # a slice at a time, other clients' requests served between slices
+                expiring = store.expire_leases(_LEASE_EXPIRY_SLICE)
+                expired += expiring
+                if expiring < _LEASE_EXPIRY_SLICE:
+                    break
+                await asyncio.sleep(0)
             if expired:
                 logger.info("%d leases expired", expired)
+            # Engines that fill the lease table may keep doing so: a line a minute at most.
+            if store.holds_refused > refused_logged and time.monotonic() >= refusals_log_after:
+                logger.warning("%d LOOKUP holds not taken: %d leases are held, the server-wide "
+                               "limit (MAX_LEASES); those chunks stay evictable",
+                               store.holds_refused - refused_logged, store.leases_held)
+                refused_logged = store.holds_refused
+                refusals_log_after = time.monotonic() + _REFUSALS_LOG_INTERVAL_S
             for instance_id in dispatcher.registry.expired(self.config.worker_timeout):
                 logger.warning("instance %d: no message for %g s, dropping its registration",
                                instance_id, self.config.worker_timeout)

@@ -15,12 +15,12 @@ them; and a chunk whose parent goes anyway (CLEAR, a failed copy) goes too.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..protocol import StoreStatus
+from ..protocol import MAX_LEASES, MAX_LEASES_PER_ENGINE, StoreStatus
 from .eviction import TenantLRUPolicy
 from .pool import ExtentAllocator, aligned
 from .quotas import Quota, QuotaBook
@@ -80,7 +80,7 @@ class Chunk:
         return self.committed and not self.holds and not self.moving and not self.successors
 
 
-@dataclass
+@dataclass(slots=True)
 class Lease:
     keys: list[ChunkKey]
     deadline: float
@@ -172,8 +172,11 @@ class ChunkStore:
     def __init__(self, allocator: ExtentAllocator, lease_timeout: float,
                  quotas: QuotaBook | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 gpu_allocator: ExtentAllocator | None = None):
-        """`allocator` places chunks in the CPU pool; `gpu_allocator` in the GPU tier, if any."""
+                 gpu_allocator: ExtentAllocator | None = None,
+                 max_leases: int = MAX_LEASES,
+                 max_leases_per_engine: int = MAX_LEASES_PER_ENGINE):
+        """`allocator` places chunks in the CPU pool; `gpu_allocator` in the GPU tier, if any;
+        `max_leases` and `max_leases_per_engine` bound the lookup holds kept (the LIMITS)."""
         self.allocator = allocator
         self.allocators = {CPU_TIER: allocator}
         if gpu_allocator is not None:
@@ -193,7 +196,14 @@ class ChunkStore:
         self._by_scope: dict[tuple[str, int, int, str], dict[bytes, Chunk]] = {}
         self._last_stamp = 0  # one recency order across both tiers: a higher stamp, more recent
         self._policies = {tier: TenantLRUPolicy() for tier in self.allocators}
-        self._leases: dict[LeaseOwner, Lease] = {}
+        # Every lease lasts lease_timeout from its making, so making order is expiry order:
+        # expire_leases() stops at the first live lease instead of looking at all of them.
+        self._leases: OrderedDict[LeaseOwner, Lease] = OrderedDict()
+        # Each engine's leases, oldest first: at its cap, its oldest gives way to its newest.
+        self._leases_by_engine: dict[bytes, OrderedDict[LeaseOwner, None]] = {}
+        self.max_leases = max_leases
+        self.max_leases_per_engine = max_leases_per_engine
+        self.holds_refused = 0  # lookups answered without their hold: all max_leases in use
         self._pending = 0
         # Why chunks were evicted: POOL_FULL (room for another chunk) or QUOTA_CAP.
         self.evictions_by_cause: Counter[str] = Counter()
@@ -352,20 +362,40 @@ class ChunkStore:
             usage.misses += hashes - hit
         self._totals.hits += hit
         self._totals.misses += hashes - hit
-        if held:
-            if holder is None:
+        if holder is None:
+            if held:
                 self.unhold(found)  # refreshes them: as a touch would
-        else:
+            else:
+                self._use(found)
+            return hit
+        if not held:
             self._use(found)
-        if holder is not None:
-            self.release(holder)
-            if found:
-                if not held:
-                    for chunk in found:
-                        self._hold(chunk)
-                self._leases[holder] = Lease([c.key for c in found],
-                                             self.clock() + self.lease_timeout)
+            for chunk in found:
+                self._hold(chunk)
+        # Only now the request's previous lease goes: a chunk both leases name stays held
+        # throughout, where releasing first could remove it (an orphan goes at its last
+        # hold) and the new lease would name a chunk no longer stored.
+        self.release(holder)
+        if found and not self._lease(holder, found):
+            self.unhold(found)
         return hit
+
+    def _lease(self, holder: LeaseOwner, chunks: list[Chunk]) -> bool:
+        """Record the lease of `chunks` (held for it already) to `holder`, its engine's
+        oldest giving way at max_leases_per_engine; False: max_leases are in use, so none."""
+        mine = self._leases_by_engine.get(holder.engine)
+        if mine is not None and len(mine) >= self.max_leases_per_engine:
+            self.release(next(iter(mine)))
+            mine = self._leases_by_engine.get(holder.engine)
+        if len(self._leases) >= self.max_leases:
+            self.holds_refused += 1
+            return False
+        if mine is None:
+            mine = self._leases_by_engine[holder.engine] = OrderedDict()
+        self._leases[holder] = Lease([chunk.key for chunk in chunks],
+                                     self.clock() + self.lease_timeout)
+        mine[holder] = None
+        return True
 
     # -- store: reserve, then commit or abort -------------------------------------------
 
@@ -755,14 +785,25 @@ class ChunkStore:
             lease.keys = kept
         else:
             del self._leases[owner]
+            mine = self._leases_by_engine[owner.engine]
+            del mine[owner]
+            if not mine:
+                del self._leases_by_engine[owner.engine]
         return len(dropped)
 
-    def expire_leases(self) -> int:
+    def expire_leases(self, limit: int | None = None) -> int:
+        """Release the leases past their deadline, the oldest first, up to the first live one
+        or `limit` of them; return how many."""
         now = self.clock()
-        expired = [owner for owner, lease in self._leases.items() if lease.deadline <= now]
-        for owner in expired:
+        leases = self._leases
+        expired = 0
+        while leases and expired != limit:
+            owner = next(iter(leases))
+            if leases[owner].deadline > now:
+                break
             self.release(owner)
-        return len(expired)
+            expired += 1
+        return expired
 
     # -- admin ---------------------------------------------------------------------------
 
@@ -790,6 +831,17 @@ class ChunkStore:
         assert self._pending == sum(1 for c in chunks if not c.committed)
         assert not any(c.moving and (c.holds or c.tier != CPU_TIER) for c in chunks)
         assert all(c.holds >= 0 for c in chunks)
+        # Leases name stored chunks only, each holding them; kept in expiry order, and each
+        # under its engine too.
+        leased = Counter(key for lease in self._leases.values() for key in lease.keys)
+        assert all(self._chunks[key].holds >= times for key, times in leased.items())
+        deadlines = [lease.deadline for lease in self._leases.values()]
+        assert deadlines == sorted(deadlines), "leases out of expiry order"
+        assert len(self._leases) <= self.max_leases
+        by_engine = [owner for mine in self._leases_by_engine.values() for owner in mine]
+        assert sorted(by_engine) == sorted(self._leases), "engines' leases disagree"
+        assert all(0 < len(mine) <= self.max_leases_per_engine
+                   for mine in self._leases_by_engine.values())
         for salt, usage in self.tenants.items():
             mine = [c for c in chunks if c.key.cache_salt == salt]
             assert usage.bytes_used == sum(c.footprint for c in mine)

@@ -320,6 +320,88 @@ def test_holds_belong_to_an_engine(clock):
     assert store.release(mine) == 2
 
 
+def test_a_repeated_hold_on_a_chunk_only_its_lease_kept_stored_keeps_it(clock):
+    """A chunk whose parent went while it was read (CLEAR) is an orphan, stored only as long
+    as something holds it. A request that holds it, then looks it up again with a hold, made
+    the server release the old lease first, which removed the chunk, then lease the removed
+    chunk: the LOOKUP failed with an internal error (or, had its LRU order survived, a lease
+    named a chunk no longer stored and its release raised, later, in the housekeeping)."""
+    store = make_store(clock, chunks=8)
+    put(store, [key(0), key(1)])
+    holder = LeaseOwner(ENGINE, "", "req")
+    reading = [store.hold_if_stored(key(1), GEOMETRY)]
+    assert store.clear() == 1  # the parent goes; the child, being read, stays an orphan
+    put(store, [key(5)])  # the salt's LRU order outlives the parent
+    assert store.lookup("m", 1, "", [h(5), h(1)], holder=holder) == 2
+    store.unhold(reading)  # now only the lease keeps the orphan
+    assert store.lookup("m", 1, "", [h(5), h(1)], holder=holder) == 2
+    store.check_invariants()
+    assert store.release(holder) == 2
+    assert store.num_chunks == 1  # the orphan went with its last hold; h(5) stays, unheld
+    store.check_invariants()
+    assert store.clear() == 1
+
+
+def test_an_engine_at_its_lease_cap_gives_up_its_own_oldest(clock):
+    store = ChunkStore(ExtentAllocator(4 * CHUNK), 10.0, clock=clock, max_leases=100,
+                       max_leases_per_engine=3)
+    put(store, [key(0)])
+    other = LeaseOwner(b"another engine", "", "theirs")
+    assert store.lookup("m", 1, "", [h(0)], holder=other) == 1
+    for i in range(5):
+        clock.now += 1
+        assert store.lookup("m", 1, "", [h(0)], holder=LeaseOwner(ENGINE, "", f"r{i}")) == 1
+        store.check_invariants()
+    assert store.leases_held == 4  # three of this engine's, the newest; the other's
+    assert [store.release(LeaseOwner(ENGINE, "", f"r{i}")) for i in range(5)] == [0, 0, 1, 1, 1]
+    assert store.release(other) == 1
+    store.check_invariants()
+
+
+@pytest.mark.parametrize("sliced", [False, True])
+def test_at_the_lease_limit_a_lookup_answers_without_its_hold(clock, sliced):
+    store = ChunkStore(ExtentAllocator(4 * CHUNK), 10.0, clock=clock, max_leases=2,
+                       max_leases_per_engine=2)
+    put(store, [key(0), key(1)])
+    for engine in (b"a", b"b"):
+        assert store.lookup("m", 1, "", [h(0)], holder=LeaseOwner(engine, "", "r")) == 1
+    late = LeaseOwner(ENGINE, "", "late")
+    if sliced:
+        scan = PrefixScan(store, "m", 1, "", [h(0), h(1)], hold_while_scanning=True)
+        while not scan.done:
+            scan.step(1)
+        assert scan.finish(late) == 2
+    else:
+        assert store.lookup("m", 1, "", [h(0), h(1)], holder=late) == 2
+    assert store.holds_refused == 1 and store.leases_held == 2
+    assert store.release(late) == 0
+    store.check_invariants()  # h(1) is evictable again: the refused hold left no hold behind
+    assert put(store, [key(2), key(3), key(4)]) == [StoreStatus.STORED] * 3
+    assert store.lookup("m", 1, "", [h(0), h(1)]) == 1  # h(1) made room; h(0) is held
+
+
+def test_expiring_leases_looks_at_the_expired_ones_only(clock):
+    """Leases expire in the order they were made; the housekeeping looked at every lease
+    every 0.5 s, a stall that grew with the leases engines kept."""
+    store = make_store(clock, chunks=2)
+    put(store, [key(0)])
+    owners = [LeaseOwner(ENGINE, "", f"r{i}") for i in range(2000)]
+    for i, owner in enumerate(owners):
+        store.lookup("m", 1, "", [h(0)], holder=owner)
+        clock.now += 0.001 if i == 1 else 0  # two leases, then 1,998 a moment younger
+    clock.now += 1.0
+    store.lookup("m", 1, "", [h(0)], holder=owners[0])  # renewed: now the youngest
+    clock.now += 9.0 - 0.0005
+    expired, lines = lines_run(store.expire_leases)
+    assert expired == 1 and lines < 60  # r1 alone
+    assert store.release(owners[1]) == 0 and store.release(owners[2]) == 1
+    clock.now += 0.001
+    assert store.expire_leases(limit=100) == 100
+    assert store.expire_leases() == 1997 - 100
+    assert store.leases_held == 1 and store.release(owners[0]) == 1
+    store.check_invariants()
+
+
 def test_a_sliced_scan_holds_what_it_found_between_slices(clock):
     store = make_store(clock, chunks=8)
     put(store, [key(i, worker=w, world=2) for i in range(3) for w in range(2)])

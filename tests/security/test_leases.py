@@ -1,0 +1,116 @@
+"""Lookup holds that engines never release: each engine keeps at most MAX_LEASES_PER_ENGINE
+(its own oldest give way), the server at most MAX_LEASES (past it LOOKUPs answer without
+their hold), and when they all expire together the loop still serves everyone between
+slices. Before these limits, an engine that held 1,024 chunks a LOOKUP grew the lease
+table without bound (memory), and the housekeeping looked at every lease every 0.5 s.
+
+The flooding engines run in an agent process; this process is the honest bystander that
+stores, holds, retrieves and compares bytes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
+from lmcache_mp.protocol import MAX_ITEMS_PER_MESSAGE, MAX_LEASES, MAX_LEASES_PER_ENGINE
+
+from ..utils import run_server
+from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, prompt
+from .agents import Agent, new_cache, raw_bytes, wait_for
+
+LEASE_TIMEOUT_S = 8.0
+PING_BOUND_S = 0.150  # p99 of the bystander's round trips while the leases expire
+
+
+@pytest.fixture(scope="module")
+def server():
+    with run_server("--cpu-size", "64MiB", "--lease-timeout", str(LEASE_TIMEOUT_S)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def attacker():
+    agent = Agent("hold-flooder")
+    yield agent
+    agent.close()
+
+
+@pytest.fixture(scope="module")
+def bystander(server):
+    """This process as an honest engine: one W2 chunk stored, a cache to retrieve it into."""
+    with server.client(timeout=20, engine="bystander") as client, \
+            new_cache(BLOCKS_PER_CHUNK, 7, W2) as source, \
+            new_cache(BLOCKS_PER_CHUNK, None, W2) as target:
+        sent = client.register_kv_cache(source.handles(), model=MODEL, layout="mha",
+                                        block_size=16)
+        received = client.register_kv_cache(target.handles(), model=MODEL, layout="mha",
+                                            block_size=16)
+        hashes = prompt(77, 1)
+        assert client.store(sent, [TransferItem.build("stored", hashes, chunk_blocks([0]))]
+                            ) == [bytes([StoreStatus.STORED])]
+        yield client, hashes, received, source, target
+
+
+def hold_flood(state, url: str, token: str, engines: range, holds: int, chunk_hash: bytes
+               ) -> set[int]:
+    """Engines `engines` (a client each, with its own secret, kept open so nothing ends its
+    session), each making `holds` holds on the chunk, one request id each, in LOOKUPs of
+    MAX_ITEMS_PER_MESSAGE items; returns the hits the LOOKUPs answered."""
+    hits: set[int] = set()
+    for engine in engines:
+        client = state[f"engine-{engine}"] = CacheClient(url, token=token,
+                                                         engine=f"flood-{engine}", timeout=60)
+        for start in range(0, holds, MAX_ITEMS_PER_MESSAGE):
+            items = [LookupItem.build(f"r{i}", [chunk_hash], hold=True)
+                     for i in range(start, min(holds, start + MAX_ITEMS_PER_MESSAGE))]
+            hits.update(client.lookup(MODEL, 1, items))
+    return hits
+
+
+def load_and_compare(bystander) -> None:
+    """The bystander's own round: LOOKUP with a hold, RETRIEVE, the bytes as stored."""
+    client, hashes, received, source, target = bystander
+    assert client.lookup(MODEL, 1, [LookupItem.build("mine", hashes, hold=True)]) == [1]
+    assert client.retrieve(received, [TransferItem.build("mine", hashes, chunk_blocks([0]))]
+                           ) == [1]
+    assert raw_bytes(target.blocks(chunk_blocks([0]))) == raw_bytes(source.blocks(chunk_blocks([0])))
+
+
+@pytest.mark.slow
+def test_holds_that_are_never_released_stay_bounded_and_expire_without_a_stall(
+        server, attacker, bystander):
+    client, hashes = bystander[0], bystander[1]
+    # One engine holds past its cap: its own oldest give way.
+    assert attacker.run(hold_flood, server.url, server.token(), range(1), MAX_LEASES_PER_ENGINE + 2048,
+                        hashes[0], wait=120) == {1}
+    assert client.stats().leases_held == MAX_LEASES_PER_ENGINE
+    load_and_compare(bystander)  # its hold is taken, and the RETRIEVE ends it
+
+    # More engines fill the server's table: the rest are answered, without a hold.
+    engines = MAX_LEASES // MAX_LEASES_PER_ENGINE
+    assert attacker.run(hold_flood, server.url, server.token(), range(1, engines + 1), MAX_LEASES_PER_ENGINE,
+                        hashes[0], wait=300) == {1}
+    stats = client.stats()
+    assert stats.leases_held == MAX_LEASES
+    assert stats.holds_refused == MAX_LEASES_PER_ENGINE
+    load_and_compare(bystander)  # answered and loaded, though its hold was not taken
+    assert client.stats().holds_refused == MAX_LEASES_PER_ENGINE + 1
+
+    # They all expire together; the bystander's pings go on meanwhile.
+    made = time.monotonic()
+    rtts = []
+    while client.stats().leases_held and time.monotonic() < made + 3 * LEASE_TIMEOUT_S:
+        sent = time.perf_counter()
+        client.ping()
+        rtts.append(time.perf_counter() - sent)
+        time.sleep(0.002)
+    assert client.stats().leases_held == 0
+    rtts.sort()
+    assert rtts[int(len(rtts) * 0.99) - 1] < PING_BOUND_S, \
+        f"bystander p99 {rtts[int(len(rtts) * 0.99) - 1] * 1000:.0f} ms, max {rtts[-1] * 1000:.0f} ms"
+    load_and_compare(bystander)
+    wait_for(lambda: client.stats().leases_held == 0, what="the bystander's lease ended")
+    server.check_alive()
