@@ -482,12 +482,14 @@ class Server:
             await asyncio.sleep(_HOUSEKEEPING_S)
             store = dispatcher.store
             expired = 0
-            while True:  # a slice at a time, other clients' requests served between slices
+
+            def expire_slice() -> bool:
+                nonlocal expired
                 expiring = store.expire_leases(_LEASE_EXPIRY_SLICE)
                 expired += expiring
-                if expiring < _LEASE_EXPIRY_SLICE:
-                    break
-                await asyncio.sleep(0)
+                return expiring < _LEASE_EXPIRY_SLICE
+            if not expire_slice():  # many at once: the rest in turn with long requests' slices
+                await dispatcher.slices.run(expire_slice)
             if expired:
                 logger.info("%d leases expired", expired)
             # Engines that fill the lease table may keep doing so: a line a minute at most.
