@@ -96,6 +96,12 @@ LIMITS: dict[str, Limit] = {
     "MAX_LEASES": Limit(
         131072, "lookup holds kept at once, server-wide; past it a LOOKUP answers without "
                 "taking its hold (the chunks stay evictable)"),
+    "MAX_LEASED_CHUNKS_PER_ENGINE": Limit(
+        1048576, "chunks (times kv workers) one engine's lookup holds keep at once; a new "
+                 "hold past it releases that engine's oldest until it fits"),
+    "MAX_LEASED_CHUNKS": Limit(
+        4194304, "chunks (times kv workers) all lookup holds keep at once, server-wide; past "
+                 "it a LOOKUP answers without taking its hold"),
     "REPLY_BACKLOG_BYTES": Limit(
         64 * 1024**2, "reply bytes kept for one connection that does not read them; past it "
                       "the server drops that connection's session and backlog"),
@@ -125,6 +131,8 @@ MAX_REGISTRATIONS_PER_CONNECTION = LIMITS["MAX_REGISTRATIONS_PER_CONNECTION"].va
 MAX_REGISTRATIONS = LIMITS["MAX_REGISTRATIONS"].value
 MAX_LEASES_PER_ENGINE = LIMITS["MAX_LEASES_PER_ENGINE"].value
 MAX_LEASES = LIMITS["MAX_LEASES"].value
+MAX_LEASED_CHUNKS_PER_ENGINE = LIMITS["MAX_LEASED_CHUNKS_PER_ENGINE"].value
+MAX_LEASED_CHUNKS = LIMITS["MAX_LEASED_CHUNKS"].value
 REPLY_BACKLOG_BYTES = LIMITS["REPLY_BACKLOG_BYTES"].value
 
 _CACHE_SALT = re.compile(r"[\x21-\x7e]{0,%d}" % MAX_SALT_CHARS)  # printable ASCII, no spaces
@@ -468,7 +476,7 @@ class StatsReply:
     bytes_retrieved: int = 0  # bytes RETRIEVE copied into KV caches
     evictions_by_cause: dict[str, int] = field(default_factory=dict)  # see docs/operations.md
     clients: int = 0  # connections with a session (said HELLO, not yet expired)
-    holds_refused: int = 0  # LOOKUP holds not taken: MAX_LEASES were held already
+    holds_refused: int = 0  # LOOKUP holds not taken: the server-wide lease limits were met
     loop_lag_seconds: float = 0.0  # how late the event loop last woke for a timer
     # The L2 tier (--l2; all 0 without one): lmcache_mp.server.l2.base.L2Counters, by name.
     l2_enabled: bool = False

@@ -134,7 +134,7 @@ def stats_metrics(stats: StatsReply, labels: TenantLabels) -> Iterator[Metric]:
     yield gauge("leases_held", "LOOKUP holds not yet retrieved, released or expired",
                 stats.leases_held)
     yield CounterMetricFamily(PREFIX + "holds_refused", "LOOKUP holds not taken because the "
-                              "server-wide lease limit was reached", value=stats.holds_refused)
+                              "server-wide lease limits were reached", value=stats.holds_refused)
     yield gauge("registered_workers", "KV caches registered by workers", stats.registrations)
     yield gauge("connected_clients", "Connections with a session", stats.clients)
     yield gauge("event_loop_lag_seconds", "How late the event loop last woke for a timer",

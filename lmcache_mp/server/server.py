@@ -494,9 +494,10 @@ class Server:
                 logger.info("%d leases expired", expired)
             # Engines that fill the lease table may keep doing so: a line a minute at most.
             if store.holds_refused > refused_logged and time.monotonic() >= refusals_log_after:
-                logger.warning("%d LOOKUP holds not taken: %d leases are held, the server-wide "
-                               "limit (MAX_LEASES); those chunks stay evictable",
-                               store.holds_refused - refused_logged, store.leases_held)
+                logger.warning("%d LOOKUP holds not taken: %d leases hold %d chunks, at the "
+                               "server-wide limits (MAX_LEASES, MAX_LEASED_CHUNKS); those "
+                               "chunks stay evictable", store.holds_refused - refused_logged,
+                               store.leases_held, store.leased_chunks)
                 refused_logged = store.holds_refused
                 refusals_log_after = time.monotonic() + _REFUSALS_LOG_INTERVAL_S
             for instance_id in dispatcher.registry.expired(self.config.worker_timeout):

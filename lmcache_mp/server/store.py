@@ -20,7 +20,8 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..protocol import MAX_LEASES, MAX_LEASES_PER_ENGINE, StoreStatus
+from ..protocol import (MAX_LEASED_CHUNKS, MAX_LEASED_CHUNKS_PER_ENGINE, MAX_LEASES,
+                        MAX_LEASES_PER_ENGINE, StoreStatus)
 from .eviction import TenantLRUPolicy
 from .pool import ExtentAllocator, aligned
 from .quotas import Quota, QuotaBook
@@ -84,6 +85,14 @@ class Chunk:
 class Lease:
     keys: list[ChunkKey]
     deadline: float
+
+
+@dataclass(slots=True)
+class _EngineLeases:
+    """One engine's leases, oldest first, and the chunks they hold between them."""
+
+    owners: OrderedDict[LeaseOwner, None]
+    chunks: int = 0
 
 
 @dataclass
@@ -174,9 +183,11 @@ class ChunkStore:
                  clock: Callable[[], float] = time.monotonic,
                  gpu_allocator: ExtentAllocator | None = None,
                  max_leases: int = MAX_LEASES,
-                 max_leases_per_engine: int = MAX_LEASES_PER_ENGINE):
+                 max_leases_per_engine: int = MAX_LEASES_PER_ENGINE,
+                 max_leased_chunks: int = MAX_LEASED_CHUNKS,
+                 max_leased_chunks_per_engine: int = MAX_LEASED_CHUNKS_PER_ENGINE):
         """`allocator` places chunks in the CPU pool; `gpu_allocator` in the GPU tier, if any;
-        `max_leases` and `max_leases_per_engine` bound the lookup holds kept (the LIMITS)."""
+        `max_lease*` bound the lookup holds kept, and the chunks they hold (the LIMITS)."""
         self.allocator = allocator
         self.allocators = {CPU_TIER: allocator}
         if gpu_allocator is not None:
@@ -199,11 +210,14 @@ class ChunkStore:
         # Every lease lasts lease_timeout from its making, so making order is expiry order:
         # expire_leases() stops at the first live lease instead of looking at all of them.
         self._leases: OrderedDict[LeaseOwner, Lease] = OrderedDict()
-        # Each engine's leases, oldest first: at its cap, its oldest gives way to its newest.
-        self._leases_by_engine: dict[bytes, OrderedDict[LeaseOwner, None]] = {}
+        # Each engine's leases, oldest first: at its caps, its oldest give way to its newest.
+        self._leases_by_engine: dict[bytes, _EngineLeases] = {}
+        self._leased_chunks = 0  # the chunks all leases hold, each counted once per lease
         self.max_leases = max_leases
         self.max_leases_per_engine = max_leases_per_engine
-        self.holds_refused = 0  # lookups answered without their hold: all max_leases in use
+        self.max_leased_chunks = max_leased_chunks
+        self.max_leased_chunks_per_engine = max_leased_chunks_per_engine
+        self.holds_refused = 0  # lookups answered without their hold: the server's caps met
         self._pending = 0
         # Why chunks were evicted: POOL_FULL (room for another chunk) or QUOTA_CAP.
         self.evictions_by_cause: Counter[str] = Counter()
@@ -221,6 +235,10 @@ class ChunkStore:
     @property
     def leases_held(self) -> int:
         return len(self._leases)
+
+    @property
+    def leased_chunks(self) -> int:
+        return self._leased_chunks
 
     @property
     def bytes_used(self) -> int:
@@ -382,19 +400,27 @@ class ChunkStore:
 
     def _lease(self, holder: LeaseOwner, chunks: list[Chunk]) -> bool:
         """Record the lease of `chunks` (held for it already) to `holder`, its engine's
-        oldest giving way at max_leases_per_engine; False: max_leases are in use, so none."""
+        oldest giving way at the per-engine caps; False: the server's caps (or the engine's,
+        for a lease larger than it) leave no room, so none."""
+        count = len(chunks)
+        fits_engine = count <= self.max_leased_chunks_per_engine  # else none give way for it
         mine = self._leases_by_engine.get(holder.engine)
-        if mine is not None and len(mine) >= self.max_leases_per_engine:
-            self.release(next(iter(mine)))
-            mine = self._leases_by_engine.get(holder.engine)
-        if len(self._leases) >= self.max_leases:
+        while fits_engine and mine is not None and (
+                len(mine.owners) >= self.max_leases_per_engine
+                or mine.chunks + count > self.max_leased_chunks_per_engine):
+            self.release(next(iter(mine.owners)))
+            mine = self._leases_by_engine.get(holder.engine)  # gone with its last lease
+        if (not fits_engine or len(self._leases) >= self.max_leases
+                or self._leased_chunks + count > self.max_leased_chunks):
             self.holds_refused += 1
             return False
         if mine is None:
-            mine = self._leases_by_engine[holder.engine] = OrderedDict()
+            mine = self._leases_by_engine[holder.engine] = _EngineLeases(OrderedDict())
         self._leases[holder] = Lease([chunk.key for chunk in chunks],
                                      self.clock() + self.lease_timeout)
-        mine[holder] = None
+        mine.owners[holder] = None
+        mine.chunks += count
+        self._leased_chunks += count
         return True
 
     # -- store: reserve, then commit or abort -------------------------------------------
@@ -781,13 +807,15 @@ class ChunkStore:
             dropped = [k for k in lease.keys if k.kv_worker_id == kv_worker_id]
             kept = [k for k in lease.keys if k.kv_worker_id != kv_worker_id]
         self.unhold([self._chunks[k] for k in dropped])
+        mine = self._leases_by_engine[owner.engine]
+        mine.chunks -= len(dropped)
+        self._leased_chunks -= len(dropped)
         if kept:
             lease.keys = kept
         else:
             del self._leases[owner]
-            mine = self._leases_by_engine[owner.engine]
-            del mine[owner]
-            if not mine:
+            del mine.owners[owner]
+            if not mine.owners:
                 del self._leases_by_engine[owner.engine]
         return len(dropped)
 
@@ -838,10 +866,13 @@ class ChunkStore:
         deadlines = [lease.deadline for lease in self._leases.values()]
         assert deadlines == sorted(deadlines), "leases out of expiry order"
         assert len(self._leases) <= self.max_leases
-        by_engine = [owner for mine in self._leases_by_engine.values() for owner in mine]
+        assert self._leased_chunks == sum(leased.values()) <= self.max_leased_chunks
+        by_engine = [owner for mine in self._leases_by_engine.values() for owner in mine.owners]
         assert sorted(by_engine) == sorted(self._leases), "engines' leases disagree"
-        assert all(0 < len(mine) <= self.max_leases_per_engine
-                   for mine in self._leases_by_engine.values())
+        for mine in self._leases_by_engine.values():
+            assert 0 < len(mine.owners) <= self.max_leases_per_engine
+            assert mine.chunks == sum(len(self._leases[o].keys) for o in mine.owners) \
+                <= self.max_leased_chunks_per_engine
         for salt, usage in self.tenants.items():
             mine = [c for c in chunks if c.key.cache_salt == salt]
             assert usage.bytes_used == sum(c.footprint for c in mine)

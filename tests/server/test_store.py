@@ -358,6 +358,34 @@ def test_an_engine_at_its_lease_cap_gives_up_its_own_oldest(clock):
     store.check_invariants()
 
 
+def test_leased_chunks_are_capped_per_engine_and_server_wide(clock):
+    """Lease counts alone left each lease free to keep thousands of chunk references: the
+    chunks they hold are capped too, an engine's oldest leases giving way first."""
+    store = ChunkStore(ExtentAllocator(8 * CHUNK), 10.0, clock=clock, max_leases=100,
+                       max_leases_per_engine=100, max_leased_chunks=7,
+                       max_leased_chunks_per_engine=4)
+    put(store, [key(i, worker=w, world=2) for i in range(3) for w in range(2)])
+    mine = [LeaseOwner(ENGINE, "", f"r{i}") for i in range(3)]
+    assert store.lookup("m", 2, "", [h(0)], holder=mine[0]) == 1  # 2 chunks: both workers
+    assert store.lookup("m", 2, "", [h(0)], holder=mine[1]) == 1  # 4: at the engine's cap
+    assert store.lookup("m", 2, "", [h(0), h(1)], holder=mine[2]) == 2  # 4 more: both go
+    assert [store.release(owner) for owner in mine[:2]] == [0, 0]
+    store.check_invariants()
+    # A lease larger than an engine may hold at all is refused; the engine keeps its own.
+    big = LeaseOwner(ENGINE, "", "big")
+    assert store.lookup("m", 2, "", [h(0), h(1), h(2)], holder=big) == 3
+    assert store.holds_refused == 1 and store.release(big) == 0
+    # A RETRIEVE ends a kv worker's part of a lease: its chunks count no more.
+    assert store.release(mine[2], kv_worker_id=1) == 2
+    other = LeaseOwner(b"another engine", "", "theirs")
+    assert store.lookup("m", 2, "", [h(0), h(1)], holder=other) == 2  # 2 + 4 of 7
+    store.check_invariants()
+    assert store.lookup("m", 2, "", [h(2)], holder=LeaseOwner(b"third", "", "t")) == 1
+    assert store.holds_refused == 2  # 6 + 2 > 7 server-wide: answered, not held
+    assert store.release(other) == 4 and store.release(mine[2]) == 2
+    store.check_invariants()
+
+
 @pytest.mark.parametrize("sliced", [False, True])
 def test_at_the_lease_limit_a_lookup_answers_without_its_hold(clock, sliced):
     store = ChunkStore(ExtentAllocator(4 * CHUNK), 10.0, clock=clock, max_leases=2,
