@@ -3,13 +3,16 @@
 One connection carries one exchange on an AF_UNIX SOCK_SEQPACKET socket (the server's
 HELLO names it as `fd_socket`):
 
-- request: one message whose data is FD_CHANNEL_MAGIC and whose ancillary data carries
-  1..MAX_FDS_PER_MESSAGE descriptors, each a memfd sealed with F_SEAL_SHRINK;
+- request: one message whose data is BOUND_FD_CHANNEL_MAGIC followed by the
+  BINDING_BYTES of the sender's session binding (HELLO's fd_binding), and whose ancillary
+  data carries 1..MAX_FDS_PER_MESSAGE descriptors, each a shmem memfd sealed with
+  F_SEAL_SHRINK. (Version 1, FD_CHANNEL_MAGIC alone, names no session.)
 - reply: one message, a msgpack map: {"tickets": [16 bytes, ...]}, one per descriptor in
   order, or {"error": "<which descriptor and why>"}, in which case none was kept.
 
-A ticket stands for its descriptor in one REGISTER_KV_CACHE (MemfdHandle.ticket) and
-lapses after TICKET_TTL_S seconds unused.
+A ticket stands for its descriptor in one REGISTER_KV_CACHE (MemfdHandle.ticket) sent by
+a session of the same uid as the sender and, for a version 2 request, of the binding's
+engine; it lapses after TICKET_TTL_S seconds unused.
 
 Or, a watch: the request's data is WATCH_MAGIC, with no descriptor; the reply is
 {"watch": 16 bytes} (or {"error": ...}), and the connection stays open. A REGISTER_KV_CACHE
@@ -22,24 +25,29 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import time
 import weakref
 
 import msgpack
 
 from .errors import BadRequest, RequestTimeout, ServerUnavailable
-from .protocol import MAX_FDS_PER_MESSAGE, TICKET_BYTES
+from .protocol import BINDING_BYTES, MAX_FDS_PER_MESSAGE, TICKET_BYTES
 
 FD_CHANNEL_MAGIC = b"lmcache-mp-fds/1"
+BOUND_FD_CHANNEL_MAGIC = b"lmcache-mp-fds/2"  # then the session's fd_binding
 WATCH_MAGIC = b"lmcache-mp-watch/1"
 REPLY_BYTES = 4096  # the largest reply: MAX_FDS_PER_MESSAGE tickets, or one error line
 
 
-def send_fds(path: str, fds: list[int], timeout: float) -> list[bytes]:
+def send_fds(path: str, fds: list[int], timeout: float, binding: bytes = b"") -> list[bytes]:
     """Send the descriptors to the fd channel at `path` and return their tickets, in order.
 
     Workers call it once per KV cache registration, before REGISTER_KV_CACHE. The server
     keeps its own duplicates: the caller's descriptors stay open and the caller's to close.
+    `binding`: the fd_binding of the HELLO reply of the session that will register them,
+    so that the tickets serve that session's engine only; b"" (a server that sends none):
+    a version 1 request, whose tickets any session of this uid may use.
 
     Raises ValueError for a list the server would refuse anyway (empty, too long, or a
     descriptor that is not open), ServerUnavailable when the socket cannot be reached or the
@@ -49,6 +57,8 @@ def send_fds(path: str, fds: list[int], timeout: float) -> list[bytes]:
     if not 0 < len(fds) <= MAX_FDS_PER_MESSAGE:
         raise ValueError(f"send_fds sends 1 to {MAX_FDS_PER_MESSAGE} descriptors at a time, "
                          f"got {len(fds)}")
+    if binding and len(binding) != BINDING_BYTES:
+        raise ValueError(f"an fd_binding has {BINDING_BYTES} bytes, got {len(binding)}")
     for i, fd in enumerate(fds):
         try:
             os.fstat(fd)
@@ -57,9 +67,9 @@ def send_fds(path: str, fds: list[int], timeout: float) -> list[bytes]:
     deadline = time.monotonic() + timeout
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as sock:
         try:
-            sock.settimeout(timeout)
-            sock.connect(path)
-            socket.send_fds(sock, [FD_CHANNEL_MAGIC], fds)
+            connect(sock, path, timeout)
+            socket.send_fds(sock, [BOUND_FD_CHANNEL_MAGIC + binding if binding
+                                   else FD_CHANNEL_MAGIC], fds)
             sock.settimeout(max(deadline - time.monotonic(), 1e-3))
             reply = sock.recv(REPLY_BYTES)
         except socket.timeout:
@@ -72,6 +82,23 @@ def send_fds(path: str, fds: list[int], timeout: float) -> list[bytes]:
                 f"this process (the same runtime directory, or a volume shared with its "
                 f"container) and writable by this user") from None
     return _tickets(path, reply, len(fds))
+
+
+def connect(sock: socket.socket, path: str, timeout: float) -> None:
+    """Connect a unix socket to `path`, waiting at most `timeout` seconds for room in the
+    listener's backlog, and leave it with that timeout. (A socket with a timeout is
+    non-blocking to the kernel, whose connect() then fails at once while the backlog is
+    full, as a flood of other connections can keep it: blocking, bounded by SO_SNDTIMEO,
+    it waits its turn.) Raises socket.timeout if no room came in time."""
+    seconds = max(timeout, 1e-3)
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                    struct.pack("@ll", int(seconds), int(seconds % 1 * 1_000_000)))
+    try:
+        sock.connect(path)
+    except BlockingIOError:
+        raise socket.timeout(f"no room in the backlog of {path}") from None
+    sock.settimeout(timeout)
 
 
 class Watch:
@@ -96,8 +123,7 @@ def open_watch(path: str, timeout: float) -> Watch:
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
-        sock.settimeout(timeout)
-        sock.connect(path)
+        connect(sock, path, timeout)
         sock.send(WATCH_MAGIC)
         reply = sock.recv(REPLY_BYTES)
     except socket.timeout:

@@ -33,6 +33,7 @@ CHUNK_HASH_BYTES = 16
 BLOCK_ID_BYTES = 4  # int32, little-endian
 SKIP_BLOCK = -1  # in RETRIEVE block_ids: leave this block of the chunk unwritten
 TICKET_BYTES = 16  # a memfd handle's ticket, issued by the fd channel
+BINDING_BYTES = 16  # HELLO's fd_binding: what binds the fd channel's tickets to the session
 
 REQUEST_ID = struct.Struct("<Q")  # a request id frame: REQUEST_ID_BYTES, little-endian
 
@@ -85,11 +86,23 @@ LIMITS: dict[str, Limit] = {
     "MAX_FDS_PER_MESSAGE": Limit(64, "descriptors in one message on the fd channel"),
     "MAX_PENDING_TICKETS": Limit(4096, "fd channel tickets issued and not yet used by a "
                                  "REGISTER_KV_CACHE, server-wide"),
+    # A quarter of the server's room for each: one uid cannot take it all from the others.
+    "MAX_PENDING_TICKETS_PER_UID": Limit(1024, "fd channel tickets pending at once for the "
+                                         "descriptors of one uid (the sender's)"),
     "TICKET_TTL_S": Limit(60, "seconds a ticket stays valid"),
     "MAX_SESSIONS": Limit(65536, "connections that said HELLO and are remembered"),
     "MAX_REGISTRATIONS_PER_CONNECTION": Limit(
         64, "KV caches one connection may have registered at once"),
     "MAX_REGISTRATIONS": Limit(4096, "KV caches registered at once, server-wide"),
+    "MAX_WATCHES_PER_UID": Limit(1024, "fd channel watches open at once from one uid"),
+    # Worker memory the server maps: the layers' extents of every memfd registered. A CPU
+    # worker's whole KV cache fits in the first, a node's CPU workers in the second.
+    "MAX_REGISTERED_BYTES_PER_CONNECTION": Limit(
+        256 * 1024**3, "bytes of worker memory (the layers' extents of its memfds) one "
+                       "connection may have registered at once"),
+    "MAX_REGISTERED_BYTES_PER_UID": Limit(
+        1024**4, "bytes of worker memory registered at once from the descriptors of one uid "
+                 "(the fd channel's sender), over all connections"),
     "MAX_LEASES_PER_ENGINE": Limit(
         32768, "lookup holds one engine keeps at once; a new one past it releases that "
                "engine's oldest"),
@@ -125,10 +138,14 @@ MAX_INSTANCE_ID = LIMITS["MAX_INSTANCE_ID"].value
 MAX_BUDGET_MS = LIMITS["MAX_BUDGET_MS"].value
 MAX_FDS_PER_MESSAGE = LIMITS["MAX_FDS_PER_MESSAGE"].value
 MAX_PENDING_TICKETS = LIMITS["MAX_PENDING_TICKETS"].value
+MAX_PENDING_TICKETS_PER_UID = LIMITS["MAX_PENDING_TICKETS_PER_UID"].value
 TICKET_TTL_S = LIMITS["TICKET_TTL_S"].value
 MAX_SESSIONS = LIMITS["MAX_SESSIONS"].value
 MAX_REGISTRATIONS_PER_CONNECTION = LIMITS["MAX_REGISTRATIONS_PER_CONNECTION"].value
 MAX_REGISTRATIONS = LIMITS["MAX_REGISTRATIONS"].value
+MAX_WATCHES_PER_UID = LIMITS["MAX_WATCHES_PER_UID"].value
+MAX_REGISTERED_BYTES_PER_CONNECTION = LIMITS["MAX_REGISTERED_BYTES_PER_CONNECTION"].value
+MAX_REGISTERED_BYTES_PER_UID = LIMITS["MAX_REGISTERED_BYTES_PER_UID"].value
 MAX_LEASES_PER_ENGINE = LIMITS["MAX_LEASES_PER_ENGINE"].value
 MAX_LEASES = LIMITS["MAX_LEASES"].value
 MAX_LEASED_CHUNKS_PER_ENGINE = LIMITS["MAX_LEASED_CHUNKS_PER_ENGINE"].value
@@ -200,6 +217,9 @@ class HelloReply:
     role: str = ROLE_ENGINE  # what this session may do: "engine" or "admin"
     fd_socket: str = ""  # the unix socket that takes memfd descriptors (see MemfdHandle)
     max_items_per_message: int = MAX_ITEMS_PER_MESSAGE
+    # This session's secret for the fd channel (an lmcache-mp-fds/2 request): the tickets
+    # it issues then serve only this session's engine and uid. Empty from older servers.
+    fd_binding: bytes = b""
 
 
 @dataclass
@@ -691,11 +711,25 @@ def _decoded(payload: bytes, bounded: bool) -> Any:
     except BadRequest:
         raise
     except Exception as exc:  # msgpack raises several unrelated types for bad input
+        over = _OVER_LIMIT.search(str(exc)) if isinstance(exc, ValueError) else None
+        if over is not None:  # one of _REQUEST_LIMITS, read from a header before any work
+            limit = _LIMIT_OF_OPTION[over.group(2)]
+            raise BadRequest(f"payload holds {_WHAT_OF_OPTION[over.group(2)].format(over.group(1))}"
+                             f", more than {limit} allows ({LIMITS[limit].value}: "
+                             f"{LIMITS[limit].what})") from None
         reason = str(exc) or _UNPACK_REASONS.get(type(exc).__name__,
                                                  "the data ends early or holds extra bytes")
         raise BadRequest(f"payload is not valid msgpack ({type(exc).__name__}: {reason})"
                          ) from None
     return raw
+
+
+# msgpack's words when a header is over one of _REQUEST_LIMITS: "1025 exceeds max_array_len(1024)"
+_OVER_LIMIT = re.compile(r"(\d+) exceeds (max_array_len|max_map_len|max_str_len)\(")
+_LIMIT_OF_OPTION = {"max_array_len": "MAX_ITEMS_PER_MESSAGE", "max_map_len": "MAX_MAP_FIELDS",
+                    "max_str_len": "MAX_STRING_BYTES"}
+_WHAT_OF_OPTION = {"max_array_len": "an array of {} elements", "max_map_len": "a map of {} keys",
+                   "max_str_len": "a string of {} bytes"}
 
 
 def from_wire(tp: Any, value: Any) -> Any:

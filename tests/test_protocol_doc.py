@@ -67,7 +67,7 @@ import zmq
 from lmcache_mp import errors, protocol, runtime
 from lmcache_mp.client import CacheClient, SharedKVCache, TransferItem, chunk_hashes
 from lmcache_mp.client.hashing import HASH_SEED
-from lmcache_mp.fdpass import FD_CHANNEL_MAGIC, send_fds
+from lmcache_mp.fdpass import BOUND_FD_CHANNEL_MAGIC, FD_CHANNEL_MAGIC, send_fds
 from lmcache_mp.protocol import LIMITS, MAX_KV_WORLD_SIZE, MAX_LAYERS, MAX_REQUEST_ID_CHARS
 from lmcache_mp.server.config import Config
 from lmcache_mp.server.pool import ALIGNMENT, aligned
@@ -353,8 +353,8 @@ def session(server: ServerProcess, admin: bool = False, engine: str = "",
         yield sock
 
 
-def ticket_for(path: str, kv: SharedKVCache) -> bytes:
-    (ticket,) = send_fds(path, [kv.segment.fd], timeout=5)
+def ticket_for(path: str, kv: SharedKVCache, binding: bytes = b"") -> bytes:
+    (ticket,) = send_fds(path, [kv.segment.fd], timeout=5, binding=binding)
     return ticket
 
 
@@ -478,7 +478,8 @@ def test_the_limits_table_is_protocol_LIMITS_row_by_row() -> None:
     for name in ("MAX_ITEMS_PER_MESSAGE", "MAX_MAP_FIELDS", "MAX_STRING_BYTES"):
         assert f"`{name}` ({LIMITS[name].value})" in encoding, name
     channel = re.sub(r"\s+", " ", " ".join(section("## The fd channel")))
-    for name in ("MAX_FDS_PER_MESSAGE", "TICKET_TTL_S", "MAX_PENDING_TICKETS"):
+    for name in ("MAX_FDS_PER_MESSAGE", "TICKET_TTL_S", "MAX_PENDING_TICKETS",
+                 "MAX_PENDING_TICKETS_PER_UID", "MAX_WATCHES_PER_UID"):
         assert f"`{name}` ({LIMITS[name].value}" in channel, name
     lookup = re.sub(r"\s+", " ", " ".join(doc_operations()["LOOKUP"]))
     for name in ("MAX_LOOKUP_PROBES", "LOOKUP_SLICE_PROBES"):
@@ -632,7 +633,8 @@ def test_example_exchange_replays_against_a_real_server() -> None:
                         # What the comment line says happens next: the memfd goes to the
                         # fd channel, and its ticket comes back.
                         assert bound["fd_socket"] == fd_socket(running)
-                        bound["ticket"] = ticket_for(bound["fd_socket"], kv)
+                        bound["ticket"] = ticket_for(bound["fd_socket"], kv,
+                                                     bound["fd_binding"])
             instance_id = bound["instance_id"]
             assert type(instance_id) is int and 1 <= instance_id < 2**53, instance_id
             assert len(bound["ticket"]) == protocol.TICKET_BYTES
@@ -776,8 +778,8 @@ def test_sessions_roles_and_engines_work_as_documented(server: ServerProcess) ->
 
 def test_decoding_bounds_and_the_lookup_probe_limit(server: ServerProcess) -> None:
     encoding = re.sub(r"\s+", " ", " ".join(section("## Encoding")))
-    (quoted,) = re.findall(r'\("(payload is not valid msgpack \(ValueError: 1025 exceeds '
-                           r'max_array_len\(1024\)\))"\)', encoding)
+    (quoted,) = re.findall(r'\("(payload holds an array of 1025 elements, more than '
+                           r'MAX_ITEMS_PER_MESSAGE allows \(1024: [^"]*\))"\)', encoding)
     probes = _quoted("### `LOOKUP`", r'\("(`items`: 307200 index probes[^"]*)"\)')
     item = {"request_id": "r", "chunk_hashes": b""}
     with session(server) as sock:
@@ -786,9 +788,9 @@ def test_decoding_bounds_and_the_lookup_probe_limit(server: ServerProcess) -> No
         assert call(sock, 2, "LOOKUP", {"model": "m", "kv_world_size": 1, "items": [item] * 1024}
                     ) == {"hits": [0] * 1024}
         fields = {f"x{i}": i for i in range(protocol.MAX_MAP_FIELDS)}
-        assert "max_map_len(64)" in refused(sock, 3, "LOOKUP", {
+        assert "more than MAX_MAP_FIELDS allows (64" in refused(sock, 3, "LOOKUP", {
             "model": "m", "kv_world_size": 1, "items": [], **fields})["message"]
-        assert "max_str_len(4096)" in refused(sock, 4, "LOOKUP", {
+        assert "more than MAX_STRING_BYTES allows (4096" in refused(sock, 4, "LOOKUP", {
             "model": "m" * (protocol.MAX_STRING_BYTES + 1), "kv_world_size": 1, "items": []})["message"]
         assert refused(sock, 5, "LOOKUP", msgpack.ExtType(1, b"x"))["code"] == "bad_request"
         assert refused(sock, 6, "LOOKUP", {"model": "m", "kv_world_size": 1024, "items": [
@@ -842,10 +844,14 @@ def test_the_fd_channel_works_as_documented(server: ServerProcess, tmp_path: Pat
     channel = re.sub(r"\s+", " ", " ".join(section("## The fd channel")))
     assert f"exactly the 16 ASCII bytes `{FD_CHANNEL_MAGIC.decode()}`" in channel
     assert len(FD_CHANNEL_MAGIC) == 16 and "`AF_UNIX`, `SOCK_SEQPACKET`" in channel
+    assert (f"the 16 ASCII bytes `{BOUND_FD_CHANNEL_MAGIC.decode()}` followed by the "
+            f"session's {protocol.BINDING_BYTES}-byte `fd_binding`") in channel
+    assert len(BOUND_FD_CHANNEL_MAGIC) == 16
     assert f"each is {protocol.TICKET_BYTES} random bytes" in channel
     path = fd_socket(server)
     with session(server) as sock:
-        assert call(sock, 1, "HELLO", {"protocol_version": 2})["fd_socket"] == path
+        reply = call(sock, 1, "HELLO", {"protocol_version": 2})
+        assert reply["fd_socket"] == path and len(reply["fd_binding"]) == protocol.BINDING_BYTES
     assert os.stat(path).st_mode & 0o777 == 0o600
 
     good = _memfd(4096, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
@@ -876,9 +882,26 @@ def test_the_fd_channel_works_as_documented(server: ServerProcess, tmp_path: Pat
             answer = _fd_channel_request(path, fds, data)
             assert list(answer) == ["error"] and why in answer["error"], (why, answer)
 
-        # A ticket serves one registration; a used, unknown or short one is bad_request.
+        # A bound ticket serves its engine: another engine's REGISTER is refused, and the
+        # ticket stays valid for its own.
+        assert "unknown fd_binding" in _fd_channel_request(
+            path, [good], BOUND_FD_CHANNEL_MAGIC + bytes(protocol.BINDING_BYTES))["error"]
+        assert "spends none of its tickets" in channel
         kv = SharedKVCache("mla", num_layers=2, num_blocks=8, block_size=128, heads=1, head_dim=8)
         try:
+            with session(server, engine="fd-engine") as owner, \
+                    session(server, engine="fd-other") as other:
+                binding = hello(owner, engine="fd-engine", n=1)["fd_binding"]
+                (bound,) = _fd_channel_request(path, [kv.segment.fd],
+                                               BOUND_FD_CHANNEL_MAGIC + binding)["tickets"]
+                register = {"model": "fd-model", "kv_world_size": 1, "kv_worker_id": 0,
+                            "layout": "mla", "block_size": 128, "layers": [
+                                dict(dataclasses.asdict(h), ticket=bound) for h in kv.handles()]}
+                err = refused(other, 2, "REGISTER_KV_CACHE", register)
+                assert err["code"] == "bad_request" and "another engine" in err["message"]
+                reg = call(owner, 2, "REGISTER_KV_CACHE", register)
+                assert call(owner, 3, "UNREGISTER_KV_CACHE",
+                            {"instance_id": reg["instance_id"]}) == {}
             register = {"model": "fd-model", "kv_world_size": 1, "kv_worker_id": 0,
                         "layout": "mla", "block_size": 128,
                         "layers": wire_handles(kv, path)}  # both layers: one ticket
@@ -1189,7 +1212,8 @@ def test_mla_example_exchange_replays_against_a_real_server() -> None:
                 if got_id == rid(0):  # the push, field for field in the document's order
                     assert list(got) == list(push[4])
                 if op == "HELLO":  # as the prose says: each rank trades its memfd for a ticket
-                    bound[f"{connection}_ticket"] = ticket_for(got["fd_socket"], caches[connection])
+                    bound[f"{connection}_ticket"] = ticket_for(got["fd_socket"], caches[connection],
+                                                               got["fd_binding"])
             _nothing_more(*sockets.values())
             leader_id, follower_id = bound["leader_id"], bound["follower_id"]
             assert leader_id != follower_id

@@ -30,9 +30,12 @@ def server_process(url: str | None = None, args: list[str] = (),
 
 
 @contextlib.contextmanager
-def run_server(*args: str, url: str | None = None) -> Iterator[ServerProcess]:
-    """A real `lmcache-mp-server` in a subprocess; it must exit 0 on SIGTERM at the end."""
-    server = server_process(url, ["--cpu-size", "64MiB", "--log-level", "warning", *args])
+def run_server(*args: str, url: str | None = None, runtime_dir: str | None = None
+               ) -> Iterator[ServerProcess]:
+    """A real `lmcache-mp-server` in a subprocess; it must exit 0 on SIGTERM at the end.
+    `runtime_dir`: one that outlives it (a restart that must find its keys), else a fresh one."""
+    server = server_process(url, ["--cpu-size", "64MiB", "--log-level", "warning", *args],
+                            runtime_dir)
     server.start()
     try:
         yield server

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..errors import LMCacheMPError
 from ..runtime import default_url
@@ -32,6 +34,11 @@ workloads:
                 cold, loaded from the server, and from vLLM's own prefix cache (median of
                 --requests rounds, default 5; only --requests, --seed, --json, --timeout
                 apply); skipped, with the reason, where vLLM's CPU build is missing
+  warm-restart  a spawned server with --pool-segment filled with --restart-chunks chunks
+                (--shape, default 8KiB), stopped with SIGTERM and started again: seconds
+                each way, pool verified per second and thread, index memory a chunk when
+                stored and when adopted (only --restart-chunks, --shape, --seed, --json,
+                --timeout apply)
 """
 
 EPILOG = """\
@@ -77,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmcache-mp-bench", description=DESCRIPTION, epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=(*WORKLOADS, "engine"), default="W1",
+    parser.add_argument("--workload", choices=(*WORKLOADS, "engine", "warm-restart"),
+                        default="W1",
                         help="what the engines prefill (default W1)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--spawn", action="store_true",
@@ -162,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --nodes: the Redis the nodes share (redis://host:port[/db] "
                              "or rediss://; default: a redis-server started here on a free "
                              "loopback port); the run's chunks stay there for an hour (TTL)")
+    parser.add_argument("--restart-chunks", type=positive_int, default=100_000, metavar="N",
+                        help="warm-restart only: chunks the server holds when it is stopped "
+                             "(rounded up to prompts of 64; default 100000; the targets are "
+                             "for 1000000, which needs a pool of 8 GiB of 8KiB chunks in "
+                             "/dev/shm)")
     parser.add_argument("--adopt-restart", action="store_true",
                         help="with --nodes: keep each node's pool in a shared-memory segment "
                              "(--pool-segment), SIGTERM the last node halfway through and "
@@ -236,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.workload == "engine":
         return engine_main(args)
+    if args.workload == "warm-restart":
+        return warm_restart_main(args)
     check_nodes_flags(args, parser)
     options = options_from(args, parser)
     # What runs imports torch: seconds that --help and a flag error do without.
@@ -282,17 +297,39 @@ def engine_main(args: argparse.Namespace) -> int:
     if reason is not None:
         log(f"--workload engine skipped: {reason}")
         return 0
+    return _run_standalone(
+        args, lambda: vllm_ttft.measure(args.requests or 5, args.seed, args.timeout, log),
+        vllm_ttft.describe, vllm_ttft.render, vllm_ttft.to_json,
+        lambda figures: figures.mismatches == 0)
+
+
+def warm_restart_main(args: argparse.Namespace) -> int:
+    from . import warm_restart
+
+    shape = SHAPES[args.shape or "8KiB"]
+    return _run_standalone(
+        args, lambda: warm_restart.measure(shape, args.restart_chunks, args.seed, args.timeout,
+                                           log),
+        lambda figures: shape.describe(), warm_restart.render, warm_restart.to_json,
+        lambda figures: figures.byte_exact and figures.adopted == figures.chunks)
+
+
+def _run_standalone(args: argparse.Namespace, measure: Callable[[], Any],
+                    describe: Callable[[Any], str], render: Callable[[Any], str],
+                    to_json: Callable[[Any], str], passed: Callable[[Any], bool]) -> int:
+    """A workload with a run and a report of its own (engine, warm-restart): its table on
+    stdout, its figures in --json; exit 0 when its checks passed, 1 if not, 3 if it failed."""
     try:
-        figures = vllm_ttft.measure(args.requests or 5, args.seed, args.timeout, log)
+        figures = measure()
     except (LMCacheMPError, RuntimeError, TimeoutError) as exc:
         print(f"lmcache-mp-bench: the run failed: {exc}", file=sys.stderr)
         return 3
-    print(f"\n## lmcache-mp-bench --workload engine\n\n{vllm_ttft.describe(figures)}\n")
-    print(vllm_ttft.render(figures))
+    print(f"\n## lmcache-mp-bench --workload {args.workload}\n\n{describe(figures)}\n")
+    print(render(figures))
     if args.json is not None:
-        args.json.write_text(vllm_ttft.to_json(figures))
+        args.json.write_text(to_json(figures))
         log(f"wrote {args.json}")
-    return 0 if figures.mismatches == 0 else 1
+    return 0 if passed(figures) else 1
 
 
 if __name__ == "__main__":

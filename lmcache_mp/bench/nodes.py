@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..client import CacheClient, LookupItem, chunk_hashes
 from ..protocol import StatsReply
-from ..server.l2.codec import HEADER_BYTES
+from ..server.l2.codec import CrcFormat
 from ..spawn import ServerProcess
 from .engine import Engine, EngineSetup, RequestOutcome
 from .redis_peer import RedisServer
@@ -240,7 +240,7 @@ def run_nodes(options: BenchOptions, nodes_options: NodesOptions,
 
         probe = _probe(options, workload, nodes, model, kv_world_size, log)
         redis_chunks_per_s, redis_mb_per_s = _redis_set_rate(
-            l2_url, run_id, shape.chunk_bytes + HEADER_BYTES, probe.chunks)
+            l2_url, run_id, shape.chunk_bytes + CrcFormat.header.size, probe.chunks)
         finals = [node.stats() for node in nodes]
         for node in nodes:
             with contextlib.suppress(Exception):
@@ -256,7 +256,7 @@ def run_nodes(options: BenchOptions, nodes_options: NodesOptions,
             lookup_cross_node=Latency.of(probe.cross_us), lookup_l1=Latency.of(probe.l1_us),
             cross_node_whole_hits=probe.whole_hits, probe_prompts=probe.prompts,
             cross_node_read_back_chunks=probe.read_back_chunks,
-            value_bytes=shape.chunk_bytes + HEADER_BYTES,
+            value_bytes=shape.chunk_bytes + CrcFormat.header.size,
             write_behind_chunks_per_s=probe.chunks_per_s,
             write_behind_mb_per_s=probe.bytes_per_s / 1e6,
             redis_set_chunks_per_s=redis_chunks_per_s, redis_set_mb_per_s=redis_mb_per_s,

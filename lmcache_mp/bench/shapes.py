@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..sizes import format_size
+
 MiB = 1024**2
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2}
 
@@ -39,11 +41,12 @@ class KVShape:
                      else str(self.head_dim))
         return (f"{self.name}: {self.layout.upper()} {self.layers} layers, {per_token}, "
                 f"{self.dtype}, block {self.block_size}, chunk {self.chunk_size} "
-                f"({self.chunk_bytes / MiB:g} MiB a chunk)")
+                f"({format_size(self.chunk_bytes)} a chunk)")
 
 
 SHAPES = {shape.name: shape for shape in (
     KVShape("W1", "mha", 32, 8, 128, "float16"),
     KVShape("W2", "mha", 4, 2, 64, "float16"),
     KVShape("W3", "mla", 32, 1, 576, "bfloat16"),
+    KVShape("8KiB", "mha", 1, 1, 8, "float16"),  # the smallest chunks: costs per chunk
 )}

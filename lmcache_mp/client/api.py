@@ -16,8 +16,8 @@ from .. import runtime
 from ..fdpass import Watch, open_watch, send_fds
 from ..errors import LMCacheMPError, RequestTimeout, ServerUnavailable, UnknownInstance
 from ..protocol import (
-    MAX_BUDGET_MS, PROTOCOL_VERSION, ClearRequest, EndSessionReply, EndSessionRequest,
-    HelloReply, HelloRequest, LeaseRef, LoadDoneItem, LoadProgress, LookupItem, LookupReply,
+    MAX_BUDGET_MS, MAX_FDS_PER_MESSAGE, PROTOCOL_VERSION, ClearRequest, EndSessionReply,
+    EndSessionRequest, HelloReply, HelloRequest, LeaseRef, LoadDoneItem, LoadProgress, LookupItem, LookupReply,
     LookupRequest, MemfdHandle, PingRequest, QuotaDeleteRequest, QuotaGetRequest, QuotaInfo, QuotaListReply,
     QuotaListRequest, QuotaSetRequest, RegisterKVCacheRequest, ReleaseReply, ReleaseRequest,
     RetrieveReply, RetrieveRequest, StatsReply, StatsRequest, StoreReply, StoreRequest,
@@ -161,9 +161,15 @@ class CacheClient:
         if missing:
             raise ValueError(f"memfd handles name segments this process does not have open: "
                              f"{', '.join(missing)}")
-        tickets = dict(zip(names, send_fds(self.rpc.server_info.fd_socket,
-                                           [segment.fd for segment in segments],
-                                           self.rpc.timeout)))
+        # Bound to this session: the tickets serve this engine's sessions of this uid only.
+        # A message carries MAX_FDS_PER_MESSAGE descriptors at most; a cache in more segments
+        # (vLLM on CPU allocates one per KV tensor, so one a layer) takes several.
+        info = self.rpc.server_info
+        fds = [segment.fd for segment in segments]
+        tickets = dict(zip(names, [ticket for start in range(0, len(fds), MAX_FDS_PER_MESSAGE)
+                                   for ticket in send_fds(
+                                       info.fd_socket, fds[start:start + MAX_FDS_PER_MESSAGE],
+                                       self.rpc.timeout, info.fd_binding)]))
         layers = [replace(h, ticket=tickets[h.name])
                   if isinstance(h, MemfdHandle) and not h.ticket else h for h in request.layers]
         return replace(request, layers=layers)

@@ -3,11 +3,14 @@
 A session belongs to one connection (its ZeroMQ routing id) and carries its role and its
 engine: a digest of the secret that one engine's scheduler and ranks share, under which
 lookup holds and MLA groups live, so that no other engine can use, join or release them.
+It also knows the uid that connected (on a unix socket) and holds a random binding that
+the fd channel ties its tickets to, so that a ticket serves only its maker's engine and uid.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
 import logging
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import Unauthenticated
-from ..protocol import MAX_SESSIONS, ROLE_ADMIN, ROLE_ENGINE
+from ..protocol import BINDING_BYTES, MAX_NAME_CHARS, MAX_SESSIONS, ROLE_ADMIN, ROLE_ENGINE
 
 logger = logging.getLogger(__name__)
 
@@ -52,26 +55,38 @@ def prepare_runtime_dir(path: Path, gid: int | None) -> None:
     os.chmod(path, mode)
 
 
-def _check_private(path: Path, info: os.stat_result, allowed_mode: int) -> None:
-    if not stat.S_ISREG(info.st_mode):
-        raise AccessError(f"token file {path} is not a regular file")
-    if info.st_mode & 0o777 & ~allowed_mode:
-        raise AccessError(f"token file {path} has mode {info.st_mode & 0o777:o}: others could "
-                          f"read the token; chmod it to {allowed_mode:o} or stricter")
+def read_secret_file(path: Path, secret: str, allowed_mode: int, owned: bool) -> str:
+    """The text of an operator's file holding a `secret` (a token, a key): opened without
+    following a symlink or waiting on a FIFO, and refused unless it is a regular file with
+    no mode bits beyond `allowed_mode` and, if `owned`, of this server's euid."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        reason = ("a symbolic link, which is not followed: name the file itself"
+                  if exc.errno == errno.ELOOP else exc.strerror)
+        raise AccessError(f"{secret} file {path}: {reason}") from None
+    with os.fdopen(fd) as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise AccessError(f"{secret} file {path} is not a regular file")
+        if owned and info.st_uid != os.geteuid():
+            raise AccessError(f"{secret} file {path} belongs to uid {info.st_uid}, not to this "
+                              f"server's uid {os.geteuid()}: chown it")
+        extra = info.st_mode & 0o777 & ~allowed_mode
+        if extra:
+            raise AccessError(f"{secret} file {path} has mode {info.st_mode & 0o777:o}: others "
+                              f"could {'read' if extra & 0o444 else 'change'} the {secret}; "
+                              f"chmod it to {allowed_mode:o} or stricter")
+        return file.read()
 
 
 def read_token_file(path: Path, allowed_mode: int = 0o640) -> str:
     """An operator's token file (--token-file, --admin-token-file): private, not empty."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise AccessError(f"token file {path}: {exc.strerror}") from None
-    with os.fdopen(fd) as file:
-        _check_private(path, os.fstat(fd), allowed_mode)
-        token = file.read().strip()
-    if len(token) < 16:
-        raise AccessError(f"token file {path} holds {len(token)} characters; use at least 16 "
-                          f"random ones, e.g. `openssl rand -hex 32 > {path}`")
+    token = read_secret_file(path, "token", allowed_mode, owned=False).strip()
+    if not 16 <= len(token) <= MAX_NAME_CHARS:
+        raise AccessError(f"token file {path} holds {len(token)} characters; use 16 to "
+                          f"{MAX_NAME_CHARS} (what HELLO carries) random ones, e.g. "
+                          f"`openssl rand -hex 32 > {path}`")
     return token
 
 
@@ -101,6 +116,10 @@ class Session:
     role: str
     engine: bytes  # what owns its holds and MLA groups: a digest of its engine secret
     last_seen: float
+    uid: int | None = None  # of the process that connected, at HELLO; None on tcp://
+    # The secret HELLO gave it for the fd channel: tickets asked for with it serve only
+    # this session's engine (and uid).
+    binding: bytes = b""
 
 
 class Sessions:
@@ -115,6 +134,7 @@ class Sessions:
         self.token_required = token_required
         self.clock = clock
         self._sessions: dict[bytes, Session] = {}
+        self._bound: dict[bytes, Session] = {}  # the same, by binding
         # Why the server ended a connection's session, told on its next request, then forgotten.
         self._dropped: dict[bytes, str] = {}
         self._full_scan_at = -FULL_SCAN_INTERVAL_S  # when a HELLO at the cap last expired idle ones
@@ -138,7 +158,8 @@ class Sessions:
                               "directory (tcp:// and abstract ipc://@ sockets have no file "
                               "permissions to say who may connect; see docs/security.md)")
 
-    def open(self, client: bytes, token: str, engine: str) -> Session:
+    def open(self, client: bytes, token: str, engine: str, uid: int | None = None) -> Session:
+        """A new session for `client`, replacing its old one; `uid`: the peer's, if known."""
         role = self._role(token)
         if client not in self._sessions and len(self._sessions) >= MAX_SESSIONS:
             # A look at every session, so at most once a second: else a flood of HELLOs at
@@ -154,8 +175,15 @@ class Sessions:
         owner = (hashlib.sha256(b"lmcache-mp engine\0" + engine.encode()).digest() if engine
                  else b"connection\0" + client)
         self._dropped.pop(client, None)
-        session = self._sessions[client] = Session(client, role, owner, self.clock())
+        self._forget(client)
+        session = self._sessions[client] = Session(client, role, owner, self.clock(), uid,
+                                                   secrets.token_bytes(BINDING_BYTES))
+        self._bound[session.binding] = session
         return session
+
+    def bound(self, binding: bytes) -> Session | None:
+        """The session HELLO gave this fd channel binding to, while it lasts."""
+        return self._bound.get(binding)
 
     def get(self, client: bytes) -> Session:
         session = self._sessions.get(client)
@@ -175,7 +203,7 @@ class Sessions:
             session.last_seen = self.clock()
 
     def drop(self, client: bytes, reason: str) -> None:
-        if self._sessions.pop(client, None) is not None:
+        if self._forget(client) is not None:
             if len(self._dropped) >= MAX_SESSIONS:
                 self._dropped.pop(next(iter(self._dropped)))
             self._dropped[client] = reason
@@ -186,5 +214,12 @@ class Sessions:
         deadline = self.clock() - SESSION_IDLE_S
         idle = [c for c, s in self._sessions.items() if s.last_seen < deadline and not busy(c)]
         for client in idle:
-            del self._sessions[client]
+            self._forget(client)
         return len(idle)
+
+    def _forget(self, client: bytes) -> Session | None:
+        """End the client's session, if any, and its binding with it."""
+        session = self._sessions.pop(client, None)
+        if session is not None:
+            del self._bound[session.binding]
+        return session

@@ -20,6 +20,7 @@ from ..runtime import default_runtime_dir, ipc_url
 from ..sizes import exact_size, format_size, parse_size
 from ..quota_spec import Quota, format_quota_flag, parse_cap, parse_quota_flag
 from .quotas import QuotaBook, load_quota_file, tomllib
+from .l2.keyfile import read_key_file
 from .l2.urls import check_url, read_password_file
 
 SEGMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # --pool-segment
@@ -106,7 +107,10 @@ def _l2_url(text: str) -> str:
 
 def _segment_name(text: str) -> str:
     if not SEGMENT_NAME.fullmatch(text):
-        raise ValueError("a name in /dev/shm: letters, digits, '.', '_' and '-', at most 200")
+        raise ValueError("a file name: letters, digits, '.', '_' and '-', at most 200, not "
+                         "starting with '.', '_' or '-'")
+    if text.endswith((".snapshot", ".partial")):  # the names of another segment's snapshot
+        raise ValueError("must not end with .snapshot or .partial")
     return text
 
 
@@ -218,11 +222,18 @@ class Config:
                                     "SIGHUP: a [quotas] table of \"SALT\" = \"CAP[:RESERVE]\"; "
                                     "it overrides --quota for the salts it names", str, "PATH")
     pool_segment: str | None = option(None, "keep the CPU pool in the shared-memory segment "
-                                      "/dev/shm/NAME: SIGTERM writes an index snapshot beside "
-                                      "it (NAME.snapshot), and the next server with the same "
-                                      "NAME, --cpu-size and --chunk-size serves the same chunks "
-                                      "again (docs/warm-restart.md)", _segment_name, "NAME",
+                                      "NAME of --pool-segment-dir: SIGTERM writes an index "
+                                      "snapshot beside it (NAME.snapshot, signed with the "
+                                      "runtime directory's snapshot.key), and the next server "
+                                      "with the same NAME, runtime directory, --cpu-size and "
+                                      "--chunk-size serves the same chunks again "
+                                      "(docs/warm-restart.md)", _segment_name, "NAME",
                                       shown="none: anonymous memory, cold at every start")
+    pool_segment_dir: str | None = option(None, "with --pool-segment: the directory of the "
+                                          "segment and its snapshot, on a memory file system "
+                                          "(tmpfs); created 0700, and refused unless it is this "
+                                          "user's own and private", str, "DIR",
+                                          shown="/dev/shm/lmcache-mp-EUID")
     adopt: str = option("auto", "with --pool-segment: auto adopts the segment's chunks when "
                         "its snapshot is good and starts cold otherwise (removing the stale "
                         "segment); require refuses to start without a good snapshot; never "
@@ -237,6 +248,15 @@ class Config:
     l2_password_file: str | None = option(None, "file whose first line is the L2 password "
                                           "(instead of one in the --l2 URL)", str, "PATH",
                                           shown="none")
+    l2_key_file: str | None = option(None, "file of the secret key that signs the values this "
+                                     "server writes to L2 (HMAC-SHA256) and that a value read "
+                                     "back must be signed by, or it is a miss: one key a line, "
+                                     "at least 32 characters (openssl rand -hex 32), a second "
+                                     "line accepted too during a rotation; a regular file of "
+                                     "the server's user, mode 0600 or 0640; give every server "
+                                     "sharing L2 the same file", str, "PATH",
+                                     shown="none: a CRC-32 only, and whoever can write to L2 "
+                                           "can change what engines load")
     l2_budget: int | None = option(None, "bytes this server may keep in L2: past it, its "
                                    "oldest values there are deleted; a size, or unlimited; "
                                    "each salt's quota cap applies to its L2 bytes too",
@@ -291,8 +311,12 @@ class Config:
             raise ValueError("--gpu-size needs CUDA, and this server has none: leave it at 0")
         if not self.bind_url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"--url must start with tcp:// or ipc://, got {self.bind_url!r}")
+        if self.pool_segment_dir is not None and self.pool_segment is None:
+            raise ValueError("--pool-segment-dir needs --pool-segment")
         if self.l2 is None and self.l2_password_file is not None:
             raise ValueError("--l2-password-file needs --l2")
+        if self.l2 is None and self.l2_key_file is not None:
+            raise ValueError("--l2-key-file needs --l2")
         if self.l2 is not None:
             if importlib.util.find_spec("redis") is None:
                 raise ValueError("--l2 needs redis-py: pip install 'lmcache-mp[redis]'")
@@ -301,6 +325,8 @@ class Config:
                 read_password_file(self.l2_password_file)
             except OSError as exc:
                 raise ValueError(f"--l2-password-file: {exc}") from None
+        if self.l2_key_file is not None:
+            read_key_file(self.l2_key_file)
         for flag, pairs in (("--quota", self.quota), ("--tenant-label", self.tenant_label)):
             for salt, _ in pairs:
                 try:

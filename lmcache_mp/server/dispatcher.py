@@ -77,6 +77,7 @@ from ..protocol import (
     unpack_hashes,
     validate_salt,
 )
+from ..zmq_io import peer_uid
 from .access import Session, Sessions
 from .config import Config
 from .copy_engine import CopyEngine, DeadlinePassed, attempt, expired
@@ -90,6 +91,8 @@ from .store import (GPU_TIER, Chunk, ChunkKey, ChunkStore, Demotion, LeaseOwner,
 from .streams import DeviceStalled, StreamCopier
 
 if TYPE_CHECKING:
+    import zmq
+
     from .l2.tier import L2Tier
 
 MAX_VALID_SALTS_KEPT = 1024  # Dispatcher._valid_salts
@@ -364,34 +367,39 @@ class Dispatcher:
         """admit(), then serve(): the reply, or an awaitable of it."""
         return self.serve(client, op, request, self.admit(client, op))
 
-    def serve(self, client: bytes, op: str, request: Any, session: Session | None
-              ) -> Any | Awaitable[Any]:
-        """The reply to a request admit() let in as `session`, or an awaitable of it."""
+    def serve(self, client: bytes, op: str, request: Any, session: Session | None,
+              peer: zmq.Frame | None = None) -> Any | Awaitable[Any]:
+        """The reply to a request admit() let in as `session`, or an awaitable of it;
+        `peer`: the request's first frame, whose metadata HELLO reads the peer's uid from."""
         if op == "HELLO":
-            return self.hello(client, request)
+            return self.hello(client, request, peer)
         if op == "PING":
             return self.ping()
         return self._handlers[type(request)](session, request)
 
     # -- session ---------------------------------------------------------------------------
 
-    def hello(self, client: bytes, req: HelloRequest) -> HelloReply:
+    def hello(self, client: bytes, req: HelloRequest, peer: zmq.Frame | None = None
+              ) -> HelloReply:
         if req.protocol_version != PROTOCOL_VERSION:
             raise UnsupportedVersion(f"client speaks protocol {req.protocol_version}, "
                                      f"this server speaks {PROTOCOL_VERSION}")
         for name in ("client_name", "token", "engine"):
             _check_length(getattr(req, name), MAX_NAME_CHARS, name)
-        session = self.sessions.open(client, req.token, req.engine)
+        # Unix sockets carry the peer's credentials; on tcp:// the uid stays unknown.
+        unix = peer is not None and self.config.bind_url.startswith("ipc://")
+        session = self.sessions.open(client, req.token, req.engine,
+                                     peer_uid(peer) if unix else None)
         return HelloReply(PROTOCOL_VERSION, __version__, self.config.chunk_size,
                           self.config.max_message_bytes, self.config.max_chunks_per_message,
                           self.config.lease_timeout, self.config.worker_timeout,
-                          session.role, self.fd_socket)
+                          session.role, self.fd_socket, fd_binding=session.binding)
 
     def ping(self) -> PingReply:
         return PingReply(time.time())
 
     def register(self, session: Session, req: RegisterKVCacheRequest) -> RegisterKVCacheReply:
-        instance = self.registry.register(session.client, session.engine, req)
+        instance = self.registry.register(session.client, session.engine, req, session.uid)
         return RegisterKVCacheReply(instance.instance_id, instance.num_blocks,
                                     instance.geometry.blocks_per_chunk,
                                     instance.geometry.chunk_bytes)
@@ -662,13 +670,18 @@ class Dispatcher:
         for (i, c, _), reservation in zip(places, reservations):
             statuses[i][c] = reservation.status
         copied: list[tuple[int, int, Chunk]] = []
-        for (i, c, chunk), error in zip(pending, errors):
+        failed_items: set[int] = set()
+        for (i, c, chunk), error in zip(pending, errors):  # in item and chunk order
             if error is None:
                 copied.append((i, c, chunk))
-            else:
-                self.store.abort(chunk)
-                statuses[i][c] = (StoreStatus.EXPIRED if isinstance(error, DeadlinePassed)
-                                  else StoreStatus.FAILED)
+                continue
+            self.store.abort(chunk)
+            # Only an item's first failed copy says why: the chunks after it lost their
+            # parent, whatever became of their own copy.
+            statuses[i][c] = (StoreStatus.NO_PREFIX if i in failed_items else
+                              StoreStatus.EXPIRED if isinstance(error, DeadlinePassed)
+                              else StoreStatus.FAILED)
+            failed_items.add(i)
         settled = [chunk for _, _, chunk in copied]
         kept_per_window: list[list[bool]] = []
         await self._each([settled[start:start + TRANSFER_SLICE_CHUNKS]

@@ -5,8 +5,18 @@ format is in lmcache_mp.fdpass); each must be a memfd sealed with F_SEAL_SHRINK 
 for reading and writing. Seals can only be added, so once the server has seen that one no
 ftruncate can pull pages out from under its mapping (no SIGBUS mid-copy), and a memfd names
 no file, so no worker can point the server at someone else's memory. Every descriptor the
-channel receives is either ticketed or closed at once; a ticket's descriptor then belongs
-to whoever take()s it, or is closed when the ticket expires.
+channel receives is either ticketed or closed at once; a ticket's descriptor stays the
+channel's until a registration that maps it spend()s the ticket, or the ticket expires.
+
+Each descriptor must be a memfd of shmem (tmpfs), never hugetlbfs: a hole punched in a
+huge-page memfd whose pool is empty is a SIGBUS in whoever touches it next. A request
+names the session it is for by the binding HELLO gave that session (lmcache_mp.fdpass):
+its tickets then serve only that session's engine and the uid that sent the descriptors.
+
+Every uid gets its share: a uid may have at most MAX_CONNECTIONS_PER_UID connections
+waiting for their request (its oldest goes when it opens another), a full channel drops
+the oldest waiting connection of the uid that has the most, so a newcomer is never turned
+away, and tickets and watches are capped per uid as well as in all.
 
 A connection may instead ask for a watch and stay open: the registry watch()es it, and is
 told when the worker at the other end hangs up (the kernel closes it when the process
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import ctypes
 import errno
 import fcntl
 import logging
@@ -29,19 +40,27 @@ import socket
 import stat
 import struct
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgpack
 
-from ..fdpass import FD_CHANNEL_MAGIC, WATCH_MAGIC
+from ..fdpass import BOUND_FD_CHANNEL_MAGIC, FD_CHANNEL_MAGIC, WATCH_MAGIC
 from ..protocol import (
+    BINDING_BYTES,
     MAX_FDS_PER_MESSAGE,
     MAX_PENDING_TICKETS,
+    MAX_PENDING_TICKETS_PER_UID,
     MAX_REGISTRATIONS,
+    MAX_WATCHES_PER_UID,
     TICKET_BYTES,
     TICKET_TTL_S,
 )
+
+if TYPE_CHECKING:
+    from .access import Session
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +68,19 @@ F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # Linux 5.1; 
 # The server writes retrieved blocks into the segment, so it must stay writable.
 _WRITE_SEALS = fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE
 
-REQUEST_TIMEOUT_S = 1.0  # a connection that has sent no request by then is closed
-MAX_CONNECTIONS = 64  # open at once; further ones are accepted and closed at once
-_REQUEST_BYTES = 64  # room for FD_CHANNEL_MAGIC; a longer message arrives with MSG_TRUNC
+# A worker sends its request right after connect(), usually before the server accepts:
+# a connection still silent after this is not a worker's.
+REQUEST_TIMEOUT_S = 0.5
+MAX_CONNECTIONS = 64  # waiting for their request at once; a newcomer drops the oldest
+MAX_CONNECTIONS_PER_UID = 16  # of them from one uid; its newcomer drops its own oldest
+_ACCEPTS_PER_WAKE = 16  # a flood of connections is drained in turn with other work
+_REQUEST_BYTES = 64  # room for a request's data; a longer message arrives with MSG_TRUNC
 _ACCEPT_RETRY_S = 0.1  # pause after accept() ran out of descriptors
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+TMPFS_MAGIC = 0x01021994  # statfs f_type of shmem: memfds, tmpfs, /dev/shm
+HUGETLBFS_MAGIC = 0x958458F6
+_STATFS_BYTES = 256  # room for struct statfs on every Linux ABI (120 bytes on x86-64)
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 @dataclass(frozen=True)
@@ -64,6 +91,7 @@ class PassedFd:
     size: int  # bytes when ticketed; F_SEAL_SHRINK means it can never be smaller
     uid: int  # the sender's, from SO_PEERCRED
     pid: int
+    engine: bytes | None  # the engine of the session it was sent for; None: bound to none
     expires: float  # on the channel's clock
 
 
@@ -92,24 +120,36 @@ class _Watch:
 
 
 class FdChannel:
-    """The server's unix socket for descriptors; Server starts it, the registry take()s from it.
+    """The server's unix socket for descriptors; Server starts it, the registry peek()s at
+    and spend()s its tickets.
 
-    start(), take(), expire() and close() run on the event loop's thread.
+    start(), peek(), spend(), watch(), expire() and close() run on the event loop's thread.
     """
 
     def __init__(self, path: str, mode: int = 0o600, gid: int | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 bindings: Callable[[bytes], Session | None] = lambda binding: None,
+                 request_timeout: float = REQUEST_TIMEOUT_S):
+        """`bindings(binding)`: the session HELLO gave that fd binding to, or None
+        (access.Sessions.bound);
+        `request_timeout`: how long a connection may wait before it sends its request."""
         self.path = path
         self._mode = mode
         self._gid = gid
         self._clock = clock
+        self._bindings = bindings
+        self._request_timeout = request_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listener: socket.socket | None = None
         self._inode: tuple[int, int] | None = None  # of the socket file we bound
         self._accept_retry: asyncio.TimerHandle | None = None
+        # Connections waiting for their request, oldest first; and the same by uid.
         self._connections: dict[int, _Connection] = {}
+        self._waiting: dict[int, dict[int, _Connection]] = {}
         self._tickets: dict[bytes, PassedFd] = {}
+        self._tickets_of: Counter[int] = Counter()  # pending tickets by sender uid
         self._watches: dict[bytes, _Watch] = {}
+        self._watches_of: Counter[int] = Counter()  # open watches by uid
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Bind and listen at `path`, then serve from `loop`. Raises OSError if `path` is
@@ -137,14 +177,20 @@ class FdChannel:
         logger.info("fd channel listening on %s (mode %o%s)", self.path, self._mode,
                     f", group {self._gid}" if self._gid is not None else "")
 
-    def take(self, ticket: bytes) -> PassedFd | None:
-        """Hand over the ticket's descriptor: the caller owns (and must close) it from now on.
-        None for a ticket that is unknown, already taken or expired."""
-        passed = self._tickets.pop(ticket, None)
+    def peek(self, ticket: bytes) -> PassedFd | None:
+        """The ticket's descriptor, still the channel's: a registration maps it, then
+        spend()s the ticket, or leaves it for its rightful user if it is refused. None for
+        a ticket that is unknown, spent or expired."""
+        passed = self._tickets.get(ticket)
         if passed is not None and passed.expires <= self._clock():
-            os.close(passed.fd)
+            self._drop_ticket(ticket)
             return None
         return passed
+
+    def spend(self, ticket: bytes) -> None:
+        """Use a ticket peek() returned up: its descriptor is closed (a mapping keeps the
+        memory) and the ticket names nothing any more."""
+        self._drop_ticket(ticket)
 
     def watch(self, token: bytes, on_hangup: Callable[[], None]) -> Callable[[], None] | None:
         """Call `on_hangup` once the watch `token` hangs up (the worker exited or closed it).
@@ -170,7 +216,7 @@ class FdChannel:
         now = self._clock()
         stale = [ticket for ticket, passed in self._tickets.items() if passed.expires <= now]
         for ticket in stale:
-            os.close(self._tickets.pop(ticket).fd)
+            self._drop_ticket(ticket)
         unused = [token for token, watch in self._watches.items()
                   if watch.expires is not None and watch.expires <= now]
         for token in unused:
@@ -191,28 +237,28 @@ class FdChannel:
             self._close_connection(conn)
         for token in list(self._watches):
             self._end_watch(token)
-        _close_all([passed.fd for passed in self._tickets.values()])
-        self._tickets.clear()
+        for ticket in list(self._tickets):
+            self._drop_ticket(ticket)
 
     # -- serving ---------------------------------------------------------------------------
 
     def _accept(self) -> None:
-        try:
-            sock, _ = self._listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            # Out of descriptors, most likely: the waiting connection keeps the listener
-            # readable, so pause accepting instead of spinning the loop.
-            logger.warning("fd channel: accept failed (%s); pausing %.1f s", exc, _ACCEPT_RETRY_S)
-            self._loop.remove_reader(self._listener.fileno())
-            self._accept_retry = self._loop.call_later(_ACCEPT_RETRY_S, self._resume_accept)
-            return
-        if len(self._connections) >= MAX_CONNECTIONS:
-            logger.debug("fd channel: %d connections open already; closing a new one",
-                         MAX_CONNECTIONS)
-            sock.close()
-            return
+        for _ in range(_ACCEPTS_PER_WAKE):
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                # Out of descriptors, most likely: the waiting connection keeps the listener
+                # readable, so pause accepting instead of spinning the loop.
+                logger.warning("fd channel: accept failed (%s); pausing %.1f s", exc,
+                               _ACCEPT_RETRY_S)
+                self._loop.remove_reader(self._listener.fileno())
+                self._accept_retry = self._loop.call_later(_ACCEPT_RETRY_S, self._resume_accept)
+                return
+            self._admit(sock)
+
+    def _admit(self, sock: socket.socket) -> None:
         try:
             sock.setblocking(False)
             pid, uid, _gid = _UCRED.unpack(
@@ -222,9 +268,30 @@ class FdChannel:
             sock.close()
             return
         conn = _Connection(sock, uid, pid)
-        conn.timer = self._loop.call_later(REQUEST_TIMEOUT_S, self._time_out, conn)
+        conn.timer = self._loop.call_later(self._request_timeout, self._time_out, conn)
         self._connections[conn.fileno] = conn
+        self._waiting.setdefault(uid, {})[conn.fileno] = conn
         self._loop.add_reader(conn.fileno, self._receive, conn)
+        self._receive(conn)  # a worker's request is usually there already: served, gone
+        if self._connections.get(conn.fileno) is conn:
+            self._make_room(uid)
+
+    def _make_room(self, uid: int) -> None:
+        """A connection of `uid` waits for its request now: past MAX_CONNECTIONS_PER_UID,
+        drop that uid's oldest waiting one; past MAX_CONNECTIONS, the oldest of the uid
+        that has the most. A newcomer is never refused, and a uid that floods the channel
+        makes none of another uid's connections give way."""
+        mine = self._waiting[uid]
+        if len(mine) > MAX_CONNECTIONS_PER_UID:
+            crowd = mine
+        elif len(self._connections) > MAX_CONNECTIONS:
+            crowd = max(self._waiting.values(), key=len)
+        else:
+            return
+        oldest = next(iter(crowd.values()))
+        logger.debug("fd channel: dropping a connection of pid %d (uid %d) that sent nothing, "
+                     "to let in another", oldest.pid, oldest.uid)
+        self._close_connection(oldest)
 
     def _resume_accept(self) -> None:
         self._accept_retry = None
@@ -233,7 +300,7 @@ class FdChannel:
 
     def _time_out(self, conn: _Connection) -> None:
         logger.debug("fd channel: pid %d (uid %d) sent no request within %.1f s; closing",
-                     conn.pid, conn.uid, REQUEST_TIMEOUT_S)
+                     conn.pid, conn.uid, self._request_timeout)
         self._close_connection(conn)
 
     def _receive(self, conn: _Connection) -> None:
@@ -265,9 +332,10 @@ class FdChannel:
         try:
             conn.sock.send(msgpack.packb(answer))
         except OSError as exc:
-            # The sender will never learn its tickets, so nobody could take() them.
+            # The sender will never learn its tickets, so nobody could use them.
             logger.debug("fd channel: replying to pid %d failed: %s", conn.pid, exc)
-            _close_all([self._tickets.pop(ticket).fd for ticket in tickets or ()])
+            for ticket in tickets or ():
+                self._drop_ticket(ticket)
         self._close_connection(conn)
 
     def _issue(self, conn: _Connection, data: bytes, fds: list[int], flags: int) -> list[bytes]:
@@ -275,32 +343,72 @@ class FdChannel:
         if flags & socket.MSG_CTRUNC:
             raise _Refused(f"the descriptors did not all arrive: more than {MAX_FDS_PER_MESSAGE} "
                            f"in one message, or the server is out of descriptors")
-        if flags & socket.MSG_TRUNC or data != FD_CHANNEL_MAGIC:
-            raise _Refused(f"not an fd channel request: its data must be {FD_CHANNEL_MAGIC!r}")
+        engine = self._engine_of(conn, data, flags)
         if not fds:
             raise _Refused("the request carries no descriptors")
         sizes = [_checked_size(i, fd) for i, fd in enumerate(fds)]
-        if len(self._tickets) + len(fds) > MAX_PENDING_TICKETS:
+        # All of them or none: a message of many descriptors needs room for every one.
+        if (len(self._tickets) + len(fds) > MAX_PENDING_TICKETS
+                or self._tickets_of[conn.uid] + len(fds) > MAX_PENDING_TICKETS_PER_UID):
             self.expire()
-            if len(self._tickets) + len(fds) > MAX_PENDING_TICKETS:
-                raise _Refused(f"the server holds {MAX_PENDING_TICKETS} unused tickets already; "
-                               f"use them in REGISTER_KV_CACHE or let them expire "
-                               f"({TICKET_TTL_S} s)")
+        if len(self._tickets) + len(fds) > MAX_PENDING_TICKETS:
+            raise _Refused(f"the server holds {MAX_PENDING_TICKETS} unused tickets already; "
+                           f"use them in REGISTER_KV_CACHE or let them expire "
+                           f"({TICKET_TTL_S} s)")
+        if self._tickets_of[conn.uid] + len(fds) > MAX_PENDING_TICKETS_PER_UID:
+            raise _Refused(f"uid {conn.uid} holds {self._tickets_of[conn.uid]} unused tickets "
+                           f"already, and may hold {MAX_PENDING_TICKETS_PER_UID} "
+                           f"(MAX_PENDING_TICKETS_PER_UID); use them in REGISTER_KV_CACHE or "
+                           f"let them expire ({TICKET_TTL_S} s)")
         expires = self._clock() + TICKET_TTL_S
-        issued = {secrets.token_bytes(TICKET_BYTES): PassedFd(fd, size, conn.uid, conn.pid, expires)
+        issued = {secrets.token_bytes(TICKET_BYTES):
+                  PassedFd(fd, size, conn.uid, conn.pid, engine, expires)
                   for fd, size in zip(fds, sizes)}
         self._tickets.update(issued)
+        self._tickets_of[conn.uid] += len(issued)
         return list(issued)
+
+    def _engine_of(self, conn: _Connection, data: bytes, flags: int) -> bytes | None:
+        """The engine whose sessions the request's tickets will serve: that of the session
+        whose binding it carries; None for a version 1 request, which carries none.
+        _Refused for anything else, or a binding the sender may not use."""
+        binding = data[len(BOUND_FD_CHANNEL_MAGIC):]
+        if flags & socket.MSG_TRUNC or not (
+                data == FD_CHANNEL_MAGIC or data.startswith(BOUND_FD_CHANNEL_MAGIC)
+                and len(binding) == BINDING_BYTES):
+            raise _Refused(f"not an fd channel request: its data must be "
+                           f"{BOUND_FD_CHANNEL_MAGIC!r} and the {BINDING_BYTES}-byte fd_binding "
+                           f"of HELLO's reply (or {FD_CHANNEL_MAGIC!r} alone)")
+        if data == FD_CHANNEL_MAGIC:
+            return None
+        session = self._bindings(binding)
+        if session is None:
+            raise _Refused("unknown fd_binding: send the one of this connection's latest "
+                           "HELLO (a session the server ended, or one from before it "
+                           "restarted, has none)")
+        if session.uid is not None and session.uid != conn.uid:
+            raise _Refused(f"the fd_binding belongs to a session of another uid than this "
+                           f"sender's ({conn.uid}): send your own session's")
+        return session.engine
+
+    def _drop_ticket(self, ticket: bytes) -> None:
+        passed = self._tickets.pop(ticket)
+        _uncount(self._tickets_of, passed.uid)
+        os.close(passed.fd)
 
     def _start_watch(self, conn: _Connection) -> None:
         """Answer a watch request with its token and keep the connection, now read only
         to learn that it hung up."""
         self._close_connection(conn, keep_socket=True)
-        if len(self._watches) >= MAX_REGISTRATIONS:
+        if (len(self._watches) >= MAX_REGISTRATIONS
+                or self._watches_of[conn.uid] >= MAX_WATCHES_PER_UID):
             self.expire()
         if len(self._watches) >= MAX_REGISTRATIONS:
             answer: dict[str, object] = {"error": f"the server holds {MAX_REGISTRATIONS} watches "
                                                   f"already (MAX_REGISTRATIONS)"}
+        elif self._watches_of[conn.uid] >= MAX_WATCHES_PER_UID:
+            answer = {"error": f"uid {conn.uid} holds {MAX_WATCHES_PER_UID} watches already "
+                               f"(MAX_WATCHES_PER_UID): close the ones no registration uses"}
         else:
             token = secrets.token_bytes(TICKET_BYTES)
             answer = {"watch": token}
@@ -314,6 +422,7 @@ class FdChannel:
             conn.sock.close()
             return
         self._watches[token] = _Watch(conn, self._clock() + TICKET_TTL_S, [])
+        self._watches_of[conn.uid] += 1
         self._loop.add_reader(conn.fileno, self._watch_event, token)
 
     def _watch_event(self, token: bytes) -> None:
@@ -338,6 +447,7 @@ class FdChannel:
     def _end_watch(self, token: bytes) -> list[Callable[[], None]]:
         """Close a watch; returns who was watching it."""
         watch = self._watches.pop(token)
+        _uncount(self._watches_of, watch.conn.uid)
         self._loop.remove_reader(watch.conn.fileno)
         watch.conn.sock.close()
         return list(watch.hangups)
@@ -346,6 +456,10 @@ class FdChannel:
         if self._connections.get(conn.fileno) is not conn:
             return
         del self._connections[conn.fileno]
+        waiting = self._waiting[conn.uid]
+        del waiting[conn.fileno]
+        if not waiting:
+            del self._waiting[conn.uid]
         self._loop.remove_reader(conn.fileno)
         conn.timer.cancel()
         if not keep_socket:
@@ -416,11 +530,37 @@ def _checked_size(i: int, fd: int) -> int:
                        f"the server writes retrieved blocks into it")
     if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
         raise _Refused(f"fd {i} is not open for reading and writing")
+    kind = _file_system(fd)
+    if kind == HUGETLBFS_MAGIC:
+        raise _Refused(f"fd {i} is a hugetlbfs memfd (MFD_HUGETLB): its pages come from a "
+                       f"pool that may be empty when a hole punched in it is touched, and the "
+                       f"server would die of SIGBUS; use a plain memfd (transparent huge "
+                       f"pages need no pool)")
+    if kind != TMPFS_MAGIC:
+        raise _Refused(f"fd {i} lies on a file system of type {kind:#x}, not shmem: send the "
+                       f"memfd of a lmcache_mp.client.SharedSegment")
     # Sized only now: before F_SEAL_SHRINK was seen the sender could still have shrunk it.
     size = os.fstat(fd).st_size
     if size <= 0:
         raise _Refused(f"fd {i} is empty")
     return size
+
+
+def _file_system(fd: int) -> int:
+    """The f_type of the file system a descriptor's file lies on: fstatfs(2), which os
+    lacks. f_type is a long at the start of struct statfs on every Linux ABI."""
+    buffer = ctypes.create_string_buffer(_STATFS_BYTES)
+    if _libc.fstatfs(fd, buffer) != 0:
+        code = ctypes.get_errno()
+        raise _Refused(f"cannot tell the file system of the descriptor: {os.strerror(code)}")
+    return ctypes.c_ulong.from_buffer(buffer).value & 0xFFFFFFFF
+
+
+def _uncount(counter: Counter[int], uid: int) -> None:
+    """One fewer for `uid`; a uid with none leaves the counter."""
+    counter[uid] -= 1
+    if not counter[uid]:
+        del counter[uid]
 
 
 def _file_kind(mode: int) -> str:

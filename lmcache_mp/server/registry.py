@@ -5,24 +5,27 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-import os
 import secrets
 import threading
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from ..errors import BadRequest, UnknownInstance
-from ..memory import populate
+from ..fdpass import FD_CHANNEL_MAGIC
+from ..memory import data_runs, populate
 from ..protocol import (
     CUDA_IPC_HANDLE_BYTES,
     MAX_KV_WORLD_SIZE,
     MAX_LAYERS,
     MAX_MODEL_CHARS,
     MAX_NAME_CHARS,
+    MAX_REGISTERED_BYTES_PER_CONNECTION,
+    MAX_REGISTERED_BYTES_PER_UID,
     MAX_REGISTRATIONS,
     MAX_REGISTRATIONS_PER_CONNECTION,
     SKIP_BLOCK,
@@ -37,7 +40,12 @@ from .cuda_ipc import Allocation, CudaIpcSupport, open_allocations
 logger = logging.getLogger(__name__)
 
 LAYOUTS = {"mha": 5, "mla": 3}  # tensor rank of one layer
-TakeFd = Callable[[bytes], Any]  # fd_channel.FdChannel.take
+# A memfd may hold at most this much beyond twice its layers' extent: the server maps only
+# the extent, and a registration keeps no more than that of a worker's memory alive.
+SEGMENT_SLACK_BYTES = 1024**2
+# Runs of a segment's data pre-faulted at most: a segment more fragmented than that is the
+# worker's doing, and the rest of its pages fault in at their first copy.
+MAX_PREFAULT_RUNS = 1024
 # fd_channel.FdChannel.watch: (token, on_hangup) -> how to stop watching, or None
 Watch = Callable[[bytes, Callable[[], None]], Callable[[], None] | None]
 # Above this many bytes per block (all layers), one copy_ per block beats index_copy_.
@@ -243,6 +251,10 @@ class KVCacheInstance:
     mappings: list[mmap.mmap]  # shm segments
     last_seen: float
     allocations: list[Allocation] = field(default_factory=list)  # cuda_ipc allocations
+    # What of `mappings` holds data, as (mapping, offset, length): all that is pre-faulted.
+    prefault: list[tuple[mmap.mmap, int, int]] = field(default_factory=list)
+    # Bytes of its memfds' extents, by the uid that sent them: counted against the limits.
+    registered: Counter[int] = field(default_factory=Counter)
     lane: Any = None  # its streams.Lane when it lives on a GPU: copies go through the stream copier
     host_rows: HostRows | None = None  # a cache in CPU memory whose strides allow it
     copies_in_flight: int = 0
@@ -255,10 +267,12 @@ class KVCacheInstance:
     # `stacked` as [layers × outer, blocks, row] words, per word width (None: no such view)
     _stacked_rows: dict[int, torch.Tensor | None] = field(default_factory=dict)
     def start_populating(self) -> None:
-        """Fault the worker's pages into this process in the background, ahead of the first copy."""
+        """Fault the worker's pages into this process in the background, ahead of the first
+        copy: those it allocated only, so that the server allocates none on its account."""
         def run() -> None:
-            for mapping in self.mappings:
-                populate(mapping, lambda: self.closed)
+            for mapping, offset, length in self.prefault:
+                if not populate(mapping, lambda: self.closed, offset, length):
+                    return  # it warned: the kernel cannot, and the next run won't do better
         self._populating = threading.Thread(target=run, name=f"populate-{self.instance_id}",
                                             daemon=True)
         self._populating.start()
@@ -364,23 +378,34 @@ def _check(condition: bool, message: str) -> None:
         raise BadRequest(message)
 
 
-def _map_ticket(take_fd: TakeFd, handle: MemfdHandle, path: str) -> mmap.mmap:
-    """Map the memfd the fd channel took for this handle's ticket (and close the fd: the
-    mapping keeps the memory). Its seals forbid shrinking, so the mapping stays valid
-    whatever the worker does to its end."""
-    _check(len(handle.ticket) == TICKET_BYTES, f"`{path}.ticket`: expected {TICKET_BYTES} "
-           f"bytes from the fd channel, got {len(handle.ticket)}")
-    passed = take_fd(handle.ticket)
-    _check(passed is not None, f"`{path}.ticket`: unknown or expired ticket (for segment "
-           f"{handle.name[:64]!r}): send the memfd to the fd channel (HELLO's fd_socket) and "
-           f"register within a minute")
-    try:
-        return mmap.mmap(passed.fd, passed.size)
-    except OSError as exc:
-        raise BadRequest(f"`{path}`: cannot map memfd {handle.name[:64]!r}: {exc.strerror}"
-                         ) from None
-    finally:
-        os.close(passed.fd)
+@dataclass
+class _Window:
+    """The bytes of one memfd that a registration's layers span, from the page where the
+    lowest one starts to where the highest one ends: all of it the server maps."""
+
+    path: str  # the first layer in it, for messages
+    name: str  # the segment's label
+    start: int
+    end: int
+
+    def map(self, passed: Any) -> tuple[mmap.mmap, list[tuple[int, int]]]:
+        """Map the window of the memfd of a ticket (`passed`: fd_channel.PassedFd, whose
+        descriptor stays the channel's), and find which bytes of it hold data, as (offset in
+        the mapping, length): what may be pre-faulted. Its seals forbid shrinking, so the
+        mapping stays valid whatever the worker does to its end."""
+        try:
+            mapping = mmap.mmap(passed.fd, self.end - self.start, offset=self.start)
+        except OSError as exc:
+            raise BadRequest(f"`{self.path}`: cannot map memfd {self.name[:64]!r}: "
+                             f"{exc.strerror}") from None
+        runs = data_runs(passed.fd, self.start, self.end, MAX_PREFAULT_RUNS)
+        return mapping, [(offset - self.start, length) for offset, length in runs]
+
+
+def _release(counter: Counter, key: Any, amount: int) -> None:
+    counter[key] -= amount
+    if not counter[key]:
+        del counter[key]
 
 
 def _validate_handles(req: RegisterKVCacheRequest, chunk_size: int) -> tuple[Geometry, int]:
@@ -466,18 +491,25 @@ def _stack_layers(handles: list[TensorHandle], typed: torch.Tensor) -> torch.Ten
                             first.offset // itemsize)
 
 
+class Tickets(Protocol):
+    """The fd channel's tickets, as the registry uses them (fd_channel.FdChannel)."""
+
+    def peek(self, ticket: bytes) -> Any: ...  # its PassedFd, or None
+    def spend(self, ticket: bytes) -> None: ...
+
+
 class Registry:
     """Every registered KV cache by instance id, and the clients that own them."""
 
     def __init__(self, chunk_size: int, clock: Callable[[], float],
-                 take_fd: TakeFd, cuda_ipc: CudaIpcSupport | None = None,
+                 tickets: Tickets, cuda_ipc: CudaIpcSupport | None = None,
                  watch: Watch | None = None):
-        """`take_fd(ticket)`: the fd channel's descriptor for a memfd handle's ticket, or None;
+        """`tickets`: the fd channel's, which memfd handles name;
         `cuda_ipc`: how to map cuda_ipc handles; None on a server without CUDA;
         `watch`: the fd channel's watches, which end a registration when its worker hangs up."""
         self.chunk_size = chunk_size
         self.clock = clock
-        self.take_fd = take_fd
+        self.tickets = tickets
         self.cuda_ipc = cuda_ipc
         self.watch = watch
         self._instances: dict[int, KVCacheInstance] = {}
@@ -486,13 +518,17 @@ class Registry:
         # neither by a walk over everyone's (up to MAX_REGISTRATIONS).
         self._by_owner: dict[bytes, dict[int, KVCacheInstance]] = {}
         self._by_engine: dict[bytes, dict[int, KVCacheInstance]] = {}
+        # Bytes of memfd extents registered, by connection and by the uid that sent them.
+        self._bytes_of_owner: Counter[bytes] = Counter()
+        self._bytes_of_uid: Counter[int] = Counter()
 
     def __len__(self) -> int:
         return len(self._instances)
 
-    def register(self, owner: bytes, engine: bytes, req: RegisterKVCacheRequest
-                 ) -> KVCacheInstance:
-        """Map a worker's cache for connection `owner` of `engine` (access.Session)."""
+    def register(self, owner: bytes, engine: bytes, req: RegisterKVCacheRequest,
+                 uid: int | None = None) -> KVCacheInstance:
+        """Map a worker's cache for connection `owner` of `engine`, whose peer is `uid` (None:
+        unknown) (access.Session). A refusal leaves every ticket it names unspent."""
         # Each mapping holds a descriptor in this process: bounded, so no client can use up
         # the server's descriptors (and with them every other client's connections).
         _check(len(self._instances) < MAX_REGISTRATIONS,
@@ -504,20 +540,23 @@ class Registry:
                f"unregister one first")
         geometry, num_blocks = _validate_handles(req, self.chunk_size)
         dtype = DTYPES[geometry.dtype]
+        memfd = req.layers[0].kind == MemfdHandle.KIND
+        passed = self._usable_tickets(req, engine, uid) if memfd else {}
         mappings: dict[bytes, mmap.mmap] = {}
         allocations: dict[bytes, Allocation] = {}
+        prefault: list[tuple[mmap.mmap, int, int]] = []
+        registered: Counter[int] = Counter()
+        handles = req.layers
         stop_watching = None
         try:
-            if req.layers[0].kind == MemfdHandle.KIND:
-                for i, handle in enumerate(req.layers):
-                    if handle.ticket not in mappings:
-                        mappings[handle.ticket] = _map_ticket(self.take_fd, handle, f"layers[{i}]")
-                sizes = {name: len(mapping) for name, mapping in mappings.items()}
+            if memfd:
+                sizes = {ticket: p.size for ticket, p in passed.items()}
             else:
                 _check(self.cuda_ipc is not None, "`layers[0].kind`: this server has no CUDA, "
                        "so it cannot map cuda_ipc handles; register shm handles")
                 allocations = open_allocations(req.layers, self.cuda_ipc)
                 sizes = {key: a.data.numel() for key, a in allocations.items()}
+            ends = []
             for i, handle in enumerate(req.layers):
                 size = sizes[_memory(handle)]
                 end = handle.offset + span_bytes(handle.shape, handle.strides, dtype.itemsize)
@@ -525,6 +564,15 @@ class Registry:
                          else "its CUDA allocation")
                 _check(end <= size, f"`layers[{i}]`: tensor ends at byte {end} but {where} "
                        f"holds {size} bytes")
+                ends.append(end)
+            if memfd:
+                windows = self._windows(owner, req.layers, ends, passed)
+                for ticket, window in windows.items():
+                    mappings[ticket], runs = window.map(passed[ticket])
+                    prefault += [(mappings[ticket], offset, length) for offset, length in runs]
+                    registered[passed[ticket].uid] += window.end - window.start
+                # Each mapping starts at its window: offsets count from there.
+                handles = [replace(h, offset=h.offset - windows[h.ticket].start) for h in handles]
             instance_id = self._new_id()
             stop_watching = self._watch(req.watch, instance_id) if req.watch else None
             # Views only once nothing can fail: a segment with views cannot be closed.
@@ -533,8 +581,8 @@ class Registry:
             typed = {key: raw[:raw.numel() - raw.numel() % dtype.itemsize].view(dtype)
                      for key, raw in buffers.items()}
             layers = [typed[_memory(h)].as_strided(h.shape, h.strides, h.offset // dtype.itemsize)
-                      for h in req.layers]
-            stacked = _stack_layers(req.layers, typed[_memory(req.layers[0])])
+                      for h in handles]
+            stacked = _stack_layers(handles, typed[_memory(handles[0])])
             lane = None
             if allocations:
                 try:
@@ -550,6 +598,8 @@ class Registry:
             for allocation in allocations.values():
                 allocation.close()
             raise
+        for ticket in passed:  # registered: only now are the tickets used up
+            self.tickets.spend(ticket)
         instance = KVCacheInstance(
             instance_id=instance_id, owner=owner, engine=engine, model=req.model,
             kv_world_size=req.kv_world_size, kv_worker_id=req.kv_worker_id, tp_rank=req.tp_rank,
@@ -557,8 +607,11 @@ class Registry:
             num_blocks=num_blocks, geometry=geometry, layers=layers, stacked=stacked,
             mappings=list(mappings.values()), last_seen=self.clock(),
             allocations=list(allocations.values()), lane=lane, stop_watching=stop_watching,
-            host_rows=HostRows.of(layers, stacked, geometry.block_dim))
+            host_rows=HostRows.of(layers, stacked, geometry.block_dim), prefault=prefault,
+            registered=registered)
         self._instances[instance.instance_id] = instance
+        self._bytes_of_owner[owner] += registered.total()
+        self._bytes_of_uid.update(registered)
         for index, key in ((self._by_owner, owner), (self._by_engine, engine)):
             index.setdefault(key, {})[instance.instance_id] = instance
         instance.start_populating()
@@ -568,6 +621,66 @@ class Registry:
                     num_blocks, geometry.chunk_bytes,
                     "" if stacked is not None else " (per-layer copies)")
         return instance
+
+    def _usable_tickets(self, req: RegisterKVCacheRequest, engine: bytes, uid: int | None
+                        ) -> dict[bytes, Any]:
+        """The fd channel's PassedFd for each ticket the layers name, once each is known to
+        serve this session: sent by its uid and, if a binding asked for it, for its engine.
+        Nothing is spent, so a refusal leaves the ticket to its rightful user."""
+        passed = {}
+        for i, handle in enumerate(req.layers):
+            if handle.ticket in passed:
+                continue
+            path = f"`layers[{i}].ticket`"
+            _check(len(handle.ticket) == TICKET_BYTES, f"{path}: expected {TICKET_BYTES} bytes "
+                   f"from the fd channel, got {len(handle.ticket)}")
+            found = self.tickets.peek(handle.ticket)
+            _check(found is not None, f"{path}: unknown or expired ticket (for segment "
+                   f"{handle.name[:64]!r}): send the memfd to the fd channel (HELLO's "
+                   f"fd_socket) and register within a minute")
+            kept = "refused, and the ticket kept for the session it serves"
+            _check(uid is None or found.uid == uid, f"{path}: another uid sent its memfd; a "
+                   f"ticket serves only sessions of the uid that sent the descriptor ({kept})")
+            _check(found.engine is None or found.engine == engine, f"{path}: it was issued "
+                   f"to a session of another engine; a ticket serves only the engine whose "
+                   f"fd_binding asked for it ({kept})")
+            _check(found.engine is not None or uid is not None, f"{path}: it is bound to no "
+                   f"engine (a version 1 request, {FD_CHANNEL_MAGIC!r}) and this session's uid is "
+                   f"unknown (tcp://): ask for tickets with HELLO's fd_binding ({kept})")
+            passed[handle.ticket] = found
+        return passed
+
+    def _windows(self, owner: bytes, handles: list[TensorHandle], ends: list[int],
+                 passed: dict[bytes, Any]) -> dict[bytes, _Window]:
+        """Per ticket, the window of its memfd that the layers span (`ends`: where each
+        layer's bytes end). Refused for a memfd much larger than its window, or past the
+        registered bytes a connection or a uid may have."""
+        windows: dict[bytes, _Window] = {}
+        for i, (h, end) in enumerate(zip(handles, ends)):
+            start = h.offset - h.offset % mmap.ALLOCATIONGRANULARITY
+            window = windows.setdefault(h.ticket, _Window(f"layers[{i}]", h.name, start, end))
+            window.start, window.end = min(window.start, start), max(window.end, end)
+        adding: Counter[int] = Counter()
+        for ticket, window in windows.items():
+            size, extent = passed[ticket].size, window.end - window.start
+            _check(size <= 2 * extent + SEGMENT_SLACK_BYTES, f"`{window.path}`: memfd "
+                   f"{window.name[:64]!r} holds {size} bytes, but its layers span {extent} "
+                   f"(bytes {window.start} to {window.end}); a segment may hold at most twice "
+                   f"its layers' extent and {SEGMENT_SLACK_BYTES} bytes more: size it to the "
+                   f"cache")
+            adding[passed[ticket].uid] += extent
+        mine = self._bytes_of_owner[owner]
+        _check(mine + adding.total() <= MAX_REGISTERED_BYTES_PER_CONNECTION,
+               f"`layers`: this connection has {mine} bytes of worker memory registered; "
+               f"{adding.total()} more would pass MAX_REGISTERED_BYTES_PER_CONNECTION "
+               f"({MAX_REGISTERED_BYTES_PER_CONNECTION}): unregister a cache first")
+        for sender, nbytes in adding.items():
+            theirs = self._bytes_of_uid[sender]
+            _check(theirs + nbytes <= MAX_REGISTERED_BYTES_PER_UID,
+                   f"`layers`: uid {sender}'s memfds are registered for {theirs} bytes; "
+                   f"{nbytes} more would pass MAX_REGISTERED_BYTES_PER_UID "
+                   f"({MAX_REGISTERED_BYTES_PER_UID}): unregister caches of that uid first")
+        return windows
 
     def _watch(self, token: bytes, instance_id: int) -> Callable[[], None]:
         """Drop the registration as soon as the worker's watch connection hangs up."""
@@ -612,6 +725,9 @@ class Registry:
 
     def unregister(self, instance_id: int) -> None:
         instance = self._instances.pop(instance_id)
+        _release(self._bytes_of_owner, instance.owner, instance.registered.total())
+        for sender, nbytes in instance.registered.items():
+            _release(self._bytes_of_uid, sender, nbytes)
         for index, key in ((self._by_owner, instance.owner), (self._by_engine, instance.engine)):
             group = index[key]
             del group[instance_id]

@@ -23,7 +23,7 @@ import zmq
 from .. import __version__, cuda, phases, protocol, runtime
 from ..errors import InternalError, ServerError, ShuttingDown
 from ..sizes import format_size
-from ..zmq_io import readable, recv_frames, send_frames
+from ..zmq_io import readable, recv_message, send_frames
 from .access import Sessions, load_or_create_token, prepare_runtime_dir, read_token_file
 from .collector import CollectorGuard
 from .config import Config
@@ -41,7 +41,7 @@ from .quotas import QuotaError
 from .registry import Registry
 from .store import GPU_TIER, ChunkStore
 from .streams import StreamCopier
-from .warm import WarmStart
+from .warm import KEY_NAME, WarmStart
 
 logger = logging.getLogger("lmcache_mp.server")
 
@@ -53,6 +53,11 @@ _REFUSALS_LOG_INTERVAL_S = 60.0  # the least time between two lines about holds 
 _BACKLOG_RETRY_S = 0.002  # how soon replies a slow reader could not take are offered again
 _GPU_COPY_TIMEOUT_S = 60.0  # one request's device work; a GPU that takes longer has failed
 _STUCK_REQUESTS_S = 2.0  # at shutdown, once copies ended: what requests still waiting get
+# At shutdown, before the socket closes: how long it must have been quiet (nothing new
+# to refuse, no reply waiting for a slow reader), and the most time spent on that.
+_STRAGGLERS_QUIET_S = 0.05
+_STRAGGLERS_S = 2.0
+_LINGER_MS = 1000  # then, how long replies already queued in ZeroMQ may take to leave
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,7 @@ class Server:
         self._context: zmq.Context | None = None
         self._on_message = self._dispatch
         self._draining = False  # inside _drain()
+        self._refused = 0  # requests answered shutting_down
         self._pool: CpuPool | None = None
         self._copy_engine: CopyEngine | None = None
         self._copier: StreamCopier | None = None
@@ -159,7 +165,7 @@ class Server:
         sessions = Sessions(engine_token, admin_token, token_required=not path_socket)
         self._label_key = admin_token.encode()
         channel = FdChannel(str(directory / runtime.FD_SOCKET_NAME),
-                            0o660 if gid is not None else 0o600, gid)
+                            0o660 if gid is not None else 0o600, gid, bindings=sessions.bound)
         return sessions, channel
 
     async def startup(self) -> None:
@@ -174,8 +180,13 @@ class Server:
         has_cuda = torch.cuda.is_available()
         segment = None
         if config.pool_segment is not None:
+            # The key that signs snapshots lives apart from them, in the runtime directory:
+            # whoever can write /dev/shm (a container sharing it, say) cannot read it.
+            key = load_or_create_token(Path(config.runtime_dir) / KEY_NAME, 0o600, None)
             self._warm = WarmStart(config.pool_segment, config.cpu_size, config.chunk_size,
-                                   config.adopt)
+                                   key.encode(), config.adopt,
+                                   Path(config.pool_segment_dir) if config.pool_segment_dir
+                                   else None, config.copy_threads)
             segment = self._warm.open()
         self._pool = CpuPool(config.cpu_size, CudaPinner() if has_cuda else None, segment)
         gpu_pool = DevicePool(config.gpu_size, torch.device("cuda", 0)) if config.gpu_size else None
@@ -185,8 +196,8 @@ class Server:
                            config.quota_book(capacity), gpu_allocator=gpu_allocator)
         if self._warm is not None:
             if self._warm.cold_reason is None:
-                logger.info("warm start: adopted %d chunks from %s", self._warm.adopt(store),
-                            self._warm.pool_path)
+                logger.info("warm start: adopted %d chunks from %s",
+                            self._warm.adopt(store, self._pool), self._warm.pool_path)
             else:
                 logger.info("cold start in %s: %s", self._warm.pool_path,
                             self._warm.cold_reason)
@@ -196,7 +207,7 @@ class Server:
             self._copier = StreamCopier(CudaDevice(), config.copy_threads, _GPU_COPY_TIMEOUT_S)
             cuda_ipc = CudaIpcSupport(SharedAllocations(cuda.open_allocation).open,
                                       cuda.device_index, self._copier.new_lane)
-        registry = Registry(config.chunk_size, time.monotonic, self._fd_channel.take, cuda_ipc,
+        registry = Registry(config.chunk_size, time.monotonic, self._fd_channel, cuda_ipc,
                             self._fd_channel.watch)
         self._copy_engine = CopyEngine(config.copy_threads)
         if config.l2 is not None:
@@ -253,10 +264,15 @@ class Server:
                     if has_cuda else "no CUDA (memfd handles only)")
         if self._l2 is not None:
             logger.info("L2: %s (budget %s, TTL %d s, write-behind queue %s, LOOKUP waits up "
-                        "to %g s for it)", self._l2.describe(),
+                        "to %g s for it; %s)", self._l2.describe(),
                         format_size(config.l2_budget) if config.l2_budget else "unlimited",
                         config.l2_ttl, format_size(config.l2_queue_size),
-                        config.l2_prefetch_wait)
+                        config.l2_prefetch_wait, self._l2.values.describe())
+            if config.l2_key_file is None:
+                logger.warning("L2 values are not signed: anyone who can write to %s can "
+                               "change what engines load from it; give every server that "
+                               "shares it the same --l2-key-file (docs/l2.md, Trust)",
+                               self._l2.describe())
         if config.bind_url.startswith("tcp://"):
             logger.warning("%s is a TCP endpoint: any process that can reach it and holds the "
                            "engine token can use the cache; keep the token file private",
@@ -328,16 +344,17 @@ class Server:
                 if read and not readable(socket):
                     return
                 try:
-                    frames = recv_frames(socket)
+                    first, frames = recv_message(socket)
                 except zmq.Again:
                     return
-                self._on_message(frames)
+                self._on_message(frames, first)
         finally:
             self._draining = False
         # More is waiting: yield to replies and copies, then come back.
         asyncio.get_running_loop().call_soon(self._drain)
 
-    def _dispatch(self, frames: list[bytes]) -> None:
+    def _dispatch(self, frames: list[bytes], first: zmq.Frame) -> None:
+        """Serve one request; `first`: its first frame, which says who sent it (HELLO)."""
         started = time.perf_counter()
         timing = phases.enabled  # its stamps are Python calls: ~3% of a LOOKUP's own work
         stamp = phases.now() if timing else 0
@@ -350,7 +367,7 @@ class Server:
             request = protocol.unpack(protocol.OPS[op].request, payload, bounded=True)
             if timing:
                 stamp = phases.add(op, "server decode", stamp)
-            result = self.dispatcher.serve(client, op, request, session)
+            result = self.dispatcher.serve(client, op, request, session, first)
             if timing:
                 stamp = phases.add(op, "server handle", stamp)
             # inspect.isawaitable(), less its three Python calls: a coroutine or a Future.
@@ -509,10 +526,35 @@ class Server:
             if expired:
                 logger.info("%d fd channel tickets or watches expired unused", expired)
 
-    def _refuse(self, frames: list[bytes]) -> None:
+    def _refuse(self, frames: list[bytes], _first: zmq.Frame) -> None:
+        self._refused += 1
         self._send_error(frames[0], protocol.request_id_of(frames[1:]),
                          ShuttingDown("the server is shutting down"), _op_of(frames[1:]),
                          time.perf_counter())
+
+    async def _refuse_stragglers(self) -> None:
+        """Answer `shutting_down` to what clients sent before they could know, and hand
+        slow readers the replies kept for them, until the socket has been quiet for
+        _STRAGGLERS_QUIET_S (at most _STRAGGLERS_S): a request sent just before the signal
+        may still be on its way through ZeroMQ's I/O thread, and a socket closed under it
+        or under a backlog would leave those requests without a reply."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + _STRAGGLERS_S
+        seen, quiet_since = self._refused, loop.time()
+        while loop.time() < give_up:
+            if readable(self._socket):
+                self._drain()
+            if self._refused != seen or self._backlog:
+                seen, quiet_since = self._refused, loop.time()
+            elif loop.time() - quiet_since >= _STRAGGLERS_QUIET_S:
+                break
+            await asyncio.sleep(_STRAGGLERS_QUIET_S / 5)
+        if self._refused:
+            logger.info("shutdown: %d requests that arrived while draining were answered "
+                        "shutting_down", self._refused)
+        if self._backlog:
+            logger.warning("shutdown: %d clients did not read their last replies within "
+                           "%g s; dropping them", len(self._backlog), _STRAGGLERS_S)
 
     async def shutdown(self) -> None:
         logger.info("shutdown: refusing new requests, %d in flight", len(self._in_flight))
@@ -540,6 +582,7 @@ class Server:
                 for task in stuck:
                     task.cancel()
                 await asyncio.wait(stuck, timeout=_STUCK_REQUESTS_S)
+        await self._refuse_stragglers()
         self._housekeeping.cancel()
         self._loop_watch_task.cancel()
         self._collector_guard.uninstall()
@@ -547,12 +590,13 @@ class Server:
         logger.info("shutdown: releasing %d registrations", len(self.dispatcher.registry))
         for instance_id in self.dispatcher.registry.instance_ids():
             self.dispatcher.registry.unregister(instance_id)
-        self._context.destroy(linger=0)  # our socket, and any other this context made
+        # Our socket, and any other this context made; replies queued in ZeroMQ still go
+        # out for a moment (a reader that stopped reading does not hold the exit up longer).
+        self._context.destroy(linger=_LINGER_MS)
         runtime.unlink_ipc_endpoint(self.config.bind_url)
         self._fd_channel.close()
         if self._warm is not None:
-            logger.info("shutdown: snapshot of %d chunks written beside %s",
-                        self._warm.save(self.dispatcher.store), self._warm.pool_path)
+            self._warm.save(self.dispatcher.store, self._pool)
             self._warm.close()
         self._pool.close()
         if self._http is not None:  # last: /readyz says "shutting down" until the end

@@ -20,13 +20,16 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..protocol import (MAX_LEASED_CHUNKS, MAX_LEASED_CHUNKS_PER_ENGINE, MAX_LEASES,
+import numpy as np
+
+from ..protocol import (CHUNK_HASH_BYTES, MAX_LEASED_CHUNKS, MAX_LEASED_CHUNKS_PER_ENGINE, MAX_LEASES,
                         MAX_LEASES_PER_ENGINE, StoreStatus)
 from .eviction import TenantLRUPolicy
 from .pool import ExtentAllocator, aligned
 from .quotas import Quota, QuotaBook
 
 POOL_FULL = "pool_full"  # evicted to make room for another chunk
+_ADOPT_BATCH = 65536  # chunks a warm restart's index reads into Python values at a time
 QUOTA_CAP = "quota_cap"  # evicted to keep its tenant under its cap
 
 class ChunkKey(NamedTuple):
@@ -79,6 +82,32 @@ class Chunk:
         """In its tier's eviction policy: committed, in place, unheld, and no stored chunk
         comes after it (else the prompt would keep chunks no lookup reaches)."""
         return self.committed and not self.holds and not self.moving and not self.successors
+
+
+@dataclass
+class SavedIndex:
+    """Chunks found in the CPU pool at a warm restart (what a snapshot says of them), in
+    columns: chunk i's values at [i] of each array. A million chunks cost a few arrays
+    here, not a million objects: a Python object per chunk and field, made and dropped
+    among the chunks the store keeps, would leave the heap riddled with holes."""
+
+    scopes: list[tuple[str, int, int, str]]  # (model, kv_world_size, kv_worker_id, cache_salt)
+    geometries: list  # registry.Geometry, each with its chunk_bytes
+    scope_ids: np.ndarray
+    geometry_ids: np.ndarray
+    offsets: np.ndarray  # in the CPU pool
+    hashes: bytes  # CHUNK_HASH_BYTES a chunk, back to back
+    parents: np.ndarray  # the index of the chunk before it in its prompt, always lower; -1: none
+    recency: np.ndarray  # lower: used longer ago
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def nbytes(self) -> np.ndarray:
+        """Each chunk's size, from its geometry."""
+        sizes = np.array([g.chunk_bytes for g in self.geometries], dtype=np.int64)
+        return sizes[self.geometry_ids] if len(sizes) else np.zeros(0, dtype=np.int64)
 
 
 @dataclass(slots=True)
@@ -566,31 +595,86 @@ class ChunkStore:
         self._remove(demotion.chunk, evicted=False)
         self._bring_under_cap([salt])
 
-    def adopt(self, key: ChunkKey, offset: int, nbytes: int, geometry: Hashable,
-              parent: ChunkKey | None = None) -> bool:
-        """Index a chunk a warm restart found in the CPU pool at `offset` as committed (most
-        recently used), after `parent` (adopt parents first); False if its key is taken, its
-        parent is not stored, or its extent is not free."""
-        parent_chunk = None if parent is None else self._chunks.get(parent)
-        if key in self._chunks or (parent is not None and parent_chunk is None) \
-                or not self.allocator.take(offset, nbytes):
-            return False
-        chunk = Chunk(key, offset, nbytes, geometry, parent=parent_chunk)
-        self._index(chunk)
-        if parent_chunk is not None:
-            if parent_chunk.successors is None:
-                parent_chunk.successors = set()
-            if parent_chunk.evictable:  # no longer: a stored chunk follows it
-                self._policies[parent_chunk.tier].remove(parent_chunk.key.cache_salt,
-                                                         parent_chunk.key)
-            parent_chunk.successors.add(chunk)
-        self._tenant(key.cache_salt).bytes_used += chunk.footprint
-        self._pending += 1
-        self.commit(chunk)
-        return True
+    def adopt_run(self, index: SavedIndex, intact: np.ndarray) -> int:
+        """Index the chunks a warm restart found in the CPU pool of this empty store,
+        committed, where they lie; return how many. A chunk is adopted if it is `intact`
+        (its bytes match what was saved) and its parent is adopted; adopted chunks count
+        as used in the order of their recency. Their extents must be free and apart
+        (ValueError, with nothing adopted, if not). One pass for the whole index: a
+        million chunks cost seconds, not the minutes of a reserve() and commit() each."""
+        if self._chunks:
+            raise ValueError("adopt_run() fills an empty store")
+        count = len(index)
+        parents = index.parents
+        has_parent = parents >= 0
+        lost = ~intact
+        while lost.any():  # a lost chunk's successors are lost with it, prompt by prompt
+            spread = lost | (has_parent & lost[np.where(has_parent, parents, 0)])
+            if (spread == lost).all():
+                break
+            lost = spread
+        kept = np.flatnonzero(~lost)
+        nbytes = index.nbytes
+        by_offset = kept[np.argsort(index.offsets[kept], kind="stable")]
+        self.allocator.take_many(index.offsets[by_offset], nbytes[by_offset])
+        ranks = np.empty(count, dtype=np.int64)
+        ranks[kept[np.argsort(index.recency[kept], kind="stable")]] = np.arange(len(kept))
+        stamps = ranks + self._last_stamp + 1
+        self._last_stamp += len(kept)
+        sizes = [g.chunk_bytes for g in index.geometries]  # one int each, shared by its chunks
+        adopted: list[Chunk | None] = [None] * count
+        chunks, scopes, geometries = self._chunks, index.scopes, index.geometries
+        in_scopes = [self._by_scope.setdefault(scope, {}) for scope in scopes]
+        hashes = np.frombuffer(index.hashes, dtype=f"V{CHUNK_HASH_BYTES}")  # bytes, as tolist()
+        keep = (~lost).tolist()  # bools: no object per chunk made and dropped among those kept
+        new_key = tuple.__new__  # ChunkKey(...) goes through a Python-level __new__
+        # Columns as lists a batch at a time: a numpy scalar per read would cost more than the
+        # rest, and lists of the whole would leave as many dropped ints among the chunks.
+        for start in range(0, count, _ADOPT_BATCH):
+            stop = min(start + _ADOPT_BATCH, count)
+            for i, chunk_hash, scope_id, geometry_id, offset, parent_at, stamp in zip(
+                    range(start, stop), hashes[start:stop].tolist(),
+                    index.scope_ids[start:stop].tolist(),
+                    index.geometry_ids[start:stop].tolist(), index.offsets[start:stop].tolist(),
+                    parents[start:stop].tolist(), stamps[start:stop].tolist()):
+                if not keep[i]:
+                    continue  # parents first, as the index always lists them (save() counts on it)
+                key = new_key(ChunkKey, (*scopes[scope_id], chunk_hash))
+                parent = adopted[parent_at] if parent_at >= 0 else None
+                # Positional: Chunk(key, offset, nbytes, geometry, committed, holds, tier,
+                # moving, stamp, parent), a third cheaper than by keyword.
+                chunk = adopted[i] = Chunk(key, offset, sizes[geometry_id],
+                                           geometries[geometry_id], True, 0, CPU_TIER, False,
+                                           stamp, parent)
+                chunks[key] = in_scopes[scope_id][chunk_hash] = chunk
+                if parent is not None:
+                    if parent.successors is None:
+                        parent.successors = set()
+                    parent.successors.add(chunk)
+        for scope, in_scope in zip(scopes, in_scopes):
+            if not in_scope:
+                del self._by_scope[scope]
+        kept_scopes = index.scope_ids[kept]
+        footprints = np.array([aligned(size) for size in sizes], dtype=np.int64)
+        scope_bytes = np.zeros(len(scopes), dtype=np.int64)
+        np.add.at(scope_bytes, kept_scopes, footprints[index.geometry_ids[kept]])
+        scope_chunks = np.bincount(kept_scopes, minlength=len(scopes))
+        for scope, used, adopted_here in zip(scopes, scope_bytes.tolist(), scope_chunks.tolist()):
+            if adopted_here:
+                usage = self._tenant(scope[3])
+                usage.bytes_used += used
+                usage.chunks += adopted_here
+        followed = np.zeros(count, dtype=bool)
+        followed[parents[kept][has_parent[kept]]] = True
+        policy = self._policies[CPU_TIER]
+        for i in np.flatnonzero(~lost & ~followed).tolist():  # evictable, as committed ones are
+            chunk = adopted[i]
+            policy.add(chunk.key.cache_salt, chunk.key, chunk.stamp)
+        return len(kept)
 
     def committed_chunks(self) -> list[Chunk]:
-        """The CPU tier's committed chunks (none being demoted), oldest store first."""
+        """The CPU tier's committed chunks (none being demoted), in the index's order: a
+        chunk's parent before it (a parent is indexed before any chunk can name it)."""
         return [c for c in self._chunks.values()
                 if c.committed and not c.moving and c.tier == CPU_TIER]
 

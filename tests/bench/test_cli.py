@@ -117,6 +117,24 @@ def test_chat_hit_rate_is_held_against_an_unbounded_cache(tmp_path):
     assert data["checks"]["corrupt_chunks"] == 0 and data["checks"]["verified_chunks"] > 0
 
 
+def test_warm_restart_measures_both_ways_and_adopts_every_chunk(tmp_path):
+    out = tmp_path / "restart.json"
+    result = bench("--workload", "warm-restart", "--restart-chunks", "640", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| start to serving |" in result.stdout and "| index memory a chunk |" in result.stdout
+    figures = json.loads(out.read_text())
+    assert figures["chunks"] == figures["adopted"] == 640 and figures["byte_exact"]
+    assert figures["chunk_bytes"] == 8192
+    for name in ("stop_seconds", "snapshot_seconds", "start_seconds", "verify_seconds",
+                 "verify_cpu_seconds", "verified_gbps_per_core"):
+        assert figures[name] > 0, name
+    assert figures["snapshot_seconds"] <= figures["stop_seconds"]
+    assert figures["verify_seconds"] <= figures["start_seconds"]
+    # 640 chunks are too few for the heap to say what a chunk costs: only that it says.
+    assert all(math.isfinite(figures[name]) for name in ("stored_index_bytes",
+                                                          "adopted_index_bytes"))
+
+
 def test_multi_tenant_quota_keeps_steady_tenants_hitting(tmp_path):
     data = run_json(tmp_path, "--workload", "multi-tenant")
     phases = {phase["name"]: phase["tenants"] for phase in data["phases"]}

@@ -12,7 +12,7 @@ W2 = SHAPES["W2"]
 
 def test_shapes_weigh_what_the_design_says():
     assert {name: shape.chunk_bytes for name, shape in SHAPES.items()} == {
-        "W1": 32 * 2**20, "W2": 512 * 2**10, "W3": 9 * 2**20}
+        "W1": 32 * 2**20, "W2": 512 * 2**10, "W3": 9 * 2**20, "8KiB": 8 * 2**10}
 
 
 def test_uniform_sends_each_prompt_twice_in_consecutive_steps():

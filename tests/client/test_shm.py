@@ -123,3 +123,39 @@ def test_a_segments_pages_are_allocated_when_it_is_made():
         assert shared_kib() - before >= 32 * 1024
     finally:
         segment.close()
+
+
+def test_a_cache_in_more_segments_than_one_fd_message_carries_registers():
+    """vLLM on CPU allocates a segment per KV tensor: a model of 80 layers hands the fd
+    channel 80 descriptors, more than MAX_FDS_PER_MESSAGE; the client sends them in turn."""
+    from lmcache_mp.client import CacheClient, StoreStatus, TransferItem
+    from lmcache_mp.protocol import MAX_FDS_PER_MESSAGE
+
+    from ..utils import run_server
+    from ..workers import MODEL, chunk_blocks, prompt
+
+    layers = MAX_FDS_PER_MESSAGE + 16
+    shape = (2, 16, 16, 1, 8)  # [2, blocks, block size, heads, head dim]: 16 blocks, one chunk
+    segments = [SharedSegment(torch.Size(shape).numel() * 2) for _ in range(layers)]
+    try:
+        tensors = [segment.tensor(torch.uint8).view(torch.float16).view(shape)
+                   for segment in segments]
+        for n, tensor in enumerate(tensors):
+            tensor.view(torch.int16).fill_(n + 1)
+        handles = [handle for handle, _ in memfd_handles(tensors)]
+        with run_server() as server, CacheClient(server.url, timeout=20) as client:
+            registration = client.register_kv_cache(handles, model=MODEL, layout="mha",
+                                                     block_size=16)
+            hashes = prompt(tag=3410, num_chunks=1)
+            assert client.store(registration, [TransferItem.build("r", hashes, chunk_blocks(
+                [0]))]) == [bytes([StoreStatus.STORED])]
+            for tensor in tensors:
+                tensor.zero_()
+            assert client.retrieve(registration, [TransferItem.build("r", hashes, chunk_blocks(
+                [0]))]) == [1]
+            assert all(bool((tensor.view(torch.int16) == n + 1).all())
+                       for n, tensor in enumerate(tensors))
+            client.unregister(registration)
+    finally:
+        for segment in segments:
+            segment.close()

@@ -88,8 +88,10 @@ class Ref:
 def _agent_main(conn, uid: int | None) -> None:
     if uid is not None:  # drop every privilege before touching anything of the server's
         # Python and its packages may lie where only root can read (/root/.pyenv): what the
-        # steps' modules import is loaded while the process can still read it.
+        # steps' modules import is loaded while the process can still read it, and so is the
+        # codec that socket.getaddrinfo() needs for any host name (a network client's).
         importlib.import_module("pytest")
+        importlib.import_module("encodings.idna")
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)

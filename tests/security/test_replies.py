@@ -5,6 +5,7 @@ told why; the server cleans up its socket files when it stops."""
 from __future__ import annotations
 
 import re
+import signal
 import time
 
 import pytest
@@ -169,3 +170,22 @@ def test_bad_frames_from_a_connection_without_session_get_one_reply_each(server)
         raw.socket.send_multipart([rid(7), b"NOPE", b"\x80"])
         assert raw.recv()[:2] == (7, b"err")
         assert raw.call("PING", {})[0] == b"ok"  # heartbeats need no session
+
+
+def test_requests_sent_just_before_sigterm_are_each_answered():
+    """900 pipelined requests (under ZeroMQ's receive high-water mark of 1,000), SIGTERM
+    right behind them: each gets exactly one reply, served or `shutting_down`. The server
+    answers what still arrives until its socket has been quiet, rather than closing it
+    under requests ZeroMQ is still delivering (RETRIEVEs sent ~5 ms before a SIGTERM got no
+    reply)."""
+    with run_server() as stopping, RawClient(stopping.url, timeout_ms=20_000) as raw:
+        raw.hello()
+        sent = {raw.send("PING", {}) for _ in range(900)}
+        stopping.proc.send_signal(signal.SIGTERM)
+        outcomes: dict[int, str] = {}
+        while sent - outcomes.keys():
+            request_id, status, body = raw.recv()
+            assert request_id in sent and request_id not in outcomes
+            outcomes[request_id] = "ok" if status == b"ok" else body["code"]
+        assert set(outcomes.values()) <= {"ok", "shutting_down"}
+        assert stopping.proc.wait(20) == 0

@@ -321,6 +321,9 @@ UNSAFE_START_UPS = {  # label: (arguments, with {tmp} and {port}; words the refu
     "a token file others can read": (
         ["--host", "0.0.0.0", "--port", "{port}", "--runtime-dir", "{tmp}/d",
          "--token-file", "{tmp}/readable-token"], "others could read the token"),
+    "a token longer than HELLO carries": (  # it would refuse its own token
+        ["--host", "127.0.0.1", "--port", "{port}", "--runtime-dir", "{tmp}/e",
+         "--token-file", "{tmp}/long-token"], "use 16 to 256"),
 }
 
 
@@ -335,6 +338,8 @@ def unsafe_start_ups(tmp_path_factory):
     (tmp / "link").symlink_to(tmp / "real")
     (tmp / "readable-token").write_text("a" * 32)
     (tmp / "readable-token").chmod(0o644)
+    (tmp / "long-token").write_text("b" * 300)
+    (tmp / "long-token").chmod(0o600)
     port = str(free_port())
     running = {label: start_up(*[arg.format(tmp=tmp, port=port) for arg in args])
                for label, (args, _) in UNSAFE_START_UPS.items()}

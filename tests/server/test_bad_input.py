@@ -62,7 +62,7 @@ def assert_still_serving(socket):
     ([rid(1), b"LOOKUP", msgpack.packb({"model": "m", "kv_world_size": 1})[:-3]],
      "bad_request", "not valid msgpack"),  # truncated
     ([rid(1), b"LOOKUP", b"\xc6\xff\xff\xff\xf0abc"], "bad_request", "not valid msgpack"),  # huge bin
-    ([rid(1), b"LOOKUP", b"\xdd\xff\xff\xff\xff"], "bad_request", "not valid msgpack"),  # huge array
+    ([rid(1), b"LOOKUP", b"\xdd\xff\xff\xff\xff"], "bad_request", "MAX_ITEMS_PER_MESSAGE"),  # huge array
     ([rid(1), b"LOOKUP", msgpack.packb({"model": "m", "kv_world_size": "1", "items": []})],
      "bad_request", "`kv_world_size`: expected int, got str"),
     ([rid(1), b"LOOKUP", msgpack.packb({"model": "m", "kv_world_size": 1,

@@ -20,9 +20,13 @@ import uvloop
 from lmcache_mp.client import CacheClient
 from lmcache_mp.client.shm import SharedSegment
 from lmcache_mp.errors import BadRequest, RequestTimeout, ServerUnavailable
-from lmcache_mp.fdpass import FD_CHANNEL_MAGIC, open_watch, send_fds
-from lmcache_mp.protocol import MAX_FDS_PER_MESSAGE, TICKET_BYTES, TICKET_TTL_S
-from lmcache_mp.server.fd_channel import MAX_CONNECTIONS, REQUEST_TIMEOUT_S, FdChannel
+from lmcache_mp.fdpass import BOUND_FD_CHANNEL_MAGIC, FD_CHANNEL_MAGIC, open_watch, send_fds
+from lmcache_mp.protocol import (
+    BINDING_BYTES, MAX_FDS_PER_MESSAGE, MAX_PENDING_TICKETS_PER_UID, MAX_WATCHES_PER_UID,
+    TICKET_BYTES, TICKET_TTL_S,
+)
+from lmcache_mp.server.access import Sessions
+from lmcache_mp.server.fd_channel import MAX_CONNECTIONS_PER_UID, REQUEST_TIMEOUT_S, FdChannel
 
 from ..utils import run_server
 from ..workers import (
@@ -47,14 +51,14 @@ class Served:
     """An FdChannel on an event loop in its own thread, as in the server; this test process
     plays the server, so its open descriptors are the server's."""
 
-    def __init__(self, path: str, new_loop, clock: FakeClock):
+    def __init__(self, path: str, new_loop, clock: FakeClock, **options):
         self.clock = clock
         self.loop_errors: list[dict] = []
         self.loop = new_loop()
         self.loop.set_exception_handler(lambda loop, context: self.loop_errors.append(context))
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.channel = FdChannel(path, clock=clock)
+        self.channel = FdChannel(path, clock=clock, **options)
         self.call(self.channel.start, self.loop)
 
     def call(self, fn, *args):
@@ -108,16 +112,18 @@ def test_a_worker_process_trades_its_segment_for_a_ticket_and_the_server_maps_it
         tickets, worker_pid = pool.submit(_fill_and_send, served.channel.path, payload).result(60)
     (ticket,) = tickets
     assert len(ticket) == TICKET_BYTES
-    passed = served.call(served.channel.take, ticket)
+    passed = served.call(served.channel.peek, ticket)
     assert (passed.size, passed.pid, passed.uid) == (len(payload), worker_pid, os.getuid())
+    assert passed.engine is None  # a version 1 request: bound to the uid only
     assert passed.expires == served.clock.now + TICKET_TTL_S
     assert fcntl.fcntl(passed.fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC  # not for the server's children
-    try:
-        with mmap.mmap(passed.fd, passed.size) as mapped:
-            assert mapped[:] == payload
-    finally:
-        os.close(passed.fd)
-    assert served.call(served.channel.take, ticket) is None  # a ticket is good for one take
+    with mmap.mmap(passed.fd, passed.size) as mapped:
+        assert mapped[:] == payload
+    assert served.call(served.channel.peek, ticket) is passed  # a look spends nothing
+    before = served.open_fds()
+    served.call(served.channel.spend, ticket)
+    assert served.open_fds() == before - 1
+    assert served.call(served.channel.peek, ticket) is None  # a ticket is good for one use
 
 
 def _regular_file(tmp_path) -> int:
@@ -145,6 +151,17 @@ def _pipe(tmp_path) -> int:
     return read_end
 
 
+def _hugetlb_memfd(tmp_path) -> int:
+    """A sealed hugetlbfs memfd; no huge page need exist (none is touched)."""
+    try:
+        fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB)
+    except OSError as exc:
+        pytest.skip(f"this kernel makes no hugetlbfs memfds: {exc}")
+    os.ftruncate(fd, 2 * 1024**2)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
+
+
 BAD_FDS = {
     "regular file": (_regular_file, "fd 1 is not a memfd sealed with F_SEAL_SHRINK; allocate "
                                     "with lmcache_mp.client.SharedSegment"),
@@ -154,6 +171,7 @@ BAD_FDS = {
     "read-only fd": (_read_only, "fd 1 is not open for reading and writing"),
     "pipe": (_pipe, "fd 1 is not a regular file but a pipe"),
     "empty memfd": (lambda tmp_path: _memfd(fcntl.F_SEAL_SHRINK, size=0), "fd 1 is empty"),
+    "hugetlbfs memfd": (_hugetlb_memfd, r"fd 1 is a hugetlbfs memfd \(MFD_HUGETLB\)"),
 }
 
 
@@ -168,7 +186,7 @@ def test_one_unfit_descriptor_refuses_the_whole_message_and_none_is_kept(served,
                 send_fds(served.channel.path, [good.fd, bad], timeout=5.0)
             assert served.open_fds() == before  # the good one's duplicate was closed too
             (ticket,) = send_fds(served.channel.path, [good.fd], timeout=5.0)  # still serving
-            os.close(served.call(served.channel.take, ticket).fd)
+            served.call(served.channel.spend, ticket)
     finally:
         os.close(bad)
 
@@ -193,33 +211,109 @@ def test_too_many_descriptors_are_refused_by_the_client_and_by_the_server(served
             assert served.open_fds() == before
 
 
-def test_a_silent_client_is_closed_after_a_second_and_never_holds_up_others(served):
+def _connect_silently(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(path)
+    return sock
+
+
+def test_a_silent_connection_is_closed_after_the_request_timeout(served):
     before = served.open_fds()
     started = time.monotonic()
-    silent = []
-    for _ in range(MAX_CONNECTIONS - 1):
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sock.connect(served.channel.path)
-        silent.append(sock)
+    silent = _connect_silently(served.channel.path)
     try:
+        with SharedSegment(4096) as segment:  # served meanwhile
+            (ticket,) = send_fds(served.channel.path, [segment.fd], timeout=5.0)
+            served.call(served.channel.spend, ticket)
+        silent.settimeout(REQUEST_TIMEOUT_S + 5.0)
+        assert silent.recv(16) == b""
+        assert time.monotonic() - started > REQUEST_TIMEOUT_S - 0.1
+    finally:
+        silent.close()
+    assert served.open_fds() == before
+
+
+def test_a_uid_keeps_only_its_newest_silent_connections_and_its_worker_gets_in(tmp_path):
+    """Past MAX_CONNECTIONS_PER_UID waiting connections, a uid's newest drops its oldest (a
+    timeout that never comes here shows it is not that); a worker of it is still served."""
+    served = Served(str(tmp_path / "fd.sock"), uvloop.new_event_loop, FakeClock(),
+                    request_timeout=600.0)
+    before = served.open_fds()
+    evicted = [_connect_silently(served.channel.path) for _ in range(3)]
+    silent = [_connect_silently(served.channel.path) for _ in range(MAX_CONNECTIONS_PER_UID)]
+    try:
+        for sock in evicted:
+            sock.settimeout(5.0)
+            assert sock.recv(16) == b""
         with SharedSegment(4096) as segment:
             (ticket,) = send_fds(served.channel.path, [segment.fd], timeout=5.0)
-            assert time.monotonic() - started < 0.5
-            os.close(served.call(served.channel.take, ticket).fd)
-        for _ in range(2):  # the last free place, then one too many
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            sock.connect(served.channel.path)
-            silent.append(sock)
-        silent[-1].settimeout(0.5)
-        assert silent[-1].recv(16) == b""  # closed at once, not after REQUEST_TIMEOUT_S
-        for sock in silent[:-1]:
-            sock.settimeout(3.0)
-            assert sock.recv(16) == b""
-        assert REQUEST_TIMEOUT_S - 0.1 < time.monotonic() - started < REQUEST_TIMEOUT_S + 1.0
-    finally:
-        for sock in silent:
+            served.call(served.channel.spend, ticket)
+        # The worker's connection dropped at most the then oldest one: the rest still wait.
+        for sock in silent[1:]:
+            sock.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                sock.recv(16)
+        for sock in evicted + silent:
             sock.close()
-    assert served.open_fds() == before
+        _until(lambda: served.open_fds() == before)  # each hang-up closed the server's end
+    finally:
+        for sock in evicted + silent:
+            sock.close()
+        served.close()
+
+
+def test_a_bound_request_ties_its_tickets_to_its_sessions_engine(tmp_path):
+    sessions = Sessions("e" * 16, "a" * 16, token_required=False)
+    mine = sessions.open(b"worker", "", "engine-a", os.getuid())
+    remote = sessions.open(b"remote", "", "engine-b", None)  # a tcp:// session: uid unknown
+    other = sessions.open(b"other", "", "engine-c", os.getuid() + 1)
+    served = Served(str(tmp_path / "fd.sock"), uvloop.new_event_loop, FakeClock(),
+                    bindings=sessions.bound)
+    try:
+        with SharedSegment(4096) as segment:
+            (ticket,) = send_fds(served.channel.path, [segment.fd], 5.0, mine.binding)
+            assert served.call(served.channel.peek, ticket).engine == mine.engine
+            (ticket,) = send_fds(served.channel.path, [segment.fd], 5.0, remote.binding)
+            assert served.call(served.channel.peek, ticket).engine == remote.engine
+            before = served.open_fds()
+            sessions.open(b"worker", "", "engine-a", os.getuid())  # a new HELLO, a new binding
+            for binding, reason in (
+                    (other.binding, r"belongs to a session of another uid than this sender's"),
+                    (mine.binding, "unknown fd_binding"),
+                    (os.urandom(BINDING_BYTES), "unknown fd_binding")):
+                with pytest.raises(BadRequest, match=reason):
+                    send_fds(served.channel.path, [segment.fd], 5.0, binding)
+            for data in (BOUND_FD_CHANNEL_MAGIC, BOUND_FD_CHANNEL_MAGIC + other.binding[:-1],
+                         BOUND_FD_CHANNEL_MAGIC + other.binding + b"!"):
+                with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as raw:
+                    raw.settimeout(5.0)
+                    raw.connect(served.channel.path)
+                    socket.send_fds(raw, [data], [segment.fd])
+                    assert "not an fd channel request" in msgpack.unpackb(raw.recv(4096))["error"]
+            assert served.open_fds() == before  # nothing of them kept
+            with pytest.raises(ValueError, match=f"an fd_binding has {BINDING_BYTES} bytes"):
+                send_fds(served.channel.path, [segment.fd], 5.0, b"short")
+    finally:
+        served.close()
+
+
+def test_one_uid_holds_at_most_its_share_of_tickets_and_watches(served):
+    with SharedSegment(4096) as segment:
+        for _ in range(MAX_PENDING_TICKETS_PER_UID // MAX_FDS_PER_MESSAGE):  # all or none
+            send_fds(served.channel.path, [segment.fd] * MAX_FDS_PER_MESSAGE, timeout=5.0)
+        share = MAX_PENDING_TICKETS_PER_UID
+        with pytest.raises(BadRequest, match=f"uid {os.getuid()} holds {share} unused tickets "
+                                             f"already, and may hold {share} "
+                                             rf"\(MAX_PENDING_TICKETS_PER_UID\)"):
+            send_fds(served.channel.path, [segment.fd], timeout=5.0)
+        watches = [open_watch(served.channel.path, 5.0) for _ in range(MAX_WATCHES_PER_UID)]
+        with pytest.raises(BadRequest, match=r"\(MAX_WATCHES_PER_UID\)"):
+            open_watch(served.channel.path, 5.0)
+        served.clock.now += TICKET_TTL_S  # unused, all of them expire, and make room again
+        send_fds(served.channel.path, [segment.fd], timeout=5.0)
+        open_watch(served.channel.path, 5.0).close()
+    for watch in watches:
+        watch.close()
 
 
 def test_tickets_expire_and_their_descriptors_are_closed(served):
@@ -231,12 +325,12 @@ def test_tickets_expire_and_their_descriptors_are_closed(served):
     assert served.call(served.channel.expire) == 0
     before = served.open_fds()
     served.clock.now += TICKET_TTL_S
-    assert served.call(served.channel.take, first) is None  # expired: closed on the spot
+    assert served.call(served.channel.peek, first) is None  # expired: closed on the spot
     assert served.open_fds() == before - 1
     assert served.call(served.channel.expire) == 2
     assert served.open_fds() == before - 3
-    assert served.call(served.channel.take, second) is None
-    assert served.call(served.channel.take, b"\0" * TICKET_BYTES) is None
+    assert served.call(served.channel.peek, second) is None
+    assert served.call(served.channel.peek, b"\0" * TICKET_BYTES) is None
 
 
 def test_close_releases_every_descriptor_and_the_socket_file(served):
@@ -358,7 +452,7 @@ def test_the_socket_file_is_private_and_only_a_stale_socket_is_replaced(served, 
     try:
         with SharedSegment(4096) as segment:
             (ticket,) = send_fds(stale_path, [segment.fd], timeout=5.0)
-        os.close(served.call(revived.take, ticket).fd)
+        served.call(revived.spend, ticket)
     finally:
         served.call(revived.close)
 

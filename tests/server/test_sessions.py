@@ -1,4 +1,5 @@
-"""Sessions at their cap: idle ones make room, and a flood of HELLOs costs no scan each."""
+"""Sessions at their cap: idle ones make room, and a flood of HELLOs costs no scan each;
+and a session's fd binding names it for as long as it lasts."""
 
 import pytest
 
@@ -49,3 +50,18 @@ def test_a_flood_of_hellos_at_the_cap_looks_at_every_session_once_a_second(monke
     assert len(scans) == 2
     sessions.open(b"client-3", "", "")  # a known connection says HELLO again: no cap, no scan
     assert len(scans) == 2
+
+
+def test_a_sessions_fd_binding_lasts_as_long_as_the_session():
+    clock = Clock()
+    sessions = Sessions("e" * 32, "a" * 32, token_required=False, clock=clock)
+    first = sessions.open(b"worker", "", "engine", uid=1000)
+    assert (first.uid, len(first.binding)) == (1000, 16) and sessions.bound(first.binding) is first
+    again = sessions.open(b"worker", "", "engine", uid=1000)  # a new HELLO: a new binding
+    assert again.binding != first.binding and sessions.bound(first.binding) is None
+    assert sessions.bound(again.binding) is again
+    sessions.drop(b"worker", "a test")
+    assert sessions.bound(again.binding) is None
+    idle = sessions.open(b"idle", "", "", uid=None)
+    clock.now += SESSION_IDLE_S + 1
+    assert sessions.expire() == 1 and sessions.bound(idle.binding) is None

@@ -1,20 +1,25 @@
-"""Warm restart: a server stopped with SIGTERM leaves its pool segment and an index snapshot,
-and the next one serves every committed chunk again byte for byte, with the chunks'
-parent links, so a squeeze still leaves prefixes; after SIGKILL, a bad checksum, an
-unknown (or parentless, older) snapshot format or another pool size it starts cold and
-leaves no stale segment; two servers never share a segment."""
+"""Warm restart: a server stopped with SIGTERM leaves its pool segment and a signed index
+snapshot in its private directory, and the next one (same runtime directory, so the same
+snapshot key) serves every committed chunk again byte for byte, with the chunks' parent
+links and recency, so a squeeze still leaves prefixes; a chunk whose bytes changed is
+dropped with what follows it; after SIGKILL, an unknown format, another key or another
+pool size it starts cold and leaves no stale segment; two servers never share a segment."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import uuid
+from dataclasses import dataclass
+from pathlib import Path
 
-import msgpack
+import numpy as np
 import pytest
 import torch
 
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
-from lmcache_mp.server.warm import SHM_DIR
+from lmcache_mp.server import snapshot
+from lmcache_mp.server.warm import KEY_NAME, segment_dir
 
 from ..utils import run_server, server_process
 from ..workers import (
@@ -23,14 +28,46 @@ from ..workers import (
 )
 
 NUM_BLOCKS = 8 * BLOCKS_PER_CHUNK
+CAPACITY = 64 * 1024**2  # run_server's --cpu-size
+
+
+@dataclass
+class Segment:
+    """A fresh segment name and a runtime directory that outlives each server (its
+    snapshot key with it)."""
+
+    name: str
+    runtime_dir: str
+
+    @property
+    def path(self) -> Path:
+        return segment_dir() / self.name
+
+    @property
+    def snapshot(self) -> Path:
+        return segment_dir() / f"{self.name}.snapshot"
+
+    def key(self) -> bytes:
+        return (Path(self.runtime_dir) / KEY_NAME).read_text().strip().encode()
+
+    def server(self, *args: str):
+        return run_server("--pool-segment", self.name, *args, runtime_dir=self.runtime_dir)
+
+    def read(self) -> tuple[snapshot.SavedIndex, np.ndarray]:
+        return snapshot.decode([self.key()], self.snapshot.read_bytes(), CAPACITY, 256)
+
+    def rewrite(self, index: snapshot.SavedIndex, checksums: np.ndarray,
+                key: bytes | None = None) -> None:
+        self.snapshot.write_bytes(snapshot.encode(key or self.key(), CAPACITY, 256, index,
+                                                  checksums))
 
 
 @pytest.fixture
-def segment():
-    """A fresh segment name; whatever the servers leave in /dev/shm under it is removed."""
-    name = f"lmcache-mp-test-{uuid.uuid4().hex[:12]}"
-    yield name
-    for path in (SHM_DIR / name, SHM_DIR / f"{name}.snapshot"):
+def segment(tmp_path):
+    """A fresh segment; whatever the servers leave under its name is removed."""
+    made = Segment(f"lmcache-mp-test-{uuid.uuid4().hex[:12]}", str(tmp_path))
+    yield made
+    for path in (made.path, made.snapshot):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
 
@@ -57,13 +94,13 @@ def retrieves_byte_exact(server, hashes, seed: int, salt: str = "") -> None:
 
 def test_sigterm_then_start_again_serves_every_chunk_byte_exact(segment):
     first, second = prompt(tag=1601, num_chunks=4), prompt(tag=1602, num_chunks=2)
-    with run_server("--pool-segment", segment) as server:
+    with segment.server() as server:
         store(server, first, seed=21)
         store(server, second, seed=22, salt="tenant-b")
-    snapshot = SHM_DIR / f"{segment}.snapshot"
-    assert snapshot.exists() and (SHM_DIR / segment).stat().st_mode & 0o777 == 0o600
-    with run_server("--pool-segment", segment) as server:
-        assert not snapshot.exists()  # used once: a crash now would start cold
+    assert segment.snapshot.exists() and segment.path.stat().st_mode & 0o777 == 0o600
+    assert segment_dir().stat().st_mode & 0o777 == 0o700
+    with segment.server() as server:
+        assert not segment.snapshot.exists()  # used once: a crash now would start cold
         retrieves_byte_exact(server, first, seed=21)
         retrieves_byte_exact(server, second, seed=22, salt="tenant-b")
         assert hits(server, second) == 0  # salts stay apart
@@ -72,78 +109,116 @@ def test_sigterm_then_start_again_serves_every_chunk_byte_exact(segment):
         # A third life: what the second one stored is kept too.
         third = prompt(tag=1603, num_chunks=1)
         store(server, third, seed=23)
-    with run_server("--pool-segment", segment) as server:
+    with segment.server() as server:
         assert hits(server, first) == 4 and hits(server, third) == 1
 
 
 def test_sigkill_then_start_again_is_cold_with_no_stale_segment(segment):
     hashes = prompt(tag=1610, num_chunks=2)
-    server = server_process(None, ["--cpu-size", "64MiB", "--pool-segment", segment])
+    server = server_process(None, ["--cpu-size", "64MiB", "--pool-segment", segment.name],
+                            segment.runtime_dir)
     with server:
         store(server, hashes, seed=31)
-        inode = (SHM_DIR / segment).stat().st_ino
+        inode = segment.path.stat().st_ino
         server.proc.kill()
         server.proc.wait()
-    assert not (SHM_DIR / f"{segment}.snapshot").exists()
-    with run_server("--pool-segment", segment, "--log-level", "info") as server:
+    assert not segment.snapshot.exists()
+    with segment.server("--log-level", "info") as server:
         assert hits(server, hashes) == 0
-        assert (SHM_DIR / segment).stat().st_ino != inode  # the stale one was removed
+        assert segment.path.stat().st_ino != inode  # the stale one was removed
         assert "cold start" in server.output() and "did not stop cleanly" in server.output()
-    assert sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(segment)) == [
-        segment, f"{segment}.snapshot"]
+    assert sorted(p.name for p in segment_dir().iterdir() if p.name.startswith(segment.name)) \
+        == [segment.name, f"{segment.name}.snapshot"]
 
 
-def flip_chunk_byte(segment: str) -> None:
-    snapshot = msgpack.unpackb((SHM_DIR / f"{segment}.snapshot").read_bytes())
-    offset = snapshot["chunks"][0][5]
-    with open(SHM_DIR / segment, "r+b") as pool:
+def flip_chunk_byte(segment: Segment, chunk: int = 0) -> None:
+    index, _ = segment.read()
+    offset = int(index.offsets[chunk])
+    with open(segment.path, "r+b") as pool:
         pool.seek(offset + 1000)
         byte = pool.read(1)
         pool.seek(offset + 1000)
         pool.write(bytes([byte[0] ^ 0xFF]))
 
 
-def rewrite_snapshot(segment: str, **changes) -> None:
-    path = SHM_DIR / f"{segment}.snapshot"
-    snapshot = msgpack.unpackb(path.read_bytes())
-    snapshot.update(changes)
-    path.write_bytes(msgpack.packb(snapshot, use_bin_type=True))
+def test_a_chunk_whose_bytes_changed_is_dropped_with_the_chunks_after_it(segment):
+    first, other = prompt(tag=1615, num_chunks=3), prompt(tag=1616, num_chunks=2)
+    with segment.server() as server:
+        store(server, first, seed=35)
+        store(server, other, seed=36, salt="b")
+    index, _ = segment.read()
+    second_of_first = index.hashes.index(first[1]) // 16
+    flip_chunk_byte(segment, second_of_first)
+    with segment.server("--log-level", "info") as server:
+        assert "1 chunks do not match their checksums" in server.output()
+        assert "dropped 1 chunks whose prompt's earlier chunks were not adopted" \
+            in server.output()
+        assert hits(server, first) == 1 and hits(server, other, "b") == 2
+        retrieves_byte_exact(server, first[:1], seed=35)
+        retrieves_byte_exact(server, other, seed=36, salt="b")
+        with CacheClient(server.url, timeout=10) as client:
+            assert client.stats().chunks == 3
+        # The dropped chunks' room is free again.
+        assert run(store_worker, Job(server.url, NUM_BLOCKS, 35, first, chunk_blocks(
+            [0, 1, 2]))) == [bytes([StoreStatus.ALREADY_STORED, StoreStatus.STORED,
+                                    StoreStatus.STORED])]
+        retrieves_byte_exact(server, first, seed=35)
+
+
+def resign(segment: Segment, **changes) -> None:
+    """The snapshot again, with `changes` to its header fields, signed as a server would."""
+    index, checksums = segment.read()
+    segment.snapshot.write_bytes(snapshot.encode(
+        segment.key(), changes.get("capacity", CAPACITY), changes.get("chunk_size", 256),
+        index, checksums))
+
+
+def wrong_format(segment: Segment) -> None:
+    raw = bytearray(segment.snapshot.read_bytes())
+    raw[4:6] = (99).to_bytes(2, "little")
+    segment.snapshot.write_bytes(bytes(raw))
 
 
 @pytest.mark.parametrize("spoil, restart_args, reason", [
-    (flip_chunk_byte, (), "do not match their checksums"),
-    (lambda name: rewrite_snapshot(name, format=99), (), "snapshot format 99"),
-    # Format 1 named no parents: adopting its chunks as roots would break prefixes.
-    (lambda name: rewrite_snapshot(name, format=1, chunks=[
-        entry[:9] for entry in msgpack.unpackb(
-            (SHM_DIR / f"{name}.snapshot").read_bytes())["chunks"]]),
-     (), "snapshot format 1 is not one this server reads"),
-    (lambda name: (SHM_DIR / f"{name}.snapshot").write_bytes(b"\xc1garbage"), (),
-     "malformed"),
-    (lambda name: None, ("--cpu-size", "32MiB"), "pool"),
-    (lambda name: None, ("--adopt", "never"), "--adopt never"),
+    (wrong_format, (), "snapshot format 99"),
+    (lambda seg: seg.rewrite(*seg.read(), key=b"another server's key, not ours"), (),
+     "not signed with this server's snapshot key"),
+    (lambda seg: seg.snapshot.write_bytes(b"\xc1garbage"), (), "not a snapshot"),
+    (lambda seg: seg.snapshot.write_bytes(b"\xc1garbage" * 100), (), "not a snapshot"),
+    (lambda seg: resign(seg, chunk_size=128), (), "chunks of 128 tokens"),
+    (lambda seg: None, ("--cpu-size", "32MiB"), "pool"),
+    (lambda seg: None, ("--adopt", "never"), "--adopt never"),
 ])
 def test_a_snapshot_that_does_not_match_starts_cold(segment, spoil, restart_args, reason):
     hashes = prompt(tag=1620, num_chunks=3)
-    with run_server("--pool-segment", segment) as server:
+    with segment.server() as server:
         store(server, hashes, seed=41)
     spoil(segment)
-    with run_server("--pool-segment", segment, "--log-level", "info",
-                    *restart_args) as server:
+    with segment.server("--log-level", "info", *restart_args) as server:
         assert hits(server, hashes) == 0
         assert "cold start" in server.output() and reason in server.output()
         store(server, hashes, seed=42)  # the new segment takes chunks
 
 
+def test_another_runtime_directory_signs_with_another_key(segment, tmp_path_factory):
+    hashes = prompt(tag=1621, num_chunks=2)
+    with segment.server() as server:
+        store(server, hashes, seed=43)
+    with run_server("--pool-segment", segment.name, "--log-level", "info",
+                    runtime_dir=str(tmp_path_factory.mktemp("elsewhere"))) as server:
+        assert hits(server, hashes) == 0
+        assert "not signed with this server's snapshot key" in server.output()
+
+
 def test_adopt_require_refuses_to_start_cold_and_segments_are_not_shared(segment):
-    cold = server_process(None, ["--cpu-size", "64MiB", "--pool-segment", segment,
-                                "--adopt", "require"])
+    cold = server_process(None, ["--cpu-size", "64MiB", "--pool-segment", segment.name,
+                                "--adopt", "require"], segment.runtime_dir)
     with pytest.raises(RuntimeError, match="exited with 2"):
         cold.start()
     assert "--adopt require" in cold.output()
     cold.close()
-    with run_server("--pool-segment", segment):
-        twin = server_process(None, ["--cpu-size", "64MiB", "--pool-segment", segment])
+    with segment.server():
+        twin = server_process(None, ["--cpu-size", "64MiB", "--pool-segment", segment.name])
         with pytest.raises(RuntimeError, match="exited with 2"):
             twin.start()
         assert "in use by another server" in twin.output()
@@ -158,40 +233,60 @@ def test_segment_names_are_checked(capsys):
         assert "error:" in capsys.readouterr().err
 
 
+def saved_index(entries, geometry="g") -> "SavedIndex":
+    """A SavedIndex of (hash byte, offset, parent index, recency) entries of one scope."""
+    from lmcache_mp.server.registry import Geometry
+    from lmcache_mp.server.store import SavedIndex
+
+    shape = Geometry("mha", 1, (2, 16, 1, 64), "float16", 1)  # 4 KiB chunks
+    return SavedIndex(
+        [(MODEL, 1, 0, "")], [shape], np.zeros(len(entries), np.uint32),
+        np.zeros(len(entries), np.uint32), np.array([e[1] for e in entries], np.uint64),
+        b"".join(bytes([e[0]] * 16) for e in entries), np.array([e[2] for e in entries]),
+        np.array([e[3] for e in entries], np.uint64))
+
+
 def test_adopting_takes_exactly_the_saved_extents():
     from lmcache_mp.server.pool import ExtentAllocator
-    from lmcache_mp.server.store import ChunkKey, ChunkStore
+    from lmcache_mp.server.store import ChunkStore
 
     allocator = ExtentAllocator(16 * 4096)
     store = ChunkStore(allocator, lease_timeout=60)
-    key = ChunkKey(MODEL, 1, 0, "", bytes(16))
-    assert store.adopt(key, 4 * 4096, 2 * 4096, "g")
-    assert not store.adopt(key, 8 * 4096, 4096, "g")  # the key is taken
-    assert not store.adopt(key._replace(chunk_hash=bytes([1] * 16)), 5 * 4096, 4096, "g")
-    assert store.lookup(MODEL, 1, "", [bytes(16)]) == 1 and store.num_chunks == 1
+    index = saved_index([(0, 4 * 4096, -1, 5), (1, 9 * 4096, -1, 6), (2, 12 * 4096, 1, 7)])
+    assert store.adopt_run(index, np.ones(3, bool)) == 3
+    assert store.lookup(MODEL, 1, "", [bytes(16)]) == 1 and store.num_chunks == 3
     store.check_invariants()
-    assert not allocator.take(100, 4096)  # not aligned
-    assert not allocator.take(15 * 4096, 2 * 4096)  # past the end
-    assert allocator.take(0, 4096) and allocator.take(15 * 4096, 4096)
-    assert [allocator.allocate(4096) for _ in range(3)] == [4096, 2 * 4096, 3 * 4096]
-    assert allocator.allocate(4096) == 6 * 4096
+    with pytest.raises(ValueError):  # only into an empty store
+        store.adopt_run(index, np.ones(3, bool))
+    free = [allocator.allocate(4096) for _ in range(14)]
+    assert free[-1] is None and sorted(free[:-1]) == [
+        page * 4096 for page in range(16) if page not in (4, 9, 12)]
+    overlapping = saved_index([(0, 0, -1, 0), (1, 0, -1, 0)])
+    with pytest.raises(ValueError):
+        ChunkStore(ExtentAllocator(16 * 4096), lease_timeout=60).adopt_run(
+            overlapping, np.ones(2, bool))
 
 
-def test_adopt_needs_the_parent_adopted_first():
+def test_adopt_drops_what_follows_a_chunk_that_is_not_intact():
     from lmcache_mp.server.pool import ExtentAllocator
     from lmcache_mp.server.quotas import Quota
-    from lmcache_mp.server.store import ChunkKey, ChunkStore
+    from lmcache_mp.server.store import ChunkStore
 
     allocator = ExtentAllocator(16 * 4096)
     store = ChunkStore(allocator, lease_timeout=60)
-    first, second = (ChunkKey(MODEL, 1, 0, "", bytes([n] * 16)) for n in (1, 2))
-    assert not store.adopt(second, 4096, 4096, "g", parent=first)
-    assert store.bytes_used == 0  # its extent was not taken
-    assert store.adopt(first, 0, 4096, "g") and store.adopt(second, 4096, 4096, "g", first)
-    assert store.enforce_cap("") == 0
-    store.quotas.set("", Quota(cap=4096))
-    assert store.enforce_cap("") == 1  # the child, though adopted last
-    assert store.lookup(MODEL, 1, "", [first.chunk_hash, second.chunk_hash]) == 1
+    # Two prompts: 1 → 2 → 3 and 4 → 5; chunk 2 is damaged. Recency: 1 used last.
+    index = saved_index([(1, 0, -1, 9), (2, 4096, 0, 2), (3, 2 * 4096, 1, 3),
+                         (4, 3 * 4096, -1, 4), (5, 4 * 4096, 3, 5)])
+    assert store.adopt_run(index, np.array([True, False, True, True, True])) == 3
+    assert store.bytes_used == 3 * 4096  # the dropped chunks' extents stay free
+    store.check_invariants()
+    hashes = [bytes([n] * 16) for n in range(1, 6)]
+    store.quotas.set("", Quota(cap=2 * 4096))
+    # The least recently used chunk no other follows goes: 5, not 1 (used later), nor 4
+    # (used before 5, but 5 follows it).
+    assert store.enforce_cap("") == 1
+    assert store.lookup(MODEL, 1, "", hashes[:3]) == 1
+    assert store.lookup(MODEL, 1, "", hashes[3:]) == 1
     store.check_invariants()
 
 
@@ -241,10 +336,9 @@ class ChunkedPrompts:
 def test_adopted_chunks_keep_their_parents_so_a_quota_cut_leaves_prefixes(segment):
     with make_cache(NUM_BLOCKS, 51) as cache:
         prompts = ChunkedPrompts(cache)
-        with run_server("--pool-segment", segment) as server, \
-                CacheClient(server.url, timeout=10) as client:
+        with segment.server() as server, CacheClient(server.url, timeout=10) as client:
             prompts.store(client)
-        with run_server("--pool-segment", segment) as server, \
+        with segment.server() as server, \
                 CacheClient(server.url, admin=True, timeout=10) as client:
             for name, (_, chunks, _) in prompts.PROMPTS.items():
                 assert prompts.hit(client, name) == chunks
@@ -264,69 +358,58 @@ def test_adopted_chunks_keep_their_parents_so_a_quota_cut_leaves_prefixes(segmen
                     prompts.retrieves_byte_exact(client, name, hit)
 
 
-def test_chunks_after_one_the_snapshot_lacks_are_dropped_and_their_room_freed(segment):
-    with make_cache(NUM_BLOCKS, 52) as cache:
-        prompts = ChunkedPrompts(cache)
-        with run_server("--pool-segment", segment) as server, \
-                CacheClient(server.url, timeout=10) as client:
-            prompts.store(client)
-            chunk_bytes = client.stats().bytes_used // 5
-        # Prompt a's first chunk leaves the snapshot, as a GPU-tier chunk would.
-        first_of_a = prompts.hashes["a"][0]
-        rewrite_snapshot(segment, chunks=[
-            entry for entry in msgpack.unpackb(
-                (SHM_DIR / f"{segment}.snapshot").read_bytes())["chunks"]
-            if entry[4] != first_of_a])
-        with run_server("--pool-segment", segment, "--log-level", "info") as server, \
-                CacheClient(server.url, timeout=10) as client:
-            assert "adopted 2 chunks" in server.output()
-            assert "dropped 2 chunks" in server.output()
-            assert (prompts.hit(client, "a"), prompts.hit(client, "b")) == (0, 2)
-            stats = client.stats()
-            assert (stats.chunks, stats.bytes_used) == (2, 2 * chunk_bytes)
-            prompts.retrieves_byte_exact(client, "b", 2)
-
-
-def test_a_snapshot_keeps_parent_links_and_leaves_out_orphans(tmp_path):
-    """save() and adopt() on stores of their own: links survive, and a chunk whose parent
-    CLEAR took while it was held is not saved, so the next store never has it."""
-    from lmcache_mp.server.pool import ExtentAllocator
+def test_a_snapshot_keeps_parent_links_and_leaves_out_what_no_lookup_reaches(tmp_path):
+    """save() and adopt() on stores of their own: links survive; a chunk whose parent
+    CLEAR took while it was held is not saved, nor is a CPU chunk after one in the GPU
+    tier (GPU memory does not outlive the server), so the next store never has them."""
+    from lmcache_mp.server.pool import CpuPool, ExtentAllocator
     from lmcache_mp.server.quotas import Quota
     from lmcache_mp.server.registry import Geometry
-    from lmcache_mp.server.store import ChunkKey, ChunkStore
+    from lmcache_mp.server.store import CPU_TIER, ChunkKey, ChunkStore
     from lmcache_mp.server.warm import WarmStart
 
     geometry = Geometry("mha", 1, (2, 16, 1, 64), "float16", 1)  # 4 KiB chunks
     capacity = 64 * geometry.chunk_bytes
+    key = b"a snapshot key of thirty-two bytes or so"
 
     def chunk_key(n: int, salt: str = "") -> ChunkKey:
         return ChunkKey(MODEL, 1, 0, salt, bytes([n] * 16))
 
-    def stored(store, keys) -> None:
-        for k, parent in zip(keys, [None, *keys[:-1]]):
-            store.commit(store.reserve(k, geometry.chunk_bytes, geometry, parent=parent).chunk)
+    def stored(store, keys, gpu_first: bool = False) -> None:
+        for i, (k, parent) in enumerate(zip(keys, [None, *keys[:-1]])):
+            chunk = store.reserve(k, geometry.chunk_bytes, geometry, on_gpu=gpu_first and not i,
+                                  parent=parent).chunk
+            if chunk.tier == CPU_TIER:
+                pool.array[chunk.offset:chunk.offset + chunk.nbytes] = k.chunk_hash[0]
+            store.commit(chunk)
 
-    first = WarmStart("seg", capacity, 256, directory=tmp_path)
-    first.open()
-    store = ChunkStore(ExtentAllocator(capacity), lease_timeout=60)
+    first = WarmStart("seg", capacity, 256, key, directory=tmp_path / "segments")
+    pool = CpuPool(capacity, fd=first.open())
+    store = ChunkStore(pool.allocator, lease_timeout=60,
+                       gpu_allocator=ExtentAllocator(4 * geometry.chunk_bytes))
     kept = [chunk_key(n) for n in range(3)]
     orphaned = [chunk_key(n, "t") for n in range(3)]
+    after_gpu = [chunk_key(n, "g") for n in range(3)]
     stored(store, kept)
     stored(store, orphaned)
+    stored(store, after_gpu, gpu_first=True)
     assert store.hold_if_stored(orphaned[1], geometry) is not None  # as a read would
     assert store.clear("t") == 2  # chunks 0 and 2 of the salt go; chunk 1, held, is orphaned
-    assert first.save(store) == 3
+    assert first.save(store, pool) == 3
     first.close()
+    del pool, store  # its mapping holds the segment's lock, as the server's process does
+    gc.collect()
 
-    second = WarmStart("seg", capacity, 256, directory=tmp_path)
-    second.open()
+    second = WarmStart("seg", capacity, 256, key, directory=tmp_path / "segments")
+    pool = CpuPool(capacity, fd=second.open())
     assert second.cold_reason is None
-    adopted = ChunkStore(ExtentAllocator(capacity), lease_timeout=60)
-    assert second.adopt(adopted) == 3
+    adopted = ChunkStore(pool.allocator, lease_timeout=60)
+    assert second.adopt(adopted, pool) == 3
     second.close()
     adopted.check_invariants()
-    assert adopted.num_chunks == 3 and "t" not in adopted.tenants
+    assert adopted.num_chunks == 3 and "t" not in adopted.tenants and "g" not in adopted.tenants
     assert [adopted._chunks[k].parent for k in kept[1:]] == [adopted._chunks[k] for k in kept[:2]]
+    assert all(pool.array[c.offset] == c.key.chunk_hash[0] for c in adopted.committed_chunks())
     adopted.quotas.set("", Quota(cap=geometry.chunk_bytes))
     assert adopted.enforce_cap("") == 2
     assert adopted.lookup(MODEL, 1, "", [k.chunk_hash for k in kept]) == 1

@@ -51,7 +51,7 @@ class L2Counters:
 
     hits: int = 0  # chunks a LOOKUP's prefetch found in L2 (per chunk hash)
     misses: int = 0  # chunks a prefetch asked L2 for that it did not hold
-    corrupt: int = 0  # values that failed their header or checksum check (counted as misses)
+    corrupt: int = 0  # values that failed their header, checksum or MAC check (also misses)
     bytes_read: int = 0  # value bytes fetched from L2
     bytes_written: int = 0  # value bytes written to L2
     chunks_written: int = 0

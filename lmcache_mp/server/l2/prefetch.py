@@ -25,7 +25,7 @@ from ..pool import CpuPool
 from ..registry import Geometry, Registry
 from ..store import Chunk, ChunkKey, ChunkStore, PrefixScan
 from .base import L2, L2Counters, L2Error
-from .codec import HEADER_BYTES, l2_key, namespace, verified_payload
+from .codec import ValueFormat, l2_key, namespace
 from .health import Health
 from .ledger import Ledger
 from .offload import Offload
@@ -36,17 +36,17 @@ WINDOW_BYTES = 64 * 1024**2  # value bytes fetched in one pipeline (at least one
 MAX_PULLS = 64  # pulls in flight at once; LOOKUPs beyond it answer from L1 alone
 
 
-def _copy_payload(value: bytes, target: torch.Tensor) -> None:
+def _copy_payload(value: bytes, header_bytes: int, target: torch.Tensor) -> None:
     """Copy a verified value's payload into a chunk's pool bytes; ctypes' memmove lets go of
     the GIL, and no tensor is made over the read-only `bytes`."""
-    source = ctypes.cast(ctypes.c_char_p(value), ctypes.c_void_p).value + HEADER_BYTES
+    source = ctypes.cast(ctypes.c_char_p(value), ctypes.c_void_p).value + header_bytes
     ctypes.memmove(target.data_ptr(), source, target.numel())
 
 
 class Prefetcher:
     def __init__(self, backend: L2, health: Health, counters: L2Counters, ledger: Ledger,
                  store: ChunkStore, registry: Registry, pool: CpuPool, wait_s: float,
-                 offload: Offload):
+                 offload: Offload, values: ValueFormat):
         self.backend = backend
         self.health = health
         self.counters = counters
@@ -56,6 +56,7 @@ class Prefetcher:
         self.pool = pool
         self.wait_s = wait_s
         self.offload = offload
+        self.values = values
         self._pulls: dict[tuple, asyncio.Task] = {}
 
     def _geometries(self, model: str, kv_world_size: int) -> list[Geometry] | None:
@@ -163,11 +164,12 @@ class Prefetcher:
         self.counters.bytes_read += sum(len(value) for value in values if value is not None)
         sizes = [geometries[chunk_key.kv_worker_id].chunk_bytes for chunk_key, _ in flat]
         intact = await self.offload.run(lambda: [
-            value is not None and verified_payload(key, value, size) is not None
+            value is not None and self.values.payload(key, value, size) is not None
             for (_, key), value, size in zip(flat, values, sizes)], lambda: None)
         # L1 chunks to fill, with their values and the window's chunk they are of.
         reserved: list[tuple[Chunk, bytes, int]] = []
         chunks_ready = corrupt = 0
+        header_bytes = self.values.header_bytes
         workers = len(geometries)
         for c in range(len(window)):
             ranks = slice(c * workers, (c + 1) * workers)  # this chunk's value per kv worker
@@ -178,7 +180,7 @@ class Prefetcher:
             for (chunk_key, key), value in zip(flat[ranks], values[ranks]):
                 worker = chunk_key.kv_worker_id
                 parent = window[c - 1][worker][0] if c else parents[worker]
-                reservation = self.store.reserve(chunk_key, len(value) - HEADER_BYTES,
+                reservation = self.store.reserve(chunk_key, len(value) - header_bytes,
                                                  geometries[worker], parent=parent)
                 if reservation.status == StoreStatus.STORED:
                     placed.append((reservation.chunk, value, c))
@@ -198,7 +200,7 @@ class Prefetcher:
                 self.store.abort(chunk)
         try:
             await self.offload.run(lambda: [
-                _copy_payload(value, self.pool.view(chunk.offset, chunk.nbytes))
+                _copy_payload(value, header_bytes, self.pool.view(chunk.offset, chunk.nbytes))
                 for chunk, value, _ in reserved], abort)
         except asyncio.CancelledError:
             raise  # aborted when the copy thread is done

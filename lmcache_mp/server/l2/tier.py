@@ -14,7 +14,9 @@ from ..pool import CpuPool
 from ..registry import Registry
 from ..store import Chunk, ChunkStore
 from .base import L2, L2Counters, L2Error
+from .codec import ValueFormat, value_format
 from .health import Health
+from .keyfile import read_key_file
 from .ledger import Ledger
 from .offload import Offload
 from .prefetch import Prefetcher
@@ -25,27 +27,31 @@ from .writeback import WriteBehind
 class L2Tier:
     def __init__(self, backend: L2, store: ChunkStore, registry: Registry, pool: CpuPool,
                  chunk_view: Callable[[Chunk], torch.Tensor], *, budget: int | None,
-                 ttl_s: int, queue_limit: int, prefetch_wait_s: float, timeout_s: float):
+                 ttl_s: int, queue_limit: int, prefetch_wait_s: float, timeout_s: float,
+                 values: ValueFormat):
         self.backend = backend
+        self.values = values
         self.counters = L2Counters()
         self.health = Health(self.counters, backend.describe(), timeout_s)
         self.ledger = Ledger(budget, ttl_s)
         self.offload = Offload()
         self.closed = False  # STOREs that finish during shutdown write nothing
         self.writer = WriteBehind(backend, self.health, self.counters, self.ledger, store,
-                                  store.quotas, chunk_view, queue_limit, self.offload)
+                                  store.quotas, chunk_view, queue_limit, self.offload, values)
         self.prefetcher = Prefetcher(backend, self.health, self.counters, self.ledger, store,
-                                     registry, pool, prefetch_wait_s, self.offload)
+                                     registry, pool, prefetch_wait_s, self.offload, values)
 
     @classmethod
     def from_config(cls, config, store: ChunkStore, registry: Registry, pool: CpuPool,
                     chunk_view: Callable[[Chunk], torch.Tensor]) -> L2Tier:
         password = read_password_file(config.l2_password_file) if config.l2_password_file \
             else None
+        keys = read_key_file(config.l2_key_file) if config.l2_key_file else None
         backend = RedisL2(config.l2, password, config.l2_timeout)
         return cls(backend, store, registry, pool, chunk_view, budget=config.l2_budget,
                    ttl_s=config.l2_ttl, queue_limit=config.l2_queue_size,
-                   prefetch_wait_s=config.l2_prefetch_wait, timeout_s=config.l2_timeout)
+                   prefetch_wait_s=config.l2_prefetch_wait, timeout_s=config.l2_timeout,
+                   values=value_format(keys))
 
     def describe(self) -> str:
         return self.backend.describe()

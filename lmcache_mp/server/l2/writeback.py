@@ -19,7 +19,7 @@ import torch
 from ..quotas import QuotaBook
 from ..store import Chunk, ChunkStore
 from .base import L2, L2Counters, L2Error
-from .codec import HEADER_BYTES, l2_key, namespace, value_buffer, write_header
+from .codec import ValueFormat, l2_key, namespace
 from .health import Health
 from .ledger import Ledger
 from .offload import Offload
@@ -39,8 +39,9 @@ class WriteBehind:
     def __init__(self, backend: L2, health: Health, counters: L2Counters, ledger: Ledger,
                  store: ChunkStore, quotas: QuotaBook,
                  chunk_view: Callable[[Chunk], torch.Tensor], queue_limit: int,
-                 offload: Offload):
-        """`chunk_view(chunk)`: the chunk's bytes in its pool (either tier)."""
+                 offload: Offload, values: ValueFormat):
+        """`chunk_view(chunk)`: the chunk's bytes in its pool (either tier); `values`: how
+        they are sealed."""
         self.backend = backend
         self.health = health
         self.counters = counters
@@ -50,6 +51,7 @@ class WriteBehind:
         self.chunk_view = chunk_view
         self.queue_limit = queue_limit
         self.offload = offload
+        self.values = values
         self._queue: deque[_Queued] = deque()
         self._queued: set[bytes] = set()
         self._wake = asyncio.Event()
@@ -166,10 +168,10 @@ class WriteBehind:
         """Copy each chunk out of its pool into a sealed value (a copy thread)."""
         values = []
         for queued in todo:
-            value = value_buffer(queued.chunk.nbytes)
-            torch.frombuffer(value, dtype=torch.uint8, offset=HEADER_BYTES).copy_(
+            value = self.values.buffer(queued.chunk.nbytes)
+            torch.frombuffer(value, dtype=torch.uint8, offset=self.values.header_bytes).copy_(
                 self.chunk_view(queued.chunk))
-            write_header(queued.key, value)
+            self.values.seal(queued.key, value)
             values.append(value)
         return values
 

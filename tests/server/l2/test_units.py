@@ -3,12 +3,16 @@ the byte budget, the salts' caps, the TTL and what needs no writing again."""
 
 from __future__ import annotations
 
+import hmac
+import os
+
 import pytest
 
 from lmcache_mp.server.config import Config
 from lmcache_mp.server.l2.codec import (
-    HEADER_BYTES, l2_key, namespace, value_buffer, verified_payload, write_header,
+    CrcFormat, MacFormat, ValueFormat, key_id, l2_key, namespace, value_format,
 )
+from lmcache_mp.server.l2.keyfile import L2Keys, read_key_file
 from lmcache_mp.server.l2.ledger import Ledger
 from lmcache_mp.server.l2.urls import check_url, parse_cluster_url
 from lmcache_mp.server.store import ChunkKey
@@ -41,12 +45,34 @@ def test_config_checks_l2_flags(tmp_path, capsys):
     config = Config.from_args(["--l2", "redis+cluster://a:7000,b:7000", "--l2-budget", "1GiB",
                                "--l2-prefetch-wait", "0"], env={})
     assert (config.l2_budget, config.l2_prefetch_wait, config.l2_ttl) == (1024**3, 0.0, 86400)
+    key = tmp_path / "key"
+    key.write_text("k" * 32 + "\n")
+    key.chmod(0o600)
     for argv in (["--l2", "memcached://a:1"], ["--l2-password-file", str(tmp_path / "pw")],
+                 ["--l2-key-file", str(key)],
                  ["--l2", "redis://a:1", "--l2-password-file", str(tmp_path / "missing")],
                  ["--l2", "redis://a:1", "--l2-prefetch-wait", "-1"]):
         with pytest.raises(SystemExit):
             Config.from_args(argv, env={})
         assert "error:" in capsys.readouterr().err
+
+
+def test_key_files_it_reads_and_refuses(tmp_path):
+    path = tmp_path / "key"
+    path.write_text(f"  {'n' * 32}  \r\n{'o' * 40}\n")
+    path.chmod(0o640)  # a group of servers may share it
+    assert read_key_file(str(path)) == L2Keys(b"n" * 32, b"o" * 40)
+    path.write_text("n" * 64)
+    assert read_key_file(str(path)) == L2Keys(b"n" * 64, None)
+    config = Config.from_args(["--l2", "redis://a:1", "--l2-key-file", str(path)], env={})
+    assert config.l2_key_file == str(path) and f'l2_key_file = "{path}"' in config.to_toml()
+    os.mkfifo(tmp_path / "fifo", 0o600)  # refused at once, not waited on for a writer
+    (tmp_path / "empty").touch(0o600)
+    path.write_bytes(b"\xff" * 40)
+    for bad, words in ((tmp_path / "fifo", "is not a regular file"),
+                       (path, "is not text"), (tmp_path / "empty", "holds 0 lines")):
+        with pytest.raises(ValueError, match=words):
+            read_key_file(str(bad))
 
 
 KEY = ChunkKey("m", 2, 1, "tenant", bytes(range(16)))
@@ -65,19 +91,25 @@ def test_keys_keep_models_geometries_ranks_and_salts_apart():
     assert key not in others and len(others) == 6
 
 
-def sealed(key: bytes, payload: bytes) -> bytes:
-    value = value_buffer(len(payload))
-    value[HEADER_BYTES:] = payload
-    write_header(key, value)
+def sealed(values: ValueFormat, key: bytes, payload: bytes) -> bytes:
+    value = values.buffer(len(payload))
+    value[values.header_bytes:] = payload
+    values.seal(key, value)
     return bytes(value)
 
 
-def test_values_verify_and_anything_else_is_a_miss():
+OLD, NEW, OTHER = (bytes([c]) * 64 for c in b"onx")
+FORMATS = {"crc": CrcFormat(), "mac": MacFormat(L2Keys(NEW, None))}
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_values_verify_and_anything_else_is_a_miss(name):
+    values = FORMATS[name]
     key, payload = b"k", bytes(range(256)) * 8
-    value = sealed(key, payload)
-    assert bytes(verified_payload(key, value, len(payload))) == payload
+    value = sealed(values, key, payload)
+    assert bytes(values.payload(key, value, len(payload))) == payload
     flipped = bytearray(value)
-    flipped[HEADER_BYTES + 100] ^= 1
+    flipped[values.header_bytes + 100] ^= 1
     for wrong_key, bad, size in [(b"k2", value, len(payload)),  # copied under another key
                                  (key, bytes(flipped), len(payload)),
                                  (key, value[:-1], len(payload)),  # truncated
@@ -85,7 +117,44 @@ def test_values_verify_and_anything_else_is_a_miss():
                                  (key, value, len(payload) - 1),  # another geometry's size
                                  (key, b"XXXX" + value[4:], len(payload)),  # not our magic
                                  (key, b"", len(payload))]:
-        assert verified_payload(wrong_key, bad, size) is None
+        assert values.payload(wrong_key, bad, size) is None
+
+
+def test_the_formats_and_their_headers():
+    key, payload = b"lmcache-mp:1:k", b"\x07" * 1000
+    crc = sealed(CrcFormat(), key, payload)
+    assert (len(crc), crc[:8]) == (20 + 1000, b"LMCV\x01\x00\x00\x00")
+    assert int.from_bytes(crc[8:16], "little") == 1000
+    mac = sealed(MacFormat(L2Keys(NEW, None)), key, payload)
+    assert (len(mac), mac[:8]) == (56 + 1000, b"LMCV\x02\x00\x00\x00")
+    assert int.from_bytes(mac[8:16], "little") == 1000
+    assert mac[16:24] == key_id(NEW) and NEW not in mac
+    assert mac[24:56] == hmac.new(NEW, mac[:24] + key + payload, "sha256").digest()
+    assert value_format(None).version == 1 and value_format(L2Keys(NEW, OLD)).version == 2
+
+
+def test_a_keyed_server_takes_only_values_signed_by_its_keys():
+    key, payload = b"k", bytes(range(256)) * 4
+    signed_old = sealed(MacFormat(L2Keys(OLD, None)), key, payload)
+    signed_new = sealed(MacFormat(L2Keys(NEW, OLD)), key, payload)
+    rotating = MacFormat(L2Keys(NEW, OLD))  # new signs, old still verifies
+    assert bytes(rotating.payload(key, signed_old, len(payload))) == payload
+    assert bytes(rotating.payload(key, signed_new, len(payload))) == payload
+    rolled_in = MacFormat(L2Keys(OLD, NEW))  # the first step: old signs, new verifies
+    assert bytes(rolled_in.payload(key, signed_new, len(payload))) == payload
+    done = MacFormat(L2Keys(NEW, None))  # the old key dropped
+    assert done.payload(key, signed_old, len(payload)) is None
+    assert bytes(done.payload(key, signed_new, len(payload))) == payload
+    # The key id names the key: another key's MAC under it, or an unknown id, is no chunk.
+    forged = bytearray(sealed(MacFormat(L2Keys(OTHER, None)), key, payload))
+    assert done.payload(key, bytes(forged), len(payload)) is None
+    forged[16:24] = key_id(NEW)
+    assert done.payload(key, bytes(forged), len(payload)) is None
+    # Neither format reads the other: a CRC value is no chunk to a keyed server, nor the
+    # reverse (a keyless server cannot check a MAC).
+    crc = sealed(CrcFormat(), key, payload)
+    assert done.payload(key, crc, len(payload)) is None
+    assert CrcFormat().payload(key, signed_new, len(payload)) is None
 
 
 class Clock:
