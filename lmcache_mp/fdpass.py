@@ -1,24 +1,8 @@
-"""The fd channel's wire format and its client side: descriptors for the server (SCM_RIGHTS), and watches.
+"""The fd channel's client side: descriptors handed to the server for tickets, and watches.
 
-One connection carries one exchange on an AF_UNIX SOCK_SEQPACKET socket (the server's
-HELLO names it as `fd_socket`):
-
-- request: one message whose data is BOUND_FD_CHANNEL_MAGIC followed by the
-  BINDING_BYTES of the sender's session binding (HELLO's fd_binding), and whose ancillary
-  data carries 1..MAX_FDS_PER_MESSAGE descriptors, each a shmem memfd sealed with
-  F_SEAL_SHRINK. (Version 1, FD_CHANNEL_MAGIC alone, names no session.)
-- reply: one message, a msgpack map: {"tickets": [16 bytes, ...]}, one per descriptor in
-  order, or {"error": "<which descriptor and why>"}, in which case none was kept.
-
-A ticket stands for its descriptor in one REGISTER_KV_CACHE (MemfdHandle.ticket) sent by
-a session of the same uid as the sender and, for a version 2 request, of the binding's
-engine; it lapses after TICKET_TTL_S seconds unused.
-
-Or, a watch: the request's data is WATCH_MAGIC, with no descriptor; the reply is
-{"watch": 16 bytes} (or {"error": ...}), and the connection stays open. A REGISTER_KV_CACHE
-that names the watch is dropped, and its memory unmapped, as soon as the connection hangs
-up: when the worker exits or dies, the kernel closes it, long before heartbeats would
-lapse.
+The exchanges are lmcache_mp/protocol/fd_channel.py's: send_fds() trades a segment's
+descriptor for the ticket a REGISTER_KV_CACHE names it by, open_watch() opens a watch
+that the worker keeps while its registration lives.
 """
 
 from __future__ import annotations
@@ -32,12 +16,15 @@ import weakref
 import msgpack
 
 from .errors import BadRequest, RequestTimeout, ServerUnavailable
-from .protocol import BINDING_BYTES, MAX_FDS_PER_MESSAGE, TICKET_BYTES
-
-FD_CHANNEL_MAGIC = b"lmcache-mp-fds/1"
-BOUND_FD_CHANNEL_MAGIC = b"lmcache-mp-fds/2"  # then the session's fd_binding
-WATCH_MAGIC = b"lmcache-mp-watch/1"
-REPLY_BYTES = 4096  # the largest reply: MAX_FDS_PER_MESSAGE tickets, or one error line
+from .protocol import MAX_FDS_PER_MESSAGE
+from .protocol.fd_channel import (
+    BINDING_BYTES,
+    BOUND_FD_CHANNEL_MAGIC,
+    FD_CHANNEL_MAGIC,
+    REPLY_BYTES,
+    TICKET_BYTES,
+    WATCH_MAGIC,
+)
 
 
 def send_fds(path: str, fds: list[int], timeout: float, binding: bytes = b"") -> list[bytes]:
@@ -72,7 +59,7 @@ def send_fds(path: str, fds: list[int], timeout: float, binding: bytes = b"") ->
                                    else FD_CHANNEL_MAGIC], fds)
             sock.settimeout(max(deadline - time.monotonic(), 1e-3))
             reply = sock.recv(REPLY_BYTES)
-        except socket.timeout:
+        except TimeoutError:
             raise RequestTimeout(f"the fd channel at {path} did not answer within {timeout:g} s"
                                  ) from None
         except OSError as exc:
@@ -97,7 +84,7 @@ def connect(sock: socket.socket, path: str, timeout: float) -> None:
     try:
         sock.connect(path)
     except BlockingIOError:
-        raise socket.timeout(f"no room in the backlog of {path}") from None
+        raise TimeoutError(f"no room in the backlog of {path}") from None
     sock.settimeout(timeout)
 
 
@@ -126,7 +113,7 @@ def open_watch(path: str, timeout: float) -> Watch:
         connect(sock, path, timeout)
         sock.send(WATCH_MAGIC)
         reply = sock.recv(REPLY_BYTES)
-    except socket.timeout:
+    except TimeoutError:
         sock.close()
         raise RequestTimeout(f"the fd channel at {path} did not answer within {timeout:g} s"
                              ) from None

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import LMCacheMPError
 from .sizes import exact_size, parse_size
 
 UNLIMITED = "unlimited"
 
 
-class QuotaError(ValueError):
-    """A quota that cannot be applied: unparsable, reservation above cap, or over the pool."""
+class QuotaError(LMCacheMPError, ValueError):
+    """A quota that cannot be applied: unparsable, reservation above cap, or over the pool.
+    A ValueError too: it is a value a person wrote that is wrong."""
 
 
 @dataclass(frozen=True)

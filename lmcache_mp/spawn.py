@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ class ServerProcess:
     caller's environment and working directory, without the seconds an exec'd interpreter
     spends importing torch; `proc` then answers as a Popen does."""
 
-    def __init__(self, url: str | None = None, args: list[str] = (),
+    def __init__(self, url: str | None = None, args: Sequence[str] = (),
                  runtime_dir: str | None = None,
                  preloaded: multiprocessing.context.ForkServerContext | None = None):
         self._own_dir = runtime_dir is None
@@ -108,7 +109,9 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        return self.proc.returncode
+        code = self.proc.returncode
+        assert code is not None  # it exited: poll() or wait() said so
+        return code
 
     def output(self) -> str:
         """Everything the server logged so far (all of it after close())."""
@@ -148,7 +151,8 @@ class ForkedServer:
             target=_serve_forked, args=(argv, log_path, dict(os.environ), os.getcwd()),
             name="lmcache-mp-server", daemon=True)
         self._process.start()
-        self.pid = self._process.pid
+        assert self._process.pid is not None  # started
+        self.pid: int = self._process.pid
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -160,9 +164,11 @@ class ForkedServer:
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
             self._process.join(timeout)
-        if self.poll() is None:
+        code = self.poll()
+        if code is None:
+            assert timeout is not None  # join(None) returns once it exited
             raise subprocess.TimeoutExpired(self.args, timeout)
-        return self.returncode
+        return code
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:  # an exited server's pid may already be someone else's

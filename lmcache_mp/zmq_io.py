@@ -62,7 +62,8 @@ def peer_uid(frame: zmq.Frame) -> int | None:
     address carries no credentials. Only for frames from ipc:// sockets: an IPv6 address
     can end in three groups of digits too."""
     try:
-        _host, uid, gid, pid = frame.get("Peer-Address").rsplit(":", 3)
+        # pyzmq's stubs type every named property int | str; Peer-Address is a str.
+        _host, uid, gid, pid = frame.get("Peer-Address").rsplit(":", 3)  # type: ignore[union-attr]
     except (ValueError, zmq.ZMQError):  # no credentials, or no such property
         return None
     return int(uid) if uid.isdigit() and gid.isdigit() and pid.isdigit() else None

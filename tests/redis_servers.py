@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,25 +19,7 @@ import pytest
 
 redis = pytest.importorskip("redis")
 
-
-CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on its port + 10000
-
-
-def free_port(cluster: bool = False) -> int:
-    """A free loopback port; for a cluster node, one whose bus port is free too."""
-    if not cluster:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            return probe.getsockname()[1]
-    while True:
-        port = random.randrange(20000, 65536 - CLUSTER_BUS_OFFSET)
-        try:
-            with socket.socket() as first, socket.socket() as second:
-                first.bind(("127.0.0.1", port))
-                second.bind(("127.0.0.1", port + CLUSTER_BUS_OFFSET))
-            return port
-        except OSError:
-            continue
+from .utils import free_port  # noqa: E402 (after the skip)
 
 
 def _binary(name: str) -> str:

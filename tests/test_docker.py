@@ -1,6 +1,8 @@
-"""docker/: no Docker engine runs here, so the Dockerfile is linted (hadolint, from the dev
-extra) and read, and the compose file, the Kubernetes manifests and the Grafana dashboard
-are parsed and checked against the server they describe."""
+"""docker/: the Dockerfile is linted (hadolint, from the dev extra) and read, the compose file
+and the Kubernetes manifests are validated against the compose specification's schema and
+Kubernetes' API schemas (check-jsonschema and kubernetes-validate, from the dev extra), and
+they and the Grafana dashboard are checked against the server they describe. Building the
+`cpu` image and running it is scripts/container-test's (a container engine, after the tests)."""
 
 import ast
 import importlib.util
@@ -16,7 +18,7 @@ import yaml
 
 from lmcache_mp.protocol import Histogram, StatsReply, TenantStats
 from lmcache_mp.server.config import Config, read_config_file
-from lmcache_mp.server.exporter import TenantLabels, stats_metrics
+from lmcache_mp.server.observe.exporter import TenantLabels, stats_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -36,6 +38,24 @@ def test_dockerfile_passes_hadolint():
                              str(DOCKER / "Dockerfile")], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def build_args() -> dict[str, str]:
+    """The Dockerfile's global ARGs (before the first FROM) and their defaults."""
+    text = (DOCKER / "Dockerfile").read_text().split("\nFROM ", 1)[0]
+    return dict(match.groups() for match in re.finditer(r"^ARG (\w+)=(.*)$", text, re.M))
+
+
+def test_dockerfile_takes_its_bases_and_torch_as_build_arguments_defaulting_to_what_users_need():
+    args = build_args()
+    assert args["CPU_IMAGE"] == "python:${PYTHON_VERSION}-slim-bookworm"
+    assert args["CUDA_IMAGE"].startswith("nvidia/cuda:12.")
+    assert args["TORCH"].strip('"') == "torch>=2.4"
+    text = (DOCKER / "Dockerfile").read_text()
+    assert "FROM ${CPU_IMAGE} AS cpu" in text and "FROM ${CUDA_IMAGE} AS gpu" in text
+    for name, lines in stages().items():
+        if any("${TORCH}" in line for line in lines):
+            assert "ARG TORCH" in lines, name  # a global ARG is seen in a stage that names it
 
 
 def stages() -> dict[str, list[str]]:
@@ -114,6 +134,26 @@ def test_compose_runs_the_server_and_a_vllm_beside_it():
     assert int(server["stop_grace_period"].rstrip("s")) > Config.shutdown_timeout
     config = connector_config(vllm["command"])
     assert config["kv_connector_extra_config"]["chunk_size"] == Config.chunk_size
+
+
+def test_compose_file_follows_the_compose_specification():
+    pytest.importorskip("check_jsonschema",
+                        reason="pip install -e '.[dev]' brings check-jsonschema")
+    # Its copy of the specification's own schema: a key misspelt, misplaced or of the wrong
+    # type fails here, not at `docker compose up`.
+    result = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema",
+                             "vendor.compose-spec", str(DOCKER / "compose.yaml")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_kubernetes_manifests_follow_the_kubernetes_api_schemas():
+    validator = pytest.importorskip("kubernetes_validate",
+                                    reason="pip install -e '.[dev]' brings kubernetes-validate")
+    for path in sorted((DOCKER / "k8s").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            # Strict: a field the API does not know fails too (the API server drops it).
+            validator.validate(doc, validator.latest_version(), strict=True)
 
 
 def test_kubernetes_daemonset_and_vllm_share_the_runtime_directory(tmp_path):

@@ -1,6 +1,7 @@
 """The wire format on its own: every message round-trips, and bad payloads are named precisely."""
 
 import dataclasses
+import re
 import typing
 
 import msgpack
@@ -8,7 +9,7 @@ import pytest
 
 from lmcache_mp import protocol
 from lmcache_mp.errors import BadFrame, BadRequest, UnknownOp
-
+from lmcache_mp.protocol import codec, messages
 
 SCALARS = {int: 3, float: 1.5, str: "x", bool: True, bytes: b"\x01\x02"}
 
@@ -58,16 +59,16 @@ def test_a_type_msgspec_cannot_build_decodes_through_the_general_decoder_every_t
     message = sample(cls)
     for _ in range(2):  # the second from the decoder kept for it, not a refused Decoder
         assert protocol.unpack_reply(cls, protocol.pack(message)) == message
-    assert protocol._DIRECT_DECODERS[cls].func is protocol.unpack
+    assert codec._MSGSPEC[cls].func is protocol.unpack
 
 
 def test_no_message_needs_its_init_run():
-    """msgspec builds messages (replies, requests the twin took) without their __init__."""
-    messages = [cls for cls in vars(protocol).values()
-                if isinstance(cls, type) and dataclasses.is_dataclass(cls)
-                and cls.__module__ == protocol.__name__]
-    assert protocol.LookupItem in messages
-    assert [cls for cls in messages if hasattr(cls, "__post_init__")] == []
+    """msgspec builds messages (replies, requests on the fast path) without their __init__."""
+    classes = [cls for cls in vars(messages).values()
+               if isinstance(cls, type) and dataclasses.is_dataclass(cls)
+               and cls.__module__ == messages.__name__]
+    assert protocol.LookupItem in classes
+    assert [cls for cls in classes if hasattr(cls, "__post_init__")] == []
 
 
 def test_a_reply_msgspec_refuses_goes_to_the_general_decoder():
@@ -138,7 +139,8 @@ def test_limits_are_one_table():
         assert type(limit.value) is int and limit.value > 0 and limit.what, name
     assert protocol.MAX_INSTANCE_ID == 2**53 - 1
     assert protocol.LOOKUP_SLICE_PROBES < protocol.MAX_LOOKUP_PROBES
-    assert protocol.MAX_CHUNKS_PER_MESSAGE * protocol.MAX_KV_WORLD_SIZE >= protocol.MAX_LOOKUP_PROBES
+    assert (protocol.MAX_CHUNKS_PER_MESSAGE * protocol.MAX_KV_WORLD_SIZE
+            >= protocol.MAX_LOOKUP_PROBES)
 
 
 def test_integral_floats_are_accepted_for_int_fields():
@@ -156,8 +158,8 @@ def test_integral_floats_are_accepted_for_int_fields():
 
 def test_items_other_than_exact_scalars_are_converted_defaulted_or_named():
     """An item our clients would not send (an integral float for an int, defaults left out,
-    an unknown field, a wrong type) leaves the quick path (protocol._Twin): it must decode,
-    or fail, as the general decoder decides."""
+    an unknown field, a wrong type) leaves msgspec's fast path: it must decode, or fail, as
+    the general decoder decides."""
     exact = {"request_id": "r", "chunk_hashes": b"h" * 16, "block_ids": b"\x01\0\0\0",
              "cache_salt": "s", "load_seq": 3, "parent_hash": b""}
 
@@ -179,13 +181,13 @@ def test_items_other_than_exact_scalars_are_converted_defaulted_or_named():
         items({k: v for k, v in exact.items() if k != "block_ids"})
 
 
-def test_the_quick_path_takes_only_what_the_general_decoder_takes_as_it_is():
-    """LOOKUP, STORE and RETRIEVE as our clients encode them decode through msgspec; a
-    payload that differs in any way (a duplicate key, a map over MAX_MAP_FIELDS, a string
-    within the twin's characters but over MAX_STRING_BYTES) must meet the general rules."""
-    for op in ("LOOKUP", "STORE", "RETRIEVE"):
+def test_the_fast_path_takes_only_what_the_general_decoder_takes_as_it_is():
+    """Requests as our clients encode them decode through msgspec; a payload that differs
+    in any way (a duplicate key, a map over MAX_MAP_FIELDS, a string over
+    MAX_STRING_BYTES) must meet the general rules."""
+    for op in ("LOOKUP", "STORE", "RETRIEVE", "RELEASE", "END_SESSION", "HELLO"):
         message = sample(protocol.OPS[op].request)
-        assert protocol._twin(type(message)).decode(protocol.pack(message)) == message
+        assert codec._exact_decoder(type(message))(protocol.pack(message)) == message
 
     def lookup_map(entries):  # a map16 of these (key, value) pairs, duplicates and all
         return b"\xde" + len(entries).to_bytes(2, "big") + b"".join(
@@ -200,36 +202,101 @@ def test_the_quick_path_takes_only_what_the_general_decoder_takes_as_it_is():
     wide = lookup_map(fields + [("model", "m")] * protocol.MAX_MAP_FIELDS)
     with pytest.raises(BadRequest, match="MAX_MAP_FIELDS"):
         protocol.unpack(protocol.LookupRequest, wide, bounded=True)
-    for chars, accepted in ((protocol.MAX_STRING_BYTES // 2, True),
-                            (protocol.MAX_STRING_BYTES // 2 + 1, False)):
-        payload = protocol.pack(protocol.LookupRequest("é" * chars, 1, []))  # 2 bytes each
-        if accepted:
-            assert protocol.unpack(protocol.LookupRequest, payload, bounded=True).model == "é" * chars
-        else:
-            with pytest.raises(BadRequest, match="MAX_STRING_BYTES"):
-                protocol.unpack(protocol.LookupRequest, payload, bounded=True)
+    model = "é" * (protocol.MAX_STRING_BYTES // 2 + 1)  # 2 bytes each: over MAX_STRING_BYTES
+    payload = protocol.pack(protocol.LookupRequest(model, 1, []))
+    with pytest.raises(BadRequest, match="MAX_STRING_BYTES"):
+        protocol.unpack(protocol.LookupRequest, payload, bounded=True)
 
 
-def test_arrays_of_scalars_take_the_quick_path_only_at_the_top_of_a_message():
-    """A reply's arrays of ints or bytes decode through the twin; inside the items of an
-    array they would let a twin take MAX_ITEMS_PER_MESSAGE² values uncounted: no twin."""
-    twin = protocol._twin(protocol.LookupReply)
-    assert twin.decode(protocol.pack(protocol.LookupReply([3, 0]))) == protocol.LookupReply([3, 0])
-    assert protocol._twin(protocol.StoreReply).decode(protocol.pack(
-        protocol.StoreReply([b"\x00\x01"]))) == protocol.StoreReply([b"\x00\x01"])
-    integral_float = msgpack.packb({"hits": [2.0]})
-    assert twin.decode(integral_float) is None  # the general decoder converts it
-    assert protocol.unpack(protocol.LookupReply, integral_float) == protocol.LookupReply([2])
+def test_an_unknown_field_nested_too_deep_for_msgspec_is_refused_by_msgpack():
+    """msgspec skips an unknown field's value recursively, up to the interpreter's limit:
+    past it, the general decoder answers, with msgpack's own depth limit."""
+    deep = b"\x81\xa1k" * 100_000 + b"\xc0"
+    payload = b"\x84" + protocol.pack(protocol.LookupRequest("m", 1, []))[1:] + b"\xa1k" + deep
+    for decode in (lambda: protocol.unpack(protocol.LookupRequest, payload, bounded=True),
+                   lambda: protocol.unpack_reply(protocol.LookupRequest, payload)):
+        with pytest.raises(BadRequest, match="nested more than 1024 deep"):
+            decode()
+
+
+def test_only_messages_whose_bounds_keep_the_limits_take_the_fast_path():
+    """msgspec counts neither a string's bytes nor a payload's values: a class takes the
+    fast path only if its declared bounds keep every payload of it within the LIMITS."""
+    assert codec._exact_decoder(protocol.LookupReply) is None  # `hits` declares no length
+    assert codec._exact_decoder(protocol.RegisterKVCacheRequest) is None  # a tagged union
+    assert codec._exact_decoder(protocol.ClearRequest) is None  # `Salt | None`
+
+    @dataclasses.dataclass
+    class Labelled:
+        label: str  # no declared length
 
     @dataclasses.dataclass
     class Inner:
-        values: list[int]
+        values: protocol.Items[int]
 
     @dataclasses.dataclass
     class Outer:
-        items: list[Inner]
+        items: protocol.Items[Inner]  # up to MAX_ITEMS_PER_MESSAGE² values, none counted
 
-    assert protocol._twin(Inner) is not None and protocol._twin(Outer) is None
+    @dataclasses.dataclass
+    class Leases:
+        items: protocol.Items[protocol.LeaseRef]
+
+    assert codec._exact_decoder(Labelled) is None and codec._exact_decoder(Outer) is None
+    assert codec._exact_decoder(Inner) is None  # arrays are of messages only
+    assert codec._exact_decoder(Leases) is not None
+
+
+def test_each_field_is_held_to_its_declared_bounds_on_both_paths():
+    """A bound declared on a field refuses a value, whether our client sent it (msgspec's
+    fast path) or another encoder did (the general decoder), with one message that names
+    the field."""
+    item = protocol.TransferItem("r", b"", b"")
+    register = sample(protocol.RegisterKVCacheRequest)
+    memfd = sample(protocol.MemfdHandle)
+    cases = [
+        (protocol.LookupRequest("", 1, []), "`model`: expected 1..512 characters, got 0"),
+        (protocol.LookupRequest("m" * 513, 1, []),
+         "`model`: expected 1..512 characters, got 513"),
+        (protocol.LookupRequest("m", 0, []), "`kv_world_size`: must be in [1, 1024], got 0"),
+        (protocol.LookupRequest("m", 1025, []),
+         "`kv_world_size`: must be in [1, 1024], got 1025"),
+        (protocol.LookupRequest("m", 1, [protocol.LookupItem("r" * 513, b"")]),
+         "`items[0].request_id`: at most 512 characters, got 513"),
+        (protocol.LookupRequest("m", 1, [protocol.LookupItem("r", b"", "s" * 257)]),
+         "`items[0].cache_salt`: at most 256 characters, got 257"),
+        (protocol.StoreRequest(1, [item], budget_ms=protocol.MAX_BUDGET_MS + 1),
+         "`budget_ms`: must be in [0, 3600000], got 3600001"),
+        (protocol.RetrieveRequest(1, [item], budget_ms=-1),
+         "`budget_ms`: must be in [0, 3600000], got -1"),
+        (protocol.RetrieveRequest(1, [item, dataclasses.replace(item, load_seq=-1)]),
+         "`items[1].load_seq`: must be in [0, 9007199254740991], got -1"),
+        (protocol.RetrieveRequest(1, [], progress_tag=2**53),
+         "`progress_tag`: must be in [0, 9007199254740991], got 9007199254740992"),
+        (protocol.ReleaseRequest([protocol.LeaseRef("r" * 513)]),
+         "`items[0].request_id`: at most 512 characters, got 513"),
+        (protocol.EndSessionRequest("r", "s" * 257), "`cache_salt`: at most 256 characters"),
+        (protocol.HelloRequest(2, engine="e" * 257), "`engine`: at most 256 characters, got 257"),
+        (protocol.ClearRequest("s" * 257), "`cache_salt`: at most 256 characters, got 257"),
+        (protocol.QuotaSetRequest("s" * 257, None), "`cache_salt`: at most 256 characters"),
+        (dataclasses.replace(register, layers=[]), "`layers`: expected 1..1024 handles, got 0"),
+        (dataclasses.replace(register, tp_rank=1024), "`tp_rank`: must be in [0, 1023], got 1024"),
+        (dataclasses.replace(register, tp_group="g" * 257), "`tp_group`: at most 256 characters"),
+        (dataclasses.replace(register, model=""), "`model`: expected 1..512 characters, got 0"),
+        (dataclasses.replace(register, layers=[memfd, dataclasses.replace(memfd, name="n" * 257)]),
+         "`layers[1].name`: at most 256 characters, got 257"),
+    ]
+    for message, error in cases:
+        payload = protocol.pack(message)
+        newer = msgpack.packb({**msgpack.unpackb(payload), "added_later": 1})  # general path
+        for sent in (payload, newer):
+            with pytest.raises(BadRequest, match=f"^{re.escape(error)}"):
+                protocol.unpack(type(message), sent, bounded=True)
+    at_the_bounds = protocol.LookupRequest("m" * 512, 1024, [protocol.LookupItem("r" * 512, b"",
+                                                                                  "s" * 256)])
+    payload = protocol.pack(at_the_bounds)
+    assert codec._exact_decoder(protocol.LookupRequest)(payload) == at_the_bounds
+    assert protocol.unpack(protocol.LookupRequest, payload, bounded=True) == at_the_bounds
 
 
 def test_bounded_decoding_refuses_oversized_containers_before_building_them():
@@ -248,7 +315,12 @@ def test_bounded_decoding_refuses_oversized_containers_before_building_them():
         packed = msgpack.packb(payload)
         with pytest.raises(BadRequest, match=rf"payload holds {bound} allows"):
             protocol.unpack(protocol.LookupRequest, packed, bounded=True)
-        protocol.unpack(protocol.LookupRequest, packed)  # unbounded: the client's replies
+    # Unbounded: the client's replies, whose fields declare no bounds.
+    many = [0] * (protocol.MAX_ITEMS_PER_MESSAGE + 1)
+    hits = msgpack.packb({"hits": many, **{f"k{i}": 0 for i in range(protocol.MAX_MAP_FIELDS)}})
+    assert protocol.unpack(protocol.LookupReply, hits) == protocol.LookupReply(many)
+    error = protocol.ErrorReply("internal", "m" * (protocol.MAX_STRING_BYTES + 1))
+    assert protocol.unpack(protocol.ErrorReply, protocol.pack(error)) == error
     with pytest.raises(BadRequest, match="not valid msgpack"):
         protocol.unpack(protocol.LookupRequest, msgpack.packb(msgpack.ExtType(1, b"x")),
                         bounded=True)

@@ -54,7 +54,37 @@ def test_readme_names_real_server_flags_and_files():
                  "fd_channel.py", "slices.py", "docs/security.md"):
         assert path in layout, path
     root = README.parent
-    for path in ("lmcache_mp/runtime.py", "lmcache_mp/fdpass.py", "lmcache_mp/server/access.py",
-                 "lmcache_mp/server/fd_channel.py", "lmcache_mp/server/slices.py",
-                 "docs/security.md", "docs/protocol.md"):
+    for path in ("lmcache_mp/runtime.py", "lmcache_mp/fdpass.py",
+                 "lmcache_mp/server/net/access.py", "lmcache_mp/server/net/fd_channel.py",
+                 "lmcache_mp/server/ops/slices.py", "docs/security.md", "docs/protocol.md"):
         assert (root / path).exists(), path
+
+
+def test_readme_layout_names_only_paths_that_exist():
+    """Every path the Layout block starts a line with exists, and every module it names
+    under a server/ subpackage is a file of that subpackage."""
+    (block,) = re.findall(r"## Layout\n\n```\n(.*?)```", TEXT, re.S)
+    root, package = README.parent, None
+    for line in block.splitlines():
+        if re.match(r"[a-z]", line):  # a top-level entry: a path from the repository root
+            path, package = line.split()[0], None
+            assert (root / path).exists(), path
+        elif (sub := re.match(r"  ([a-z0-9_]+/?|[a-z_]+\.py) ", line)):
+            path = root / "lmcache_mp/server" / sub.group(1)
+            assert path.exists(), path
+            package = path if path.is_dir() else None
+        if package is not None:
+            for module in re.findall(r"\b([a-z_0-9]+\.py)\b", line):
+                assert (package / module).exists(), f"{package.name}/{module}"
+
+def test_the_architecture_notes_name_only_modules_and_tests_that_exist():
+    """docs/architecture.md walks a request through the tree: every module, folder and test
+    path it names in backticks is there (from the root, lmcache_mp/ or lmcache_mp/server/)."""
+    root = README.parent
+    notes = re.sub(r"```.*?```", "", (root / "docs" / "architecture.md").read_text(), flags=re.S)
+    named = [word for quoted in re.findall(r"`([^`]+)`", notes) for word in quoted.split()
+             if re.fullmatch(r"[a-z_0-9/<>.]+(\.py|/)", word) and "<" not in word]
+    assert len(named) > 50, named
+    for path in named:
+        assert any((base / path).exists() for base in
+                   (root, root / "lmcache_mp", root / "lmcache_mp" / "server")), path

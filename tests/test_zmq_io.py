@@ -1,4 +1,5 @@
-"""zmq_io on real sockets: the same messages as pyzmq's multipart calls, and readable() re-arms the FD."""
+"""zmq_io on real sockets: the same messages as pyzmq's multipart calls, and readable() re-arms
+the FD."""
 
 import select
 import time
@@ -8,7 +9,8 @@ import zmq
 
 from lmcache_mp.zmq_io import readable, recv_frames, send_frames
 
-MESSAGES = [[b"one"], [b"", b""], [b"id", b"OP", b"\x00" * 70_000], [bytes([i]) * i for i in range(9)]]
+MESSAGES = [[b"one"], [b"", b""], [b"id", b"OP", b"\x00" * 70_000],
+            [bytes([i]) * i for i in range(9)]]
 
 
 @pytest.fixture

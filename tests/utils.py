@@ -1,9 +1,12 @@
-"""Test helpers: a real server in a subprocess that must exit 0, unique endpoints, a count of work."""
+"""Test helpers: a real server in a subprocess that must exit 0, unique endpoints and free
+ports, a clock the test moves, a count of work."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
+import socket
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -14,6 +17,37 @@ from lmcache_mp.spawn import ServerProcess
 from .workers import context
 
 T = TypeVar("T")
+
+
+CLUSTER_BUS_OFFSET = 10000  # a Redis Cluster node also listens on its port + 10000
+
+
+def free_port(cluster: bool = False) -> int:
+    """A free loopback port; for a Redis Cluster node, one whose bus port is free too."""
+    if not cluster:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return probe.getsockname()[1]
+    while True:
+        port = random.randrange(20000, 65536 - CLUSTER_BUS_OFFSET)
+        try:
+            with socket.socket() as first, socket.socket() as second:
+                first.bind(("127.0.0.1", port))
+                second.bind(("127.0.0.1", port + CLUSTER_BUS_OFFSET))
+            return port
+        except OSError:
+            continue
+
+
+class FakeClock:
+    """A clock for time.monotonic's place that moves only when the test sets `now`: leases,
+    tickets, sessions and TTLs expire when the test says so, however loaded the machine."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def ipc_url() -> str:

@@ -1,4 +1,5 @@
-"""The bounds measured in the same run: a single-thread copy, and a raw pyzmq echo in another process."""
+"""The bounds measured in the same run: a single-thread copy, and a raw pyzmq echo in another
+process."""
 
 from __future__ import annotations
 
@@ -154,7 +155,8 @@ def measure_lookups(client: CacheClient, echo_url: str, model: str, kv_world_siz
                 lookup_samples += _timed_us(lookup_once, 1)
 
         hit_fraction = sum(client.lookup(model, kv_world_size, batch)) / keys_per_message
-        keys_per_s, echo_keys_per_s = [], []
+        keys_per_s: list[float] = []
+        echo_keys_per_s: list[float] = []
         for _ in range(2):  # interleaved halves, so that both see the same machine
             for out, call in ((keys_per_s, lambda: client.lookup(model, kv_world_size, batch)),
                               (echo_keys_per_s, lambda: echo_once(batch_frames))):

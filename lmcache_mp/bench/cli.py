@@ -24,7 +24,8 @@ the same chunks. Progress goes to stderr, the table to stdout.
 
 workloads:
   W1, W2, W3    new prompts, then the same prompts again: STORE, then RETRIEVE of the
-                same bytes (shapes in docs/benchmarks.md: W1 32 MiB chunks, W2 512 KiB, W3 MLA 9 MiB)
+                same bytes (shapes in docs/benchmarks.md: W1 32 MiB chunks, W2 512 KiB,
+                W3 MLA 9 MiB)
   chat          multi-turn conversations over shared documents with Zipf popularity:
                 realistic prefix sharing; hit rate against an unbounded cache's
   multi-tenant  two steady tenants and a flooder, without and with a quota on the
@@ -103,8 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=positive_int, default=1, metavar="N",
                         help="simulated engines, each with --tp × --pp rank processes "
                              "(default 1)")
-    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks per engine (default 1)")
-    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel stages per engine (default 1)")
+    parser.add_argument("--tp", type=positive_int, default=1,
+                        help="tensor-parallel ranks per engine (default 1)")
+    parser.add_argument("--pp", type=positive_int, default=1,
+                        help="pipeline-parallel stages per engine (default 1)")
     mla = parser.add_mutually_exclusive_group()
     mla.add_argument("--mla", dest="mla", action="store_true", default=None,
                      help="MLA: only each TP group's leader sends STORE and RETRIEVE and the "
@@ -134,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpu-size", metavar="SIZE",
                         help="pool of a spawned server, e.g. 4GiB (default: what the workload "
                              "stores, plus slack; multi-tenant 64MiB)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for prompts and block ids (default 0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed for prompts and block ids (default 0)")
     parser.add_argument("--json", metavar="PATH", type=Path,
                         help="also write every figure, per phase and per step, to this JSON file")
     parser.add_argument("--plot", metavar="PATH", type=Path,

@@ -1,4 +1,5 @@
-"""A simulated vLLM engine: its scheduler (here, in the benchmark process) and its rank processes."""
+"""A simulated vLLM engine: its scheduler (here, in the benchmark process) and its rank
+processes."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from ..client import (
     CacheClient,
@@ -97,7 +99,7 @@ class Engine:
         self.client: CacheClient | None = None
         self.scheduler: SchedulerAdapter | None = None
         self.blocks = BlockPool(setup.num_blocks, random.Random(f"{seed}-blocks-{setup.index}"))
-        self.processes: list[multiprocessing.Process] = []
+        self.processes: list[multiprocessing.process.BaseProcess] = []
         self.pipes: list = []
         self._trackers: list[tuple[Request, RequestTracker]] = []
         # (cache_salt, chunk hashes) of recent prompts that stored or hit: for the LOOKUP phase
@@ -143,7 +145,7 @@ class Engine:
             return ParallelStrategy(True, setup.pp, rank // setup.tp, 1, setup.pp)
         return ParallelStrategy(setup.mla, self.world, rank, setup.tp, setup.pp)
 
-    def _receive(self, pipe, rank: int) -> object:
+    def _receive(self, pipe, rank: int) -> Any:  # "ready", then a StepReport a step
         if not pipe.poll(self.setup.timeout):
             raise TimeoutError(f"engine {self.setup.index} rank {rank} sent nothing for "
                                f"{self.setup.timeout:g} s")
@@ -189,7 +191,8 @@ class Engine:
         loads, loaded, computed_refs, stores, outcomes = [], [], [], [], []
         for request, tracker in self._trackers:
             hit_chunks = hits[request.request_id] // self.layout.chunk_size
-            to_load = tracker.record_lookup(num_vllm_hit_tokens=0, num_lmcache_hit_chunks=hit_chunks)
+            to_load = tracker.record_lookup(num_vllm_hit_tokens=0,
+                                            num_lmcache_hit_chunks=hit_chunks)
             blocks = -(-len(request.token_ids) // self.layout.block_size)
             tracker.allocate(self.blocks.take(blocks))
             plan = tracker.plan_step(len(request.token_ids) - to_load)

@@ -20,9 +20,9 @@ from ..protocol import StatsReply
 from ..server.l2.codec import CrcFormat
 from ..spawn import ServerProcess
 from .engine import Engine, EngineSetup, RequestOutcome
+from .options import BenchOptions
 from .redis_peer import RedisServer
 from .report import Checks, PhaseResult, markdown_table
-from .options import BenchOptions
 from .stats import Latency, rate, ratio
 from .workloads import ChatWorkload, Request, random_tokens
 
@@ -217,7 +217,7 @@ def run_nodes(options: BenchOptions, nodes_options: NodesOptions,
                 engine.send_lookups(batch)
             _await_lookups(active, options.timeout)
             outcomes: list[RequestOutcome] = []
-            local: list[tuple[Node, list[int]]] = []
+            local: list[tuple[Node, list[list[bytes]]]] = []  # each prompt's chunk hashes
             for node, engine, batch in active:
                 step = engine.send_step(computed)
                 outcomes += step

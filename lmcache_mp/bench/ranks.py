@@ -1,4 +1,5 @@
-"""A simulated vLLM worker rank: a real process with a shared-memory paged cache and a WorkerAdapter."""
+"""A simulated vLLM worker rank: a real process with a shared-memory paged cache and a
+WorkerAdapter."""
 
 from __future__ import annotations
 
@@ -251,7 +252,7 @@ def rank_main(setup: RankSetup, conn: Connection) -> None:
             layer.view(torch.int32).fill_(0)
         adapter = WorkerAdapter(client, setup.model, parallel, load_timeout=setup.timeout,
                                 tp_group=setup.tp_group)
-        adapter.register_kv_cache(cache)
+        registration = adapter.register_kv_cache(cache)
         pattern = Pattern(cache, shape, parallel.kv_worker_id)
         peer = None
         if setup.redis_url is not None:
@@ -263,6 +264,6 @@ def rank_main(setup: RankSetup, conn: Connection) -> None:
                 conn.send(run_step(adapter, pattern, peer, setup, order))
             except Exception as exc:  # reported; the scheduler ends the run
                 conn.send(StepReport(errors=[f"{type(exc).__name__}: {exc}"]))
-        client.unregister(adapter.registration)
+        client.unregister(registration)
         del pattern, peer  # their views of the cache must go before the segment closes
     phases.dump()

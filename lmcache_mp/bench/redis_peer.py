@@ -8,8 +8,10 @@ import subprocess
 import tempfile
 import time
 
+from ..errors import SetupError
 
-class PeerUnavailable(RuntimeError):
+
+class PeerUnavailable(SetupError):
     """The peer cannot run on this machine; the message says what to install."""
 
 

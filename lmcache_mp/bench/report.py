@@ -1,4 +1,5 @@
-"""What a run reports: per-phase totals, the figures against their bounds, the table and the JSON."""
+"""What a run reports: per-phase totals, the figures against their bounds, the table and the
+JSON."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..sizes import format_size
 from .engine import RequestOutcome
@@ -173,7 +175,7 @@ class Checks:
 
 @dataclass
 class Report:
-    meta: dict[str, object]  # versions, the command's options, the machine: free-form by design
+    meta: dict[str, Any]  # versions, the command's options, the machine: free-form by design
     figures: Figures
     copy_bound_gbps: float
     lookup: Latency
@@ -207,8 +209,8 @@ def render_profile(profile: dict[str, list[int]]) -> str:
         requests = trip[1] if trip else max(v[1] for v in spans.values() if v)
         # LOOKUP probes the index inside `server handle`; transfers after it, in slices.
         nested = ("server index",) if op == "LOOKUP" else ()
-        server = sum(spans[p][0] for p in PROFILE_PHASES
-                     if p.startswith("server") and p not in nested and spans[p])
+        server = sum(span[0] for p in PROFILE_PHASES
+                     if p.startswith("server") and p not in nested and (span := spans[p]))
         for phase in PROFILE_PHASES:
             total = spans[phase]
             if total is None:

@@ -11,7 +11,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import zmq
@@ -20,16 +20,17 @@ from tqdm import tqdm
 from .. import __version__, phases
 from ..client import CacheClient
 from ..protocol import StatsReply
-from ..spawn import ServerProcess
 from ..sizes import format_size
+from ..spawn import ServerProcess
 from .bounds import CopyBound, EchoProcess, LookupFigures, measure_lookups
 from .engine import Engine, EngineSetup
+from .options import UNIFORM, BenchOptions
 from .redis_peer import RedisServer, check_redis_available
 from .report import Checks, Figures, PhaseResult, Report, ServerFigures
-from .options import UNIFORM, BenchOptions
 from .shapes import MiB
 from .stats import Compared, rate, ratio
 from .workloads import ChatWorkload, MultiTenantWorkload, UniformWorkload, Workload
+
 
 def _blocks_per_request(options: BenchOptions, workload: Workload) -> int:
     shape = options.shape
@@ -203,8 +204,10 @@ def _run_phases(options: BenchOptions, workload: Workload, engines: list[Engine]
                     break
                 for engine, batch in active:
                     engine.send_lookups(batch)
-                outcomes = [outcome for engine, _ in active for outcome in engine.send_step(computed)]
-                reports = [report for engine, _ in active for report in engine.finish_step(computed)]
+                outcomes = [outcome for engine, _ in active
+                            for outcome in engine.send_step(computed)]
+                reports = [report for engine, _ in active
+                           for report in engine.finish_step(computed)]
                 result.add_step(time.monotonic() - started, reports, outcomes, len(active))
                 progress.update(len(outcomes))
                 copy_bound.sample()  # between steps: what the machine allows now

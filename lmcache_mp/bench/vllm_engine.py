@@ -24,6 +24,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..errors import LMCacheMPError
+
 ENGINE_VENV = Path(__file__).resolve().parents[2] / ".venv-engine"
 
 # Every engine gets this thread setting: another thread count alone changes the rounding
@@ -99,7 +101,7 @@ def write_model(path: Path, seed: int, shape: TinyLlama = TinyLlama()) -> None:
                          intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
                          num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
                          max_position_embeddings=shape.max_positions, tie_word_embeddings=False,
-                         bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+                         bos_token_id=1, eos_token_id=2, dtype="float32")
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(path)
     save_file({name: tensor.contiguous() for name, tensor in tensors.items()},
@@ -154,7 +156,7 @@ class _Batch:
     max_tokens: int = 8
 
 
-class EngineError(RuntimeError):
+class EngineError(LMCacheMPError):
     """The engine process died or did not answer in time; the message has its log's tail."""
 
 
@@ -169,6 +171,8 @@ class EngineProcess:
         self._proc = subprocess.Popen(
             [python, "-m", "lmcache_mp.bench.vllm_engine", "serve", json.dumps(asdict(settings))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env)
+        assert self._proc.stdin is not None and self._proc.stdout is not None  # the PIPEs
+        self._stdin, self._stdout = self._proc.stdin, self._proc.stdout
 
     def wait_ready(self, timeout: float = 300.0) -> float:
         """Seconds the engine took to start; engines started together start in parallel."""
@@ -177,14 +181,14 @@ class EngineProcess:
     def generate(self, prompts: list[Prompt], max_tokens: int = 8,
                  timeout: float = 120.0) -> BatchResult:
         request = _Batch(prompts, max_tokens)
-        self._proc.stdin.write((json.dumps(asdict(request)) + "\n").encode())
-        self._proc.stdin.flush()
+        self._stdin.write((json.dumps(asdict(request)) + "\n").encode())
+        self._stdin.flush()
         reply = self._read_line(timeout)
         return BatchResult([Completion(**c) for c in reply["completions"]], reply["seconds"])
 
     def _read_line(self, timeout: float) -> dict:
-        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
-        line = self._proc.stdout.readline() if ready else b""
+        ready, _, _ = select.select([self._stdout], [], [], timeout)
+        line = self._stdout.readline() if ready else b""
         if not line:
             raise EngineError(f"engine gave no reply within {timeout:.0f} s "
                               f"(exit code {self._proc.poll()}); log tail:\n{self.log_tail()}")
@@ -196,13 +200,13 @@ class EngineProcess:
 
     def close(self, timeout: float = 30.0) -> int:
         if self._proc.poll() is None:
-            self._proc.stdin.close()
+            self._stdin.close()
             try:
                 self._proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-        self._proc.stdout.close()
+        self._stdout.close()
         self._log.close()
         return self._proc.returncode
 
@@ -251,7 +255,9 @@ def _serve(settings: EngineSettings) -> None:
                                 ignore_eos=True, detokenize=False)
         prompts = []
         for prompt in batch["prompts"]:
-            entry = TokensPrompt(prompt_token_ids=prompt["tokens"])
+            # vLLM imports NotRequired from typing (3.11 on): for python_version 3.10 mypy
+            # takes TokensPrompt's optional keys for required ones.
+            entry = TokensPrompt(prompt_token_ids=prompt["tokens"])  # type: ignore[typeddict-item]
             if prompt["salt"] is not None:
                 entry["cache_salt"] = prompt["salt"]
             prompts.append(entry)

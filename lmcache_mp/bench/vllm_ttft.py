@@ -23,8 +23,16 @@ from pathlib import Path
 
 from ..client import CacheClient
 from ..spawn import ServerProcess
-from .vllm_engine import (BLOCK_SIZE, ENGINE_ENV, EngineProcess, EngineSettings, Prompt,
-                          TinyLlama, engine_python, write_model_with)
+from .vllm_engine import (
+    BLOCK_SIZE,
+    ENGINE_ENV,
+    EngineProcess,
+    EngineSettings,
+    Prompt,
+    TinyLlama,
+    engine_python,
+    write_model_with,
+)
 
 PROMPT_TOKENS = 1500
 # larger than the tests' model, so that computing the prompt's last partial block costs what
@@ -64,6 +72,7 @@ def skip_reason() -> str | None:
 def measure(rounds: int, seed: int, timeout: float, log: Callable[[str], None]) -> EngineFigures:
     """Start a server and two engines of SHAPE, then `measure_with` them."""
     python = engine_python()
+    assert python is not None, skip_reason()  # the caller checked skip_reason() first
     with tempfile.TemporaryDirectory(prefix="lmcache-mp-bench-engine-") as scratch, \
             ServerProcess(None, ["--cpu-size", "256MiB", "--chunk-size", str(CHUNK_SIZE),
                                  "--log-level", "warning"]) as server:

@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..client import CacheClient, LookupItem, SharedKVCache, StoreStatus, TransferItem
+from ..server.warm.segment import segment_dir
 from ..sizes import format_size
-from ..server.warm import segment_dir
 from ..spawn import ServerProcess
 from .shapes import KVShape
 
@@ -73,6 +73,11 @@ def _rss_anon(pid: int) -> int:
     raise RuntimeError(f"no RssAnon for pid {pid}")
 
 
+def _server_pid(server: ServerProcess) -> int:
+    assert server.proc is not None, "the server is not running"
+    return server.proc.pid
+
+
 def measure(shape: KVShape, chunks: int, seed: int, timeout: float,
             log: Callable[[str], None]) -> RestartFigures:
     prompts = -(-chunks // PROMPT_CHUNKS)
@@ -98,14 +103,14 @@ def measure(shape: KVShape, chunks: int, seed: int, timeout: float,
         server.start(timeout)
         with server.client(timeout=timeout) as client:
             server.wait_prefault(client, timeout)
-            baseline = _rss_anon(server.proc.pid)
+            baseline = _rss_anon(_server_pid(server))
             log(f"filling {chunks} chunks of {format_size(shape.chunk_bytes)} "
                 f"({format_size(chunks * shape.chunk_bytes)})")
             started = time.monotonic()
             _fill(client, cache, shape, hashes, blocks)
             fill_seconds = time.monotonic() - started
             stored = client.stats().chunks
-            stored_index = (_rss_anon(server.proc.pid) - baseline) / max(stored, 1)
+            stored_index = (_rss_anon(_server_pid(server)) - baseline) / max(stored, 1)
         log(f"stored {stored} chunks in {fill_seconds:.1f} s; SIGTERM")
         started = time.monotonic()
         code = server.stop(timeout)
@@ -117,7 +122,7 @@ def measure(shape: KVShape, chunks: int, seed: int, timeout: float,
         start_seconds = server.start(timeout)
         with server.client(timeout=timeout) as client:
             adopted = client.stats().chunks
-            adopted_index = (_rss_anon(server.proc.pid) - baseline) / max(adopted, 1)
+            adopted_index = (_rss_anon(_server_pid(server)) - baseline) / max(adopted, 1)
             byte_exact = _reads_back(client, reader, cache, shape, hashes, blocks)
         log(f"adopted {adopted} chunks, serving {start_seconds:.1f} s after the start")
         output = server.output()
@@ -191,7 +196,8 @@ def render(figures: RestartFigures) -> str:
              ": " + ("met" if figures.stop_seconds <= TARGET_SECONDS else "MISSED")
              if at_scale else "")),
         ("start to serving", f"{figures.start_seconds:.1f} s (verifying "
-                             f"{figures.verify_seconds:.1f} s, indexing {figures.index_seconds:.1f} s)",
+                             f"{figures.verify_seconds:.1f} s, indexing "
+                             f"{figures.index_seconds:.1f} s)",
          f"≤ {TARGET_SECONDS:g} s at 1M chunks" + (
              ": " + ("met" if figures.start_seconds <= TARGET_SECONDS else "MISSED")
              if at_scale else "")),

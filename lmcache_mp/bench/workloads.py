@@ -56,7 +56,8 @@ class Workload(ABC):
         """Requests a single-phase run sends, for the progress bar; None: not known ahead."""
         return self.requests if len(self.phases) == 1 else None
 
-    def prepare(self, phase: str, client: CacheClient, capacity: int) -> None:
+    # Not abstract: a hook that most workloads leave empty.
+    def prepare(self, phase: str, client: CacheClient, capacity: int) -> None:  # noqa: B027
         """Before a phase, from the benchmark's own client (quotas, a clean slate)."""
 
     @abstractmethod
@@ -139,7 +140,8 @@ class ChatWorkload(Workload):
                 document = rng.choices(self.documents, self.popularity)[0]
                 conversations.append((next(opened), 0, list(document), rng.randint(*self.turns)))
             count = self.batch if share is None else min(self.batch, share - sent)
-            batch, still_open = [], []
+            batch: list[Request] = []
+            still_open: list[tuple[int, int, list[int], int]] = []
             for conversation in conversations:
                 number, turn, history, left = conversation
                 if len(batch) == count:
@@ -178,7 +180,7 @@ class MultiTenantWorkload(Workload):
         self.steady = [f"{salt}-steady-a", f"{salt}-steady-b"]
         self.flooder = f"{salt}-flood"
         self.tenant_names = {f"{salt}-{name}": name for name in ("steady-a", "steady-b", "flood")}
-        self.working_set: dict[str, list[list[int]]] = {}
+        self.working_set: dict[tuple[str, int], list[list[int]]] = {}  # by (salt, engine)
 
     def prepare(self, phase: str, client: CacheClient, capacity: int) -> None:
         for salt in self.salts():

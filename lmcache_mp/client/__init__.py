@@ -7,7 +7,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from ..protocol import LeaseRef, LookupItem, StoreStatus, TransferItem
-from .api import CacheClient, Registration
+from .cache_client import CacheClient, Registration
 from .hashing import chunk_hashes
 from .parallel import ParallelStrategy
 from .rpc import RpcClient
@@ -15,17 +15,17 @@ from .scheduler import SchedulerAdapter
 from .tracker import SKIP_BLOCK, ChunkLayout, RequestTracker, RetrieveSpec, StepPlan, StoreSpec
 
 if TYPE_CHECKING:
-    from .shm import SharedKVCache, SharedSegment
+    from .memfd import SharedKVCache, SharedSegment
     from .worker import WorkerAdapter
 
 # These import torch, seconds of start-up: loaded on first use, so a client that only talks
 # to the server (the scheduler's, `lmcache-mp-server quota`) starts without it.
-_NEEDS_TORCH = {"SharedKVCache": ".shm", "SharedSegment": ".shm", "WorkerAdapter": ".worker"}
+_NEEDS_TORCH = {"SharedKVCache": ".memfd", "SharedSegment": ".memfd", "WorkerAdapter": ".worker"}
 
 __all__ = ["SKIP_BLOCK", "CacheClient", "ChunkLayout", "LeaseRef", "LookupItem",
            "ParallelStrategy", "Registration", "RequestTracker", "RetrieveSpec", "RpcClient",
-           "SchedulerAdapter", "SharedKVCache", "SharedSegment", "StepPlan", "StoreSpec", "StoreStatus",
-           "TransferItem", "WorkerAdapter", "chunk_hashes"]
+           "SchedulerAdapter", "SharedKVCache", "SharedSegment", "StepPlan", "StoreSpec",
+           "StoreStatus", "TransferItem", "WorkerAdapter", "chunk_hashes"]
 
 
 def __getattr__(name: str):

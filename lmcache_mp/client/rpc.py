@@ -1,26 +1,32 @@
-"""The RPC transport: a thread-safe client whose calls are futures matched to replies by request id."""
+"""The RPC transport: a thread-safe client whose calls are futures matched to replies by
+request id."""
 
 from __future__ import annotations
 
 import heapq
 import itertools
 import logging
-import os
 import math
+import os
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Literal, overload
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .. import phases, protocol, runtime
-from ..errors import (RequestTimeout, ServerError, ServerUnavailable, Unauthenticated,
-                      error_from_reply)
+from ..errors import (
+    RequestTimeout,
+    ServerError,
+    ServerUnavailable,
+    Unauthenticated,
+    error_from_reply,
+)
 from ..zmq_io import POLLIN, readable, recv_frames, send_frames
 
 logger = logging.getLogger(__name__)
@@ -175,7 +181,9 @@ class RpcClient:
         self._dealer.connect(url)
         self._kick_r, self._kick_w = os.pipe()  # wakes the leader when another thread sent
         os.set_blocking(self._kick_r, False)
-        self._watched = [(self._dealer, POLLIN), (self._monitor, POLLIN), (self._kick_r, POLLIN)]
+        # Sockets and a descriptor, as zmq_poll takes them (pyzmq's stubs take one or the other).
+        self._watched: list[tuple[Any, int]] = [(self._dealer, POLLIN), (self._monitor, POLLIN),
+                                                (self._kick_r, POLLIN)]
         # Guards the socket and every field below. Taken directly (`with self._lock`), not
         # through a Condition on it, whose `with` costs two Python calls, a dozen per call.
         self._lock = threading.Lock()
@@ -230,7 +238,8 @@ class RpcClient:
         return future
 
     def call(self, request: Any, timeout: float | None = None) -> Any:
-        """Send `request` and wait for its reply; raises ServerError or TransportError subclasses."""
+        """Send `request` and wait for its reply; raises ServerError or TransportError
+        subclasses."""
         reply = self._submit(request, timeout, attended=True)
         self._wait_leading(reply.is_settled, None)
         return reply.result()
@@ -310,6 +319,13 @@ class RpcClient:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+    @overload
+    def _submit(self, request: Any, timeout: float | None, attended: Literal[True],
+                wait_for_connection: bool = ..., lead: bool = ...) -> _Reply: ...
+    @overload
+    def _submit(self, request: Any, timeout: float | None, attended: Literal[False],
+                wait_for_connection: bool = ..., lead: bool = ...) -> _Future: ...
 
     def _submit(self, request: Any, timeout: float | None, attended: bool,
                 wait_for_connection: bool = True, lead: bool = False) -> _Future | _Reply:
@@ -400,6 +416,7 @@ class RpcClient:
         # (it ends by a call's deadline, or within _RETRY_SEND_S while calls are queued).
         watched = self._watched
         ready: list[tuple[Any, int]] | None = None  # what the last poll found readable
+        polled_at = 0.0  # when that poll began: set before each poll, read once ready is
         try:
             while True:
                 with self._lock:

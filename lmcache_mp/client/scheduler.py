@@ -8,7 +8,7 @@ from concurrent.futures import Future
 
 from ..errors import LMCacheMPError
 from ..protocol import LeaseRef, LookupItem, LookupReply
-from .api import CacheClient
+from .cache_client import CacheClient
 from .hashing import chunk_hashes
 from .parallel import ParallelStrategy
 
@@ -129,8 +129,9 @@ class SchedulerAdapter:
             del self._release_on_reply[request_id]
             if (not future.cancelled() and future.exception() is None
                     and any(future.result().hits)):
-                self._send(lambda: self.client.release_async([LeaseRef(request_id, salt)]),
-                           request_id)
+                # _send calls it at once; bound all the same, as the loop moves on
+                self._send(lambda request_id=request_id, salt=salt:
+                           self.client.release_async([LeaseRef(request_id, salt)]), request_id)
 
     def _drop(self, request_id: str, cache_salt: str | None) -> bool:
         """Forget the request's lookup; True if it is still in flight (its hold, if any,
@@ -143,8 +144,10 @@ class SchedulerAdapter:
 
     def _send(self, submit, request_id: str) -> None:
         # Fire and forget: a lost release only costs a lease that times out on the server.
+        def log_failure(future) -> None:
+            if future.exception():
+                logger.warning("releasing %s failed: %s", request_id, future.exception())
         try:
-            submit().add_done_callback(lambda f: f.exception() and logger.warning(
-                "releasing %s failed: %s", request_id, f.exception()))
+            submit().add_done_callback(log_failure)
         except LMCacheMPError as exc:
             logger.warning("releasing %s failed: %s", request_id, exc)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from ..protocol import SKIP_BLOCK, LeaseRef, TransferItem
 from . import hashing
 
+
 @dataclass(frozen=True)
 class ChunkLayout:
     """How the engine's KV blocks group into the server's chunks."""

@@ -11,9 +11,9 @@ from dataclasses import dataclass, replace
 
 from ..errors import RequestTimeout
 from ..protocol import CHUNK_HASH_BYTES, SKIP_BLOCK, TransferItem, unpack_block_ids
-from .api import DEADLINE_MARGIN_S, CacheClient, Registration
+from .cache_client import DEADLINE_MARGIN_S, CacheClient, Registration
+from .memfd import SharedKVCache
 from .parallel import ParallelStrategy
-from .shm import SharedKVCache
 
 logger = logging.getLogger(__name__)
 

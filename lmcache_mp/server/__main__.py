@@ -1,4 +1,4 @@
-"""`python -m lmcache_mp.server` runs the server: `lmcache-mp-server` without its `quota` command."""
+"""`python -m lmcache_mp.server`: `lmcache-mp-server` without its `quota` command."""
 
 import sys
 

@@ -10,10 +10,10 @@ import logging
 import os
 import sys
 
-from .access import AccessError
+from .cache.quotas import QuotaError
 from .config import Config, build_parser
-from .logs import configure_logging
-from .quotas import QuotaError
+from .net.access import AccessError
+from .observe.logs import configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,12 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(config.log_level, config.log_format)
     # What serves imports torch, seconds of start-up that --help, --print-config and a
     # flag error do without.
-    from .server import Server
-    from .warm import WarmStartError
+    from .server import Server, hold_exit_signals
+    from .warm.segment import WarmStartError
+    from .wiring import wire
 
     logging.getLogger("lmcache_mp.server").info("configuration: %s", config.log_line())
     try:
-        Server(config).run()
+        held = hold_exit_signals()
+        Server(wire(config), held).run()
     except QuotaError as exc:
         logging.getLogger("lmcache_mp.server").error("bad quotas: %s", exc)
         return 2

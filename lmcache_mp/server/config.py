@@ -1,4 +1,4 @@
-"""Every server option, defined once: a typed field with a default, its help, its flag and env var."""
+"""Every server option, defined once: a typed field with its default, help, flag and env var."""
 
 from __future__ import annotations
 
@@ -10,16 +10,17 @@ import ipaddress
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import BadRequest
 from ..protocol import MAX_CHUNKS_PER_MESSAGE, MAX_MESSAGE_BYTES, validate_salt
+from ..quota_spec import Quota, format_quota_flag, parse_cap, parse_quota_flag
 from ..runtime import default_runtime_dir, ipc_url
 from ..sizes import exact_size, format_size, parse_size
-from ..quota_spec import Quota, format_quota_flag, parse_cap, parse_quota_flag
-from .quotas import QuotaBook, load_quota_file, tomllib
+from .cache.quotas import QuotaBook, load_quota_file, tomllib
 from .l2.keyfile import read_key_file
 from .l2.urls import check_url, read_password_file
 
@@ -296,7 +297,7 @@ class Config:
                              f"got {self.max_chunks_per_message}")
         if self.socket_group is not None:
             try:
-                self.socket_gid
+                _ = self.socket_gid  # looks the group up
             except KeyError:
                 raise ValueError(f"--socket-group: no group {self.socket_group!r}") from None
         if _beyond_loopback(self.bind_url) and self.token_file is None:
@@ -379,7 +380,7 @@ class Config:
     def items(self, redacted: bool = False) -> list[tuple[str, Any]]:
         """(name, value) per option as the config file writes it: strings, numbers, lists of
         strings, None for unset; `redacted` leaves salts out (for logs)."""
-        shown = []
+        shown: list[tuple[str, Any]] = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             text = (f.metadata["redact"] if redacted and f.metadata["redact"]
@@ -473,7 +474,11 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(Config):
         shown = f.metadata["shown"]
         if shown is None:
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            else:
+                assert f.default_factory is not dataclasses.MISSING  # every option has a default
+                default = f.default_factory()
             shown = format_size(default) if f.metadata["parse"] is parse_size else default
         parser.add_argument(
             _flag(f.name), dest=f.name, default=argparse.SUPPRESS, metavar=f.metadata["metavar"],

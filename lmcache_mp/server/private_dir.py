@@ -17,10 +17,12 @@ import pwd
 import stat
 from pathlib import Path
 
+from ..errors import SetupError
+
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-class UnsafePath(Exception):
+class UnsafePath(SetupError):
     """A path the server will not use; the message says why, and who owns it."""
 
 

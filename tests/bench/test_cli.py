@@ -28,8 +28,8 @@ TINY = ["--lookup-rounds", "1", "--lookup-iters", "20", "--lookup-seconds", "0.2
 def bench(*args: str, env: dict[str, str] | None = None, timeout: float = 240
           ) -> subprocess.CompletedProcess:
     assert BENCH.exists(), f"the console script is not installed next to {sys.executable}"
-    return subprocess.run([str(BENCH), *args], check=False, capture_output=True, text=True, timeout=timeout,
-                          env=env)
+    return subprocess.run([str(BENCH), *args], check=False, capture_output=True, text=True,
+                          timeout=timeout, env=env)
 
 
 def run_json(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> dict:

@@ -6,7 +6,12 @@ import time
 import torch
 
 from lmcache_mp.client import (
-    CacheClient, ParallelStrategy, SchedulerAdapter, SharedKVCache, TransferItem, WorkerAdapter,
+    CacheClient,
+    ParallelStrategy,
+    SchedulerAdapter,
+    SharedKVCache,
+    TransferItem,
+    WorkerAdapter,
     chunk_hashes,
 )
 
@@ -70,7 +75,8 @@ def flow(server, tp, pp, use_mla, shape):
     try:
         with CacheClient(server.url, engine=engine) as client, \
                 server.client(admin=True) as admin:
-            scheduler = SchedulerAdapter(client, MODEL, ParallelStrategy(use_mla, tp * pp, 0, tp, pp))
+            scheduler = SchedulerAdapter(client, MODEL,
+                                         ParallelStrategy(use_mla, tp * pp, 0, tp, pp))
             prompt = tokens(tp * 10 + pp)
             hashes = chunk_hashes(prompt, 256)
             source, target = chunk_blocks([0, 1, 2]), chunk_blocks([6, 4, 5])

@@ -7,7 +7,7 @@ import torch
 from lmcache_mp.client import CacheClient, ParallelStrategy, TransferItem, WorkerAdapter
 
 from ..utils import run_server
-from ..workers import W2, MODEL, chunk_blocks, make_cache, prompt
+from ..workers import MODEL, W2, chunk_blocks, make_cache, prompt
 
 NUM_BLOCKS = 16 * 16
 ALONE = ParallelStrategy(False, 1, 0, 1)

@@ -149,8 +149,9 @@ def test_wait_reads_replies_on_the_waiting_thread_and_ends_at_its_timeout(server
             resolved_on = []
             futures = [client.submit(PingRequest()) for _ in range(3)]
             for future in futures:
+                # bound now: a callback that runs late appends to its own round's list
                 future.add_done_callback(
-                    lambda _: resolved_on.append(threading.current_thread().name))
+                    lambda _, out=resolved_on: out.append(threading.current_thread().name))
             client.wait(futures, 10)
             assert all(future.done() for future in futures)
             if resolved_on == [threading.current_thread().name] * 3:

@@ -36,9 +36,11 @@ def test_a_client_refuses_a_tmp_runtime_directory_another_user_made():
     shutil.rmtree(squatted, ignore_errors=True)
     os.mkdir(squatted, 0o755)  # made first by root: not the client's own
     probe = ("import os; os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
-             "os.environ.pop('XDG_RUNTIME_DIR', None); os.environ.pop('LMCACHE_MP_RUNTIME_DIR', None)\n"
+             "os.environ.pop('XDG_RUNTIME_DIR', None)\n"
+             "os.environ.pop('LMCACHE_MP_RUNTIME_DIR', None)\n"
              "from lmcache_mp import runtime\n"
-             "try:\n    runtime.default_url()\nexcept PermissionError as e:\n    print('refused:', e)\n"
+             "try:\n    runtime.default_url()\n"
+             "except PermissionError as e:\n    print('refused:', e)\n"
              "else:\n    print('accepted')\n")
     try:
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
@@ -46,3 +48,38 @@ def test_a_client_refuses_a_tmp_runtime_directory_another_user_made():
     finally:
         os.rmdir(squatted)
     assert out.startswith("refused:") and "posing as the server" in out, out
+
+
+def test_a_client_finds_the_fd_channel_beside_the_socket_when_the_directory_moved(tmp_path):
+    """A container mounts the server's runtime directory at another path than the server's
+    own: HELLO names the fd channel where the server sees it, which does not exist here.
+    The client then uses the fd.sock beside the ipc:// socket it reached the server through,
+    and a memfd cache registers, stores and retrieves as anywhere else."""
+    import torch
+
+    from lmcache_mp.client import CacheClient, SharedKVCache, StoreStatus, TransferItem
+
+    from ..utils import run_server
+    from ..workers import MODEL, chunk_blocks, prompt
+
+    served, mounted = tmp_path / "served", tmp_path / "mounted"
+    with run_server(runtime_dir=str(served)):
+        served.rename(mounted)  # the server's path is gone for this process
+        try:
+            with SharedKVCache("mha", 2, 16, 16, 1, 8, torch.float16) as cache, \
+                    CacheClient(runtime.ipc_url(mounted), timeout=20) as client:
+                assert not os.path.exists(client.hello().fd_socket)
+                registration = client.register_kv_cache(cache.handles(), model=MODEL,
+                                                         layout="mha", block_size=16)
+                for layer in cache.layers:
+                    layer.view(torch.int16).fill_(7)
+                hashes = prompt(tag=3420, num_chunks=1)
+                item = TransferItem.build("r", hashes, chunk_blocks([0]))
+                assert client.store(registration, [item]) == [bytes([StoreStatus.STORED])]
+                for layer in cache.layers:
+                    layer.zero_()
+                assert client.retrieve(registration, [item]) == [1]
+                assert all(bool((layer.view(torch.int16) == 7).all()) for layer in cache.layers)
+                client.unregister(registration)
+        finally:
+            mounted.rename(served)  # the server cleans up where it made its files

@@ -5,7 +5,13 @@ import torch
 
 from lmcache_mp.client import StoreStatus
 from lmcache_mp.client.tracker import (
-    SKIP_BLOCK, ChunkLayout, Phase, RequestTracker, RetrieveSpec, StepPlan, StoreSpec,
+    SKIP_BLOCK,
+    ChunkLayout,
+    Phase,
+    RequestTracker,
+    RetrieveSpec,
+    StepPlan,
+    StoreSpec,
 )
 from lmcache_mp.protocol import LeaseRef, LookupItem, unpack_block_ids, unpack_hashes
 

@@ -10,7 +10,11 @@ import time
 import torch
 
 from lmcache_mp.client import (
-    CacheClient, LookupItem, ParallelStrategy, TransferItem, WorkerAdapter,
+    CacheClient,
+    LookupItem,
+    ParallelStrategy,
+    TransferItem,
+    WorkerAdapter,
 )
 
 from ..utils import ipc_url, run_server, server_process

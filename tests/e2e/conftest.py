@@ -11,8 +11,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from lmcache_mp.bench.vllm_engine import (EngineProcess, EngineSettings, TinyLlama,
-                                          engine_python, write_model_with)
+from lmcache_mp.bench.vllm_engine import (
+    EngineProcess,
+    EngineSettings,
+    TinyLlama,
+    engine_python,
+    write_model_with,
+)
 from lmcache_mp.client import CacheClient
 from lmcache_mp.spawn import ServerProcess
 
@@ -26,9 +31,10 @@ CACHE_NAME = "e2e-tiny-llama"  # the connector's `model`: engines of both seeds 
 # logprobs ~5e-7 off (vLLM's CPU attention sums the longer context in another order when
 # it computes the tail over a loaded prefix), where 5 chunks match exactly.
 SYNC_LOAD_MAX_CHUNKS = 4
+ENGINE_MODEL = TinyLlama()  # the engines' shape: the defaults, as write_model_with writes them
 
 
-def kv_bytes_per_token(shape: TinyLlama = TinyLlama()) -> int:
+def kv_bytes_per_token(shape: TinyLlama = ENGINE_MODEL) -> int:
     """K and V of every layer, float32 (the engines' dtype)."""
     return shape.layers * 2 * shape.kv_heads * (shape.hidden // shape.heads) * 4
 

@@ -8,19 +8,19 @@ worker hooks in the order vLLM's does, writes each scheduled token's KV as a fun
 its prefix (so that a cached prefix must come back byte for byte), and hands the workers'
 reports to the scheduler aggregated by vLLM's KVOutputAggregator.
 
-The Scheduler needs a real ModelConfig: it is built from a config.json written here (a
-4-layer Llama, no weights). The first ModelConfig on a machine costs 8-17 s, while vLLM
-inspects the architecture in a subprocess and caches the result. The MLA test and the
-tests of single hooks drive the connector by hand instead: a ModelConfig with use_mla comes
-only from an MLA architecture, which would cost that inspection again, so they attach a
-stand-in with the two attributes the connector reads (model, use_mla) and build
-SchedulerOutput, NewRequestData and KVCacheBlocks themselves, as vLLM's scheduler would.
+The Scheduler needs a real ModelConfig: it is built from a config.json that conftest.py's
+model_dir writes (a 4-layer Llama, no weights). The first ModelConfig on a machine costs
+8-17 s, while vLLM inspects the architecture in a subprocess and caches the result. The MLA
+test and the tests of single hooks drive the connector by hand instead: a ModelConfig with
+use_mla comes only from an MLA architecture, which would cost that inspection again, so
+they attach a stand-in with the two attributes the connector reads (model, use_mla) and
+build SchedulerOutput, NewRequestData and KVCacheBlocks themselves, as vLLM's scheduler
+would.
 """
 
 import contextlib
 import copy
 import gc
-import json
 import logging
 import os
 import pickle
@@ -35,22 +35,33 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     pytest.importorskip("vllm")
     from vllm.config import (
-        CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig,
+        CacheConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
     )
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.lora.request import LoRARequest
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import (
-        KVCacheBlock, get_request_block_hasher, init_none_hash,
+        KVCacheBlock,
+        get_request_block_hasher,
+        init_none_hash,
     )
     from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MLAAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        MLAAttentionSpec,
     )
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -60,30 +71,19 @@ with warnings.catch_warnings():
 
 from lmcache_mp.client import SharedKVCache
 from lmcache_mp.integrations.vllm import (
-    ConnectorConfig, LMCacheMPServerConnector, StepMetadata,
+    ConnectorConfig,
+    LMCacheMPServerConnector,
+    StepMetadata,
 )
 from lmcache_mp.integrations.vllm.layout import as_server_layout
 from lmcache_mp.protocol import CudaIpcHandle, MemfdHandle
 
 from ..utils import ipc_url, run_server
+from .conftest import LAYERS  # the model_dir fixture's model (conftest.py)
 
 BLOCK = 16
-LAYERS = 4
 NUM_BLOCKS = 160
 CONNECTOR = "LMCacheMPServerConnector"
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-    "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 64, "num_hidden_layers": LAYERS, "vocab_size": 32000,
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "float16",
-}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -1087,8 +1087,10 @@ def test_a_sync_load_is_computed_over_in_the_step_that_looks_it_up(engines, serv
     writer.run_until_idle()
     engine = engines(lookup_wait=5.0, **load)  # a generous bound for the LOOKUP reply
     engine.add("hit", tokens)
-    for steps in range(1, 50):
+    steps = 0  # engine steps taken, read after the loop
+    while steps < 49:
         engine.step()
+        steps += 1
         if "hit" in engine.first_computed:
             break
         time.sleep(0.001)

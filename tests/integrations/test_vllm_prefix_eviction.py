@@ -6,7 +6,7 @@ hit of 0. With vLLM's real scheduler (see test_vllm.py's `Engine`).
 """
 
 from ..utils import run_server
-from .test_vllm import Engine, model_dir, prompt  # noqa: F401 (model_dir is a fixture)
+from .test_vllm import Engine, prompt
 
 CHUNK_TOKENS = 256
 

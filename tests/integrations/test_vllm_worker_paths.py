@@ -10,13 +10,28 @@ import time
 
 import torch
 
-
 from ..utils import ipc_url, run_server, server_process
 from .test_vllm import (
-    BLOCK, FullAttentionSpec, KVConnectorOutput, KVConnectorRole, LMCacheMPServerConnector,
-    MLAAttentionSpec, Request, RequestStatus, SamplingParams, blocks_of, hand_config,
-    kv_cache_config, lookup, one_rank_connectors, prompt, scheduler_output, step_until_reported,
-    worker_connector, worker_step, write_chunks,
+    BLOCK,
+    FullAttentionSpec,
+    KVConnectorOutput,
+    KVConnectorRole,
+    LMCacheMPServerConnector,
+    MLAAttentionSpec,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    blocks_of,
+    hand_config,
+    kv_cache_config,
+    lookup,
+    one_rank_connectors,
+    prompt,
+    scheduler_output,
+    step_until_reported,
+    worker_connector,
+    worker_step,
+    write_chunks,
 )
 
 

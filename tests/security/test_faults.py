@@ -24,7 +24,15 @@ from lmcache_mp.protocol import RetrieveRequest, StoreRequest
 from ..utils import run_server, server_process
 from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, prompt
 from .agents import (
-    Agent, Ref, connect, make, new_cache, open_fds, raw_bytes, register, wait_for,
+    Agent,
+    Ref,
+    connect,
+    make,
+    new_cache,
+    open_fds,
+    raw_bytes,
+    register,
+    wait_for,
 )
 
 pytestmark = pytest.mark.slow
@@ -94,12 +102,12 @@ def churn(state, tag: int, rounds: int, die: tuple[str, int] | None = None) -> d
             told.append(conn.recv())  # "stop"
         return bool(told)
 
-    def timed(fn):
+    def timed(fn, *args):
         if stop_asked():
             return None  # no more calls
         started = time.monotonic()
         try:
-            return fn()
+            return fn(*args)
         except LMCacheMPError as exc:
             summary["errors"][type(exc).__name__] += 1
             return None
@@ -119,13 +127,12 @@ def churn(state, tag: int, rounds: int, die: tuple[str, int] | None = None) -> d
         store = [TransferItem.build(f"s{round_}", hashes, chunk_blocks(slots))]
         if die == ("STORE", round_):
             vanish_during(StoreRequest(registration.instance_id, store))
-        statuses = timed(lambda: client.store(registration, store))
+        statuses = timed(client.store, registration, store)
         if statuses is not None:
             report(("ack", round_, [i for i, status in enumerate(statuses[0])
                                     if status == StoreStatus.STORED],
                     registration.instance_id))
-        hit = timed(lambda: client.lookup(MODEL, 1, [LookupItem.build(f"r{round_}", hashes,
-                                                                      hold=True)]))
+        hit = timed(client.lookup, MODEL, 1, [LookupItem.build(f"r{round_}", hashes, hold=True)])
         if die == ("LOOKUP", round_):  # with the hold taken, before any RETRIEVE
             report(("dying", "LOOKUP", True))
             os.kill(os.getpid(), signal.SIGKILL)
@@ -134,7 +141,7 @@ def churn(state, tag: int, rounds: int, die: tuple[str, int] | None = None) -> d
             layer.index_fill_(1, torch.tensor(chunk_blocks(slots)), 0)
         if die == ("RETRIEVE", round_):
             vanish_during(RetrieveRequest(inbox.instance_id, load))
-        landed = timed(lambda: client.retrieve(inbox, load))
+        landed = timed(client.retrieve, inbox, load)
         if stop_asked():
             break
         if hit and landed:
@@ -279,8 +286,8 @@ def test_a_killed_server_leaves_its_socket_files_until_cleaned_and_a_restart_ser
         restarted.start()
         try:
             for tag, worker in workers.items():
-                worker.wait_progress(lambda value: value[0] == "ack"
-                                     and value[3] != killed_ids[tag], wait=30)
+                worker.wait_progress(lambda value, killed=killed_ids[tag]: value[0] == "ack"
+                                     and value[3] != killed, wait=30)
                 worker.conn.send("stop")
             summaries = [worker.result(wait=30) for worker in workers.values()]
             for summary in summaries:

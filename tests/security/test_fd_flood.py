@@ -19,7 +19,9 @@ from lmcache_mp.client import SharedSegment
 from lmcache_mp.errors import BadRequest
 from lmcache_mp.fdpass import connect, open_watch, send_fds
 from lmcache_mp.protocol import (
-    MAX_FDS_PER_MESSAGE, MAX_PENDING_TICKETS_PER_UID, MAX_WATCHES_PER_UID,
+    MAX_FDS_PER_MESSAGE,
+    MAX_PENDING_TICKETS_PER_UID,
+    MAX_WATCHES_PER_UID,
 )
 
 from ..workers import BLOCKS_PER_CHUNK, W2

@@ -41,9 +41,20 @@ from lmcache_mp.client import SharedKVCache, StoreStatus, TransferItem
 from lmcache_mp.errors import ERROR_CLASSES
 from lmcache_mp.fdpass import send_fds
 from lmcache_mp.protocol import (
-    ADMIN_OPS, MAX_CHUNKS_PER_MESSAGE, MAX_ITEMS_PER_MESSAGE, MAX_LAYERS, MAX_LOOKUP_PROBES,
-    MAX_MAP_FIELDS, MAX_MESSAGE_BYTES, MAX_STRING_BYTES, OPS, PROTOCOL_VERSION, ErrorReply,
-    HelloRequest, RegisterKVCacheRequest, RetrieveRequest,
+    ADMIN_OPS,
+    MAX_CHUNKS_PER_MESSAGE,
+    MAX_ITEMS_PER_MESSAGE,
+    MAX_LAYERS,
+    MAX_LOOKUP_PROBES,
+    MAX_MAP_FIELDS,
+    MAX_MESSAGE_BYTES,
+    MAX_STRING_BYTES,
+    OPS,
+    PROTOCOL_VERSION,
+    ErrorReply,
+    HelloRequest,
+    RegisterKVCacheRequest,
+    RetrieveRequest,
 )
 
 from ..utils import run_server

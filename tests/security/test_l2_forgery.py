@@ -19,7 +19,11 @@ from lmcache_mp.client import CacheClient
 
 from ..redis_servers import redis, redis_server
 from ..server.l2.test_shared_tier import (
-    L2_FLAGS, NUM_BLOCKS, retrieve_through, store_through, written,
+    L2_FLAGS,
+    NUM_BLOCKS,
+    retrieve_through,
+    store_through,
+    written,
 )
 from ..utils import run_server, server_process
 from ..workers import Job, chunk_blocks, expected_blocks, prompt, retrieve_worker, run

@@ -19,7 +19,7 @@ import pytest
 from lmcache_mp import protocol
 from lmcache_mp.errors import BadRequest
 from lmcache_mp.fdpass import send_fds
-from lmcache_mp.server.registry import SEGMENT_SLACK_BYTES
+from lmcache_mp.server.memory.registry import SEGMENT_SLACK_BYTES
 
 from .agents import NOBODY, RawClient, group_server
 from .test_memory import bystander_round_trip

@@ -24,12 +24,25 @@ from lmcache_mp.client import LookupItem, SharedSegment, StoreStatus, TransferIt
 from lmcache_mp.errors import BadRequest
 from lmcache_mp.fdpass import send_fds
 from lmcache_mp.protocol import (
-    TICKET_BYTES, RetrieveReply, RetrieveRequest, StoreReply, StoreRequest,
+    TICKET_BYTES,
+    RetrieveReply,
+    RetrieveRequest,
+    StoreReply,
+    StoreRequest,
 )
 
 from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, prompt
 from .agents import (
-    W1, RawClient, Ref, connect, group_server, make, new_cache, open_fds, raw_bytes, register,
+    W1,
+    RawClient,
+    Ref,
+    connect,
+    group_server,
+    make,
+    new_cache,
+    open_fds,
+    raw_bytes,
+    register,
     wait_for,
 )
 

@@ -13,7 +13,11 @@ import pytest
 from lmcache_mp.client import LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import BadRequest
 from lmcache_mp.protocol import (
-    LookupRequest, RetrieveReply, RetrieveRequest, StoreReply, StoreRequest,
+    LookupRequest,
+    RetrieveReply,
+    RetrieveRequest,
+    StoreReply,
+    StoreRequest,
     UnregisterKVCacheRequest,
 )
 

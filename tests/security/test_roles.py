@@ -8,7 +8,6 @@ The outsider is a process running as `nobody` in `nogroup`, which the server let
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,13 +16,24 @@ import pytest
 from lmcache_mp.client import CacheClient, LeaseRef, LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import Forbidden, RequestTimeout, Unauthenticated, UnknownInstance
 from lmcache_mp.protocol import (
-    ROLE_ADMIN, ROLE_ENGINE, RetrieveRequest, StoreRequest, UnregisterKVCacheRequest,
+    ROLE_ADMIN,
+    ROLE_ENGINE,
+    RetrieveRequest,
+    StoreRequest,
+    UnregisterKVCacheRequest,
 )
 
-from ..utils import run_server
+from ..utils import free_port, run_server
 from ..workers import BLOCKS_PER_CHUNK, MLA, MODEL, W2, chunk_blocks, prompt
 from .agents import (
-    NOBODY, Ref, connect, group_server, make, new_cache, raw_bytes, register,
+    NOBODY,
+    Ref,
+    connect,
+    group_server,
+    make,
+    new_cache,
+    raw_bytes,
+    register,
 )
 
 # The attackers run as nobody, and the server gives nogroup access: both need root.
@@ -277,12 +287,6 @@ def instance_of(state, registration: str) -> int:
 
 # ---------------------------------------------------------------------------
 # tcp:// endpoints, and unsafe start-ups.
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 def test_a_tcp_endpoint_serves_only_clients_with_the_token():
     with run_server(url=f"tcp://127.0.0.1:{free_port()}") as server:

@@ -19,11 +19,10 @@ from lmcache_mp.errors import BadRequest
 from lmcache_mp.fdpass import send_fds
 from lmcache_mp.protocol import RegisterKVCacheRequest
 
-from ..utils import run_server
+from ..utils import free_port, run_server
 from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, prompt
 from .agents import NOBODY, RawClient, group_server, new_cache, raw_bytes
 from .test_mapped_memory import sparse_memfd
-from .test_roles import free_port
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (to run a process as "
                                                            "nobody, and to chgrp)")

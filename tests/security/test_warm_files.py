@@ -21,7 +21,7 @@ import msgpack
 import pytest
 
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus
-from lmcache_mp.server.warm import SHM_DIR, segment_dir
+from lmcache_mp.server.warm.segment import SHM_DIR, segment_dir
 
 from .. import workers
 from ..utils import run_server, server_process

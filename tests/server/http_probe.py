@@ -1,17 +1,10 @@
-"""HTTP helpers for tests of the metrics endpoint: a free port, GETs, parsed scrapes."""
+"""HTTP helpers for tests of the metrics endpoint: GETs and parsed scrapes."""
 
 from __future__ import annotations
 
 import http.client
-import socket
 
 from prometheus_client.parser import text_string_to_metric_families
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def get(port: int, path: str, timeout: float = 30.0) -> tuple[int, str]:

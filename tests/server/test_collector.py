@@ -7,9 +7,10 @@ import os
 
 import pytest
 
-from lmcache_mp.server.collector import CollectorGuard
-from lmcache_mp.server.pool import ExtentAllocator
-from lmcache_mp.server.store import ChunkKey, ChunkStore
+from lmcache_mp.server.cache.chunk import ChunkKey
+from lmcache_mp.server.cache.pool import ExtentAllocator
+from lmcache_mp.server.cache.store import ChunkStore
+from lmcache_mp.server.observe.gc_guard import CollectorGuard
 
 
 class SteppingClock:

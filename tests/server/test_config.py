@@ -34,7 +34,8 @@ def test_defaults_bind_the_private_ipc_socket():
 
 
 def test_flags_override_env_which_override_defaults():
-    env = {"LMCACHE_MP_PORT": "6000", "LMCACHE_MP_CPU_SIZE": "1GiB", "LMCACHE_MP_LOG_LEVEL": "debug"}
+    env = {"LMCACHE_MP_PORT": "6000", "LMCACHE_MP_CPU_SIZE": "1GiB",
+           "LMCACHE_MP_LOG_LEVEL": "debug"}
     config = Config.from_args(["--port", "7000"], env=env)
     assert config.port == 7000
     assert config.cpu_size == 1024**3

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from lmcache_mp.server.cache.quotas import Quota
 from lmcache_mp.server.config import Config
-from lmcache_mp.server.quotas import Quota
 
 
 def write(tmp_path, text: str) -> str:

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from lmcache_mp.server.copy_engine import CopyEngine, DeadlinePassed
-from lmcache_mp.server.dispatcher import _log_copy_failures
+from lmcache_mp.server.copy.engine import CopyEngine, DeadlinePassed
+from lmcache_mp.server.ops.transfers import log_copy_failures
 
 
 @pytest.fixture
@@ -76,11 +76,11 @@ def test_one_thread_runs_the_jobs_in_order(engine):
 
 
 def test_copies_that_raised_are_logged_once_a_request_and_missed_deadlines_not(caplog):
-    with caplog.at_level(logging.ERROR, logger="lmcache_mp.server.dispatcher"):
-        _log_copy_failures("STORE", [None, None])
-        _log_copy_failures("STORE", [DeadlinePassed("late"), None])
+    with caplog.at_level(logging.ERROR, logger="lmcache_mp.server.ops.transfers"):
+        log_copy_failures("STORE", [None, None])
+        log_copy_failures("STORE", [DeadlinePassed("late"), None])
         assert not caplog.records
-        _log_copy_failures("RETRIEVE", [None, ValueError("first"), DeadlinePassed("late"),
+        log_copy_failures("RETRIEVE", [None, ValueError("first"), DeadlinePassed("late"),
                                         RuntimeError("second")])
     [record] = caplog.records
     assert record.getMessage() == "RETRIEVE: 2 of 4 chunk copies failed"

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from lmcache_mp.protocol import SKIP_BLOCK
-from lmcache_mp.server.dispatcher import COPY_RUN_BYTES, _copy_runs, _per_chunk
-from lmcache_mp.server.registry import Geometry, HostRows, KVCacheInstance
-from lmcache_mp.server.store import Chunk, ChunkKey
+from lmcache_mp.server.cache.chunk import Chunk, ChunkKey
+from lmcache_mp.server.memory.geometry import Geometry
+from lmcache_mp.server.memory.host_rows import HostRows
+from lmcache_mp.server.memory.instance import KVCacheInstance
+from lmcache_mp.server.ops.transfers import COPY_RUN_BYTES, copy_runs, per_chunk
 
 
 def instance(block_shape: tuple[int, ...], layers: int, num_blocks: int, dtype: torch.dtype,
@@ -184,15 +186,15 @@ def test_copy_runs_join_an_items_adjacent_chunks_up_to_the_run_size():
               (0, 3, chunk[3]),  # a hole before it
               (1, 0, chunk[4]),  # another item, right after it in the pool
               (1, 1, chunk[5]), (1, 2, chunk[6])]  # another tier
-    assert _copy_runs(places, lambda place: True) == [(0, 3), (3, 1), (4, 1), (5, 2)]
-    assert _copy_runs(places, lambda place: place[2] is not chunk[1]) == [
+    assert copy_runs(places, lambda place: True) == [(0, 3), (3, 1), (4, 1), (5, 2)]
+    assert copy_runs(places, lambda place: place[2] is not chunk[1]) == [
         (0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 2)]
     many = [(0, c, Chunk(ChunkKey("m", 1, 0, "", bytes(16)), c * size, size, None))
             for c in range(2 * COPY_RUN_BYTES // size + 1)]
     per_run = COPY_RUN_BYTES // size
-    assert _copy_runs(many, lambda place: True) == [(0, per_run), (per_run, per_run),
+    assert copy_runs(many, lambda place: True) == [(0, per_run), (per_run, per_run),
                                                     (2 * per_run, 1)]
-    assert _per_chunk([(0, 2), (2, 1)], ["a", None]) == ["a", "a", None]
+    assert per_chunk([(0, 2), (2, 1)], ["a", None]) == ["a", "a", None]
 
 
 def test_host_rows_refuse_what_rows_cannot_copy():

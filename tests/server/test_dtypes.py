@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmcache_mp.client import SKIP_BLOCK, CacheClient, SharedKVCache, StoreStatus, TransferItem
-from lmcache_mp.server.registry import DTYPES
+from lmcache_mp.server.memory.geometry import DTYPES
 
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
 

@@ -1,11 +1,12 @@
-"""The LRU policy alone: its order against a plain model of it, under random adds, re-stamps and removals."""
+"""The LRU policy alone: its order against a plain model of it, under random adds, re-stamps
+and removals."""
 
 import random
 
 import pytest
 
-from lmcache_mp.server import eviction
-from lmcache_mp.server.eviction import TenantLRUPolicy
+from lmcache_mp.server.cache import eviction
+from lmcache_mp.server.cache.eviction import TenantLRUPolicy
 
 
 def model_oldest(stamps: dict[tuple[str, int], int], tenant: str) -> tuple[int, int] | None:
@@ -37,7 +38,7 @@ def test_order_matches_a_plain_model_under_random_changes(seed, tenant_count):
         else:
             allowed = {t for t in tenants if rng.random() < 0.7}
             candidates = [found for t in allowed if (found := model_oldest(stamps, t))]
-            victim = policy.global_victim(lambda t, _key: t in allowed)
+            victim = policy.global_victim(lambda t, _key, allowed=allowed: t in allowed)
             if candidates:
                 stamp, key = min(candidates)
                 assert victim == next((t, key) for t in allowed if stamps.get((t, key)) == stamp)

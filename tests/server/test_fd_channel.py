@@ -18,17 +18,21 @@ import pytest
 import uvloop
 
 from lmcache_mp.client import CacheClient
-from lmcache_mp.client.shm import SharedSegment
+from lmcache_mp.client.memfd import SharedSegment
 from lmcache_mp.errors import BadRequest, RequestTimeout, ServerUnavailable
 from lmcache_mp.fdpass import BOUND_FD_CHANNEL_MAGIC, FD_CHANNEL_MAGIC, open_watch, send_fds
 from lmcache_mp.protocol import (
-    BINDING_BYTES, MAX_FDS_PER_MESSAGE, MAX_PENDING_TICKETS_PER_UID, MAX_WATCHES_PER_UID,
-    TICKET_BYTES, TICKET_TTL_S,
+    BINDING_BYTES,
+    MAX_FDS_PER_MESSAGE,
+    MAX_PENDING_TICKETS_PER_UID,
+    MAX_WATCHES_PER_UID,
+    TICKET_BYTES,
+    TICKET_TTL_S,
 )
-from lmcache_mp.server.access import Sessions
-from lmcache_mp.server.fd_channel import MAX_CONNECTIONS_PER_UID, REQUEST_TIMEOUT_S, FdChannel
+from lmcache_mp.server.net.access import Sessions
+from lmcache_mp.server.net.fd_channel import MAX_CONNECTIONS_PER_UID, REQUEST_TIMEOUT_S, FdChannel
 
-from ..utils import run_server
+from ..utils import FakeClock, run_server
 from ..workers import (
     BLOCKS_PER_CHUNK,
     Job,
@@ -37,14 +41,6 @@ from ..workers import (
     chunk_blocks,
     prompt,
 )
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Served:

@@ -20,8 +20,8 @@ from lmcache_mp.protocol import (
     StoreStatus,
     TransferItem,
 )
-from lmcache_mp.server.quotas import Quota
-from lmcache_mp.server.store import CPU_TIER, GPU_TIER
+from lmcache_mp.server.cache.chunk import CPU_TIER, GPU_TIER
+from lmcache_mp.server.cache.quotas import Quota
 
 from ..workers import prompt
 from .test_streams import CLIENT, PER_CHUNK, Rig, blocks, until

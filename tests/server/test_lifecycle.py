@@ -12,8 +12,17 @@ from lmcache_mp.protocol import StoreReply, StoreRequest
 
 from ..utils import run_server, shm_segments
 from ..workers import (
-    BLOCKS_PER_CHUNK, MODEL, Job, WorkerProcess, abandoned_store_worker, chunk_blocks,
-    expected_blocks, make_cache, prompt, retrieve_worker, run,
+    BLOCKS_PER_CHUNK,
+    MODEL,
+    Job,
+    WorkerProcess,
+    abandoned_store_worker,
+    chunk_blocks,
+    expected_blocks,
+    make_cache,
+    prompt,
+    retrieve_worker,
+    run,
 )
 
 CHUNK_BYTES = 512 * 1024  # W2

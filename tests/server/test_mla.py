@@ -6,8 +6,14 @@ import torch
 
 from ..utils import run_server
 from ..workers import (
-    MLA, Job, WorkerProcess, chunk_blocks, expected_blocks, mla_follower_worker,
-    mla_leader_worker, prompt,
+    MLA,
+    Job,
+    WorkerProcess,
+    chunk_blocks,
+    expected_blocks,
+    mla_follower_worker,
+    mla_leader_worker,
+    prompt,
 )
 
 NUM_BLOCKS = 8 * 16

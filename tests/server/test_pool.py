@@ -4,8 +4,8 @@ import threading
 
 import pytest
 
-from lmcache_mp.server import pool as pool_module
-from lmcache_mp.server.pool import ALIGNMENT, CpuPool, ExtentAllocator
+from lmcache_mp.server.cache import pool as pool_module
+from lmcache_mp.server.cache.pool import ALIGNMENT, CpuPool, ExtentAllocator
 
 from ..utils import lines_run
 
@@ -183,7 +183,7 @@ def test_pieces_fall_on_extent_boundaries(monkeypatch):
 def test_refused_piece_stops_pinning_with_one_warning(monkeypatch, caplog):
     pinner = FakePinner(fail_at=4 * ALIGNMENT)
     pool = _pinned_pool(monkeypatch, 12 * ALIGNMENT, pinner, 2 * ALIGNMENT)
-    with caplog.at_level(logging.WARNING, logger="lmcache_mp.server.pool"):
+    with caplog.at_level(logging.WARNING, logger="lmcache_mp.server.cache.pool"):
         pool.start_prefault()
         assert pool.prefault_done.wait(10)
     base = pool.buffer.data_ptr()

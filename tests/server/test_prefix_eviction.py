@@ -12,13 +12,14 @@ from hypothesis import strategies as st
 
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import BadRequest
-from lmcache_mp.server.pool import ExtentAllocator
-from lmcache_mp.server.quotas import Quota, QuotaBook
-from lmcache_mp.server.store import ChunkStore, LeaseOwner
+from lmcache_mp.server.cache.chunk import LeaseOwner
+from lmcache_mp.server.cache.pool import ExtentAllocator
+from lmcache_mp.server.cache.quotas import Quota, QuotaBook
+from lmcache_mp.server.cache.store import ChunkStore
 
-from ..utils import run_server
+from ..utils import FakeClock, run_server
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
-from .test_store import CHUNK, ENGINE, GEOMETRY, FakeClock, h, key, put
+from .test_store import CHUNK, ENGINE, GEOMETRY, h, key, put
 
 
 def chunked_prefill(store, salt, hashes, per_step=1):

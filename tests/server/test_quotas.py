@@ -1,7 +1,7 @@
 import pytest
 
 from lmcache_mp.quota_spec import Quota, QuotaError, parse_quota, parse_quota_flag
-from lmcache_mp.server.quotas import QuotaBook, load_quota_file
+from lmcache_mp.server.cache.quotas import QuotaBook, load_quota_file
 
 MiB = 1024**2
 

@@ -4,21 +4,15 @@ and a session's fd binding names it for as long as it lasts."""
 import pytest
 
 from lmcache_mp.errors import Unauthenticated
-from lmcache_mp.server import access
-from lmcache_mp.server.access import SESSION_IDLE_S, Sessions
+from lmcache_mp.server.net import access
+from lmcache_mp.server.net.access import SESSION_IDLE_S, Sessions
 
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
+from ..utils import FakeClock
 
 
 def full_sessions(monkeypatch, cap):
     monkeypatch.setattr(access, "MAX_SESSIONS", cap)
-    clock = Clock()
+    clock = FakeClock()
     sessions = Sessions("e" * 32, "a" * 32, token_required=False, clock=clock)
     for i in range(cap):
         sessions.open(b"client-%d" % i, "", "")
@@ -53,7 +47,7 @@ def test_a_flood_of_hellos_at_the_cap_looks_at_every_session_once_a_second(monke
 
 
 def test_a_sessions_fd_binding_lasts_as_long_as_the_session():
-    clock = Clock()
+    clock = FakeClock()
     sessions = Sessions("e" * 32, "a" * 32, token_required=False, clock=clock)
     first = sessions.open(b"worker", "", "engine", uid=1000)
     assert (first.uid, len(first.binding)) == (1000, 16) and sessions.bound(first.binding) is first

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from lmcache_mp.server.slices import SliceRunner
+from lmcache_mp.server.ops.slices import SliceRunner
 
 
 def test_slices_take_turns_and_the_loop_runs_between_them():

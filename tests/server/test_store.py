@@ -3,24 +3,18 @@
 import pytest
 
 from lmcache_mp.protocol import StoreStatus
-from lmcache_mp.server.pool import ALIGNMENT, ExtentAllocator
-from lmcache_mp.server.quotas import Quota, QuotaBook
-from lmcache_mp.server.store import ChunkKey, ChunkStore, LeaseOwner, PrefixScan
+from lmcache_mp.server.cache.chunk import ChunkKey, LeaseOwner
+from lmcache_mp.server.cache.pool import ALIGNMENT, ExtentAllocator
+from lmcache_mp.server.cache.quotas import Quota, QuotaBook
+from lmcache_mp.server.cache.scan import PrefixScan
+from lmcache_mp.server.cache.store import ChunkStore
 
-from ..utils import lines_run
+from ..utils import FakeClock, lines_run
 
 ENGINE = b"engine"  # leases belong to an engine (access.Session.engine)
 
 CHUNK = 2 * ALIGNMENT
 GEOMETRY = ("test-geometry",)
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
 
 
 @pytest.fixture
@@ -216,7 +210,10 @@ def test_clear_by_salt_keeps_other_tenants_and_chunks_being_read(clock):
 # -- tenants and quotas ----------------------------------------------------------------
 
 
-def quota_store(clock, chunks, quotas, default=Quota()):
+NO_QUOTA = Quota()  # no cap, no reservation
+
+
+def quota_store(clock, chunks, quotas, default=NO_QUOTA):
     allocator = ExtentAllocator(chunks * CHUNK)
     book = QuotaBook(allocator.capacity, default, quotas)
     return ChunkStore(allocator, 10.0, book, clock=clock)
@@ -462,7 +459,7 @@ def test_evictions_count_by_cause(clock):
 def test_a_chunk_under_each_of_many_salts_leaves_evictions_cheap(clock, monkeypatch):
     """A thousand salts holding a chunk each (an engine may name any salt) must not make
     each eviction look at every salt: a STORE into the full pool looks at a few."""
-    from lmcache_mp.server import eviction
+    from lmcache_mp.server.cache import eviction
     salts = 1_000
     store = make_store(clock, chunks=salts)
     for i in range(salts):

@@ -32,15 +32,16 @@ from lmcache_mp.protocol import (
     TransferItem,
     UnregisterKVCacheRequest,
 )
-from lmcache_mp.server.access import Sessions
+from lmcache_mp.server.cache.pool import CpuPool, DevicePool
+from lmcache_mp.server.cache.store import ChunkStore
 from lmcache_mp.server.config import Config
-from lmcache_mp.server.copy_engine import CopyEngine
-from lmcache_mp.server.cuda_ipc import CudaIpcSupport, SharedAllocations
-from lmcache_mp.server.dispatcher import Dispatcher
-from lmcache_mp.server.pool import CpuPool, DevicePool
-from lmcache_mp.server.registry import DTYPES, Registry
-from lmcache_mp.server.store import ChunkStore
-from lmcache_mp.server.streams import StreamCopier
+from lmcache_mp.server.copy.engine import CopyEngine
+from lmcache_mp.server.copy.streams import StreamCopier
+from lmcache_mp.server.memory.cuda_ipc import CudaIpcSupport, SharedAllocations
+from lmcache_mp.server.memory.geometry import DTYPES
+from lmcache_mp.server.memory.registry import Registry
+from lmcache_mp.server.net.access import Sessions
+from lmcache_mp.server.ops.dispatcher import Dispatcher
 
 from ..workers import prompt
 

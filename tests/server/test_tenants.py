@@ -13,7 +13,14 @@ from lmcache_mp.errors import BadRequest
 
 from ..utils import run_server
 from ..workers import (
-    BLOCKS_PER_CHUNK, MODEL, Job, chunk_blocks, make_cache, prompt, run_all, store_worker,
+    BLOCKS_PER_CHUNK,
+    MODEL,
+    Job,
+    chunk_blocks,
+    make_cache,
+    prompt,
+    run_all,
+    store_worker,
 )
 
 MiB = 1024**2

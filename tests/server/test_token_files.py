@@ -6,8 +6,8 @@ import sys
 import textwrap
 import time
 
-from lmcache_mp.server import access
-from lmcache_mp.server.access import load_or_create_token
+from lmcache_mp.server.net import access
+from lmcache_mp.server.net.access import load_or_create_token
 
 TOKENS = 300
 
@@ -20,7 +20,7 @@ def test_a_client_never_reads_a_token_file_half_written(tmp_path):
     writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from lmcache_mp.server.access import load_or_create_token
+        from lmcache_mp.server.net.access import load_or_create_token
         sys.stdin.readline()  # go: the reader is watching
         for i in range({TOKENS}):
             load_or_create_token(Path({str(tmp_path)!r}) / str(i) / "token", 0o600, None)

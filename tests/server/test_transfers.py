@@ -5,13 +5,21 @@ import torch
 
 from lmcache_mp.client import SKIP_BLOCK, CacheClient, LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import BadRequest
-from lmcache_mp.protocol import (MAX_BUDGET_MS, TRANSFER_SLICE_CHUNKS, RetrieveRequest,
-                                 StoreRequest)
+from lmcache_mp.protocol import MAX_BUDGET_MS, TRANSFER_SLICE_CHUNKS, RetrieveRequest, StoreRequest
 
 from ..utils import run_server
 from ..workers import (
-    BLOCKS_PER_CHUNK, MODEL, Job, chunk_blocks, expected_blocks, make_cache, prompt,
-    retrieve_worker, run, run_all, store_worker,
+    BLOCKS_PER_CHUNK,
+    MODEL,
+    Job,
+    chunk_blocks,
+    expected_blocks,
+    make_cache,
+    prompt,
+    retrieve_worker,
+    run,
+    run_all,
+    store_worker,
 )
 
 NUM_BLOCKS = 8 * BLOCKS_PER_CHUNK  # room for 8 chunks

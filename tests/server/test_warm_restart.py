@@ -18,13 +18,23 @@ import pytest
 import torch
 
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
-from lmcache_mp.server import snapshot
-from lmcache_mp.server.warm import KEY_NAME, segment_dir
+from lmcache_mp.server.cache.chunk import SavedIndex
+from lmcache_mp.server.memory.geometry import Geometry
+from lmcache_mp.server.warm import snapshot
+from lmcache_mp.server.warm.segment import KEY_NAME, segment_dir
 
 from ..utils import run_server, server_process
 from ..workers import (
-    BLOCKS_PER_CHUNK, MODEL, Job, chunk_blocks, expected_blocks, make_cache, prompt,
-    retrieve_worker, run, store_worker,
+    BLOCKS_PER_CHUNK,
+    MODEL,
+    Job,
+    chunk_blocks,
+    expected_blocks,
+    make_cache,
+    prompt,
+    retrieve_worker,
+    run,
+    store_worker,
 )
 
 NUM_BLOCKS = 8 * BLOCKS_PER_CHUNK
@@ -233,10 +243,8 @@ def test_segment_names_are_checked(capsys):
         assert "error:" in capsys.readouterr().err
 
 
-def saved_index(entries, geometry="g") -> "SavedIndex":
+def saved_index(entries) -> SavedIndex:
     """A SavedIndex of (hash byte, offset, parent index, recency) entries of one scope."""
-    from lmcache_mp.server.registry import Geometry
-    from lmcache_mp.server.store import SavedIndex
 
     shape = Geometry("mha", 1, (2, 16, 1, 64), "float16", 1)  # 4 KiB chunks
     return SavedIndex(
@@ -247,8 +255,8 @@ def saved_index(entries, geometry="g") -> "SavedIndex":
 
 
 def test_adopting_takes_exactly_the_saved_extents():
-    from lmcache_mp.server.pool import ExtentAllocator
-    from lmcache_mp.server.store import ChunkStore
+    from lmcache_mp.server.cache.pool import ExtentAllocator
+    from lmcache_mp.server.cache.store import ChunkStore
 
     allocator = ExtentAllocator(16 * 4096)
     store = ChunkStore(allocator, lease_timeout=60)
@@ -268,9 +276,9 @@ def test_adopting_takes_exactly_the_saved_extents():
 
 
 def test_adopt_drops_what_follows_a_chunk_that_is_not_intact():
-    from lmcache_mp.server.pool import ExtentAllocator
-    from lmcache_mp.server.quotas import Quota
-    from lmcache_mp.server.store import ChunkStore
+    from lmcache_mp.server.cache.pool import ExtentAllocator
+    from lmcache_mp.server.cache.quotas import Quota
+    from lmcache_mp.server.cache.store import ChunkStore
 
     allocator = ExtentAllocator(16 * 4096)
     store = ChunkStore(allocator, lease_timeout=60)
@@ -362,11 +370,12 @@ def test_a_snapshot_keeps_parent_links_and_leaves_out_what_no_lookup_reaches(tmp
     """save() and adopt() on stores of their own: links survive; a chunk whose parent
     CLEAR took while it was held is not saved, nor is a CPU chunk after one in the GPU
     tier (GPU memory does not outlive the server), so the next store never has them."""
-    from lmcache_mp.server.pool import CpuPool, ExtentAllocator
-    from lmcache_mp.server.quotas import Quota
-    from lmcache_mp.server.registry import Geometry
-    from lmcache_mp.server.store import CPU_TIER, ChunkKey, ChunkStore
-    from lmcache_mp.server.warm import WarmStart
+    from lmcache_mp.server.cache.chunk import CPU_TIER, ChunkKey
+    from lmcache_mp.server.cache.pool import CpuPool, ExtentAllocator
+    from lmcache_mp.server.cache.quotas import Quota
+    from lmcache_mp.server.cache.store import ChunkStore
+    from lmcache_mp.server.memory.geometry import Geometry
+    from lmcache_mp.server.warm.segment import WarmStart
 
     geometry = Geometry("mha", 1, (2, 16, 1, 64), "float16", 1)  # 4 KiB chunks
     capacity = 64 * geometry.chunk_bytes

@@ -9,14 +9,16 @@ Load it with
 A server on its default endpoint (this user's ipc:// socket in the runtime directory) needs
 no `url`. Written and tested for vLLM 0.33.0 (KVConnectorBase_V1). This is the only package
 of lmcache_mp that imports vllm: one module per role (connector.py, the front class;
-scheduler.py; worker.py) and what they share (config.py, metadata.py, layout.py,
-allocation.py).
+scheduler.py; worker.py, with its record per request in transfers.py) and what they share
+(config.py, metadata.py, layout.py, allocation.py).
 
 vLLM builds one connector per process: LMCacheMPServerConnector is a thin front that hands
 every hook to a SchedulerSide (the scheduler process: lookups, per-request bookkeeping with
 RequestTracker, the metadata of each step) or a WorkerSide (each worker process, one per
 rank: registers its KV cache, starts the stores and loads the metadata asks for, reports
-what finished). The scheduler tells the workers what to do only through StepMetadata.
+what finished, with one RequestTransfers per request). Either side keeps everything it
+knows about a request in one record with explicit states. The scheduler tells the workers
+what to do only through StepMetadata.
 
 A load of at most sync_load_max_bytes is synchronous: vLLM schedules the request in the
 step that looks it up, and the workers wait for the load (bounded by its deadline) before

@@ -8,7 +8,7 @@ import uuid
 
 import torch
 
-from ...client.shm import SEGMENT_PREFIX, SharedSegment
+from ...client.memfd import SEGMENT_PREFIX, SharedSegment
 
 logger = logging.getLogger(__name__)
 

@@ -67,7 +67,7 @@ class ConnectorConfig:
             default = known[name].default
             if default is None and value is None:  # an optional value, left unset
                 continue
-            kind = str if default is None else type(default)
+            kind: type = str if default is None else type(default)  # every field has a default
             if kind is str:
                 ok, expected = isinstance(value, str), "a string"
             elif kind is bool:

@@ -8,7 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
 )
 
 from .config import ConnectorConfig
@@ -66,7 +69,8 @@ class LMCacheMPServerConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):
         """Both processes, once, when vLLM builds the connector for its role."""
-        super().__init__(vllm_config, role, kv_cache_config)
+        # vLLM's base only keeps kv_cache_config; the tests build connectors without one.
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         follow_vllm_logging()
         config = ConnectorConfig.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config)
@@ -142,7 +146,9 @@ class LMCacheMPServerConnector(KVConnectorBase_V1):
         self._on_worker("register_kv_caches").register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Worker, every step, before the forward pass that may reuse preempted blocks."""
+        """Worker, every step, first of its hooks, before the forward pass that may reuse
+        preempted blocks: waits (at most load_timeout and a margin) only while a preempted
+        request's STORE is open, then sends the step's sync loads."""
         assert isinstance(kv_connector_metadata, StepMetadata)
         self._on_worker("handle_preemptions").handle_preemptions(kv_connector_metadata)
 
@@ -168,7 +174,8 @@ class LMCacheMPServerConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
-        """Worker, every step (through get_transfer_results): (sending done, loading done)."""
+        """Worker, every step (through get_transfer_results, and blocks as it does):
+        (sending done, loading done)."""
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending, results.finished_recving
 
@@ -181,7 +188,8 @@ class LMCacheMPServerConnector(KVConnectorBase_V1):
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Worker, every step: blocks whose load failed, which vLLM recomputes."""
+        """Worker, every step, after get_transfer_results; never blocks: blocks whose load
+        failed, which vLLM recomputes."""
         return self._on_worker("get_block_ids_with_load_errors").load_errors()
 
     def shutdown(self) -> None:

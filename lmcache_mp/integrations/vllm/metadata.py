@@ -8,7 +8,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from ...protocol import TransferItem
 
-
 # -- what the scheduler tells the workers ----------------------------------------------------
 
 @dataclass(frozen=True)

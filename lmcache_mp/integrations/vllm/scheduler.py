@@ -8,12 +8,19 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
-from ...client.api import CacheClient
+from ...client.cache_client import CacheClient
 from ...client.scheduler import SchedulerAdapter
 from ...client.tracker import ChunkLayout, Phase, RequestTracker, StepPlan
 from ...protocol import MAX_REQUEST_ID_CHARS
-from .config import (ConnectorConfig, KVGeometry, engine_secret, model_name,
-                     parallel_strategy, server_salt, warn_if_loads_fail_requests)
+from .config import (
+    ConnectorConfig,
+    KVGeometry,
+    engine_secret,
+    model_name,
+    parallel_strategy,
+    server_salt,
+    warn_if_loads_fail_requests,
+)
 from .metadata import LoadSpec, StepMetadata
 
 if TYPE_CHECKING:
@@ -32,7 +39,8 @@ def chunk_extra_keys(request: Request, num_chunks: int, chunk_size: int) -> list
     other multimodal item) by its content hash (`identifier`) and its offset from the
     chunk's start in every chunk its placeholder tokens overlap. b"" for a chunk without."""
     lora = request.lora_request
-    lora_keys = [["lora", lora.lora_name, lora.lora_path or ""]] if lora else []
+    lora_keys: list[list[str | int]] = ([["lora", lora.lora_name, lora.lora_path or ""]]
+                                        if lora else [])
     keys: list[bytes] = []
     for index in range(num_chunks):
         start, end = index * chunk_size, (index + 1) * chunk_size
@@ -190,6 +198,7 @@ class SchedulerSide:
         meta, self._next = self._next, StepMetadata()
         self.adapter.poll()  # holds of lookups dropped in flight, answered since
         scheduled = scheduler_output.num_scheduled_tokens
+        tracker: RequestTracker | None  # one per loop below
         for tracker in self.trackers.values():
             if tracker.phase is Phase.LOAD_PLANNED:  # vLLM waits for it: always reported
                 plan = tracker.plan_step(0)
@@ -241,6 +250,7 @@ class SchedulerSide:
         failed = connector_output.failed_recving or set()
         landed = connector_output.finished_recving or set()
         sync_loads, self._sync_loads = self._sync_loads, {}
+        tracker: RequestTracker | None  # one per loop below
         for tracker in sync_loads.values():
             if invalid and not invalid.isdisjoint(tracker.allocated_block_ids):
                 tracker.mark_load_failed()  # vLLM recomputes from the first bad block

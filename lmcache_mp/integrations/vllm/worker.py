@@ -8,18 +8,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...client.api import CacheClient
+from ...client.cache_client import CacheClient
 from ...client.cuda import StoreEvent, cuda_ipc_handles
-from ...client.shm import SharedSegment, memfd_handles
+from ...client.memfd import SharedSegment, memfd_handles
 from ...client.tracker import ChunkLayout
 from ...client.worker import WorkerAdapter
 from ...errors import LMCacheMPError
 from ...protocol import RegisterKVCacheRequest
-from ...runtime import default_url
 from .allocation import SharedMemoryAllocation
 from .config import ConnectorConfig, engine_secret, model_name, parallel_strategy
 from .layout import as_server_layout
 from .metadata import LoadSpec, StepMetadata
+from .transfers import LayerByLayerRead, LoadState, RequestTransfers, StoreState
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -28,7 +28,9 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerSide:
-    """The connector's worker role on one rank: its KV cache and its transfers in flight."""
+    """The connector's worker role on one rank: its KV cache, and one RequestTransfers per
+    request with a load or STOREs on this rank (its LoadState and StoreState), which the
+    hooks below read and change through the record's transitions alone."""
 
     def __init__(self, config: ConnectorConfig, vllm_config: VllmConfig):
         self.config = config
@@ -37,29 +39,26 @@ class WorkerSide:
         self.model = model_name(config, vllm_config)
         parallel_config = vllm_config.parallel_config
         self.parallel = parallel_strategy(vllm_config, parallel_config.rank)
-        self.tp_group = (f"{vllm_config.kv_transfer_config.engine_id}"
+        transfer_config = vllm_config.kv_transfer_config
+        assert transfer_config is not None  # vLLM makes a connector only from one
+        self.tp_group = (f"{transfer_config.engine_id}"
                          f"/dp{parallel_config.data_parallel_rank}/pp{self.parallel.pp_rank}")
-        self.url = config.url or default_url()
-        self.client = CacheClient(self.url, timeout=config.timeout,
+        self.client = CacheClient(config.url, timeout=config.timeout,
                                   client_name=f"vllm-worker-{parallel_config.rank}",
                                   mla_follower=not self.parallel.sends_transfers,
                                   engine=engine_secret(config, vllm_config))
+        self.url = self.client.rpc.url
         self.adapter = WorkerAdapter(self.client, self.model, self.parallel, config.load_timeout)
         self._segments: list[SharedSegment] = []  # the memfds we allocated the KV cache in
         self._store_event: StoreEvent | None = None  # a KV cache on a GPU: STOREs wait on it
-        self._pending_stores: set[str] = set()  # sent; the adapter has not reported them
-        self._awaiting_stores: set[str] = set()  # finished: report once their stores are read
-        self._loads_done: set[str] = set()
-        self._sync_loads: set[str] = set()  # sent; the adapter has not reported them
-        self._sent_this_step: set[str] = set()  # loads sent (sync: in handle_preemptions)
-        self._load_errors: set[int] = set()
+        # every request with a load or STOREs on this rank: what vLLM's hooks read and change
+        self.requests: dict[str, RequestTransfers] = {}
+        self._load_errors: set[int] = set()  # blocks of this step's loads that no chunk covers
         # Sync loads read layer by layer (config.load_by_layer, a cache in CPU memory): each
-        # layer name's place among the registered tensors, this step's loads read so, and
-        # the layers whose wait_for_layer_load came.
+        # layer name's place among the registered tensors, and this step's read, if any.
         self._by_layer = False
         self._layer_index: dict[str, int] = {}
-        self._reading_by_layer: set[str] = set()
-        self._layers_waited: set[int] = set()
+        self._layer_read: LayerByLayerRead | None = None
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -136,9 +135,12 @@ class WorkerSide:
         """Worker, every step, first of its hooks. A preempted request's blocks go back to
         vLLM's pool at once and this step may overwrite them: wait until the server has
         read them, or can read them no more (it answered, it is gone, or the store's
-        deadline, load_timeout and a margin, passed). Then send the step's sync loads, so
-        that the server copies while vLLM prepares the step's inputs."""
-        self.adapter.wait_for_stores(self._pending_stores.intersection(meta.preempted))
+        deadline, load_timeout and a margin, passed); it blocks only while such a store is
+        open. Then send the step's sync loads, so that the server copies while vLLM
+        prepares the step's inputs."""
+        self.adapter.wait_for_stores([request_id for request_id in meta.preempted
+                                      if request_id in self.requests
+                                      and self.requests[request_id].storing])
         self._collect()
         self._send_loads([load for load in meta.loads if load.sync])
 
@@ -147,91 +149,114 @@ class WorkerSide:
         yet. On a GPU the server answers (and tells MLA followers) only once its device
         copies into the blocks have finished, so a load reported in finished_recving can
         be read on any stream: nothing more to wait on. Sync loads feed this step's forward
-        pass (vLLM then calls this before the pass): wait until they landed or failed, at
-        most until their deadline (load_timeout and a margin), after which the server
-        writes their blocks no more; their failed blocks go to this step's load_errors,
-        and they are never reported in finished_recving."""
+        pass (vLLM then calls this before the pass): it blocks until they landed or failed,
+        at most until their deadline (load_timeout and a margin), after which the server
+        writes their blocks no more, unless each layer waits for its own (load_by_layer);
+        their failed blocks go to this step's load_errors, and they are never reported in
+        finished_recving."""
         self._send_loads(meta.loads)
-        self._sent_this_step = set()
+        sync: list[str] = []
         for load in meta.loads:
             self._load_errors.update(load.failed_block_ids)
             if load.item is None and not load.sync:
-                self._loads_done.add(load.request_id)
-        sync = {load.request_id for load in meta.loads if load.sync and load.item is not None}
+                self._request(load.request_id).nothing_to_load()
+            elif load.item is not None and load.sync:
+                self.requests[load.request_id].read_by_pass()
+                sync.append(load.request_id)
         if sync and self._by_layer:  # each layer waits for its own (wait_for_layer)
-            self._reading_by_layer = sync
-            self._layers_waited = set()
-            self._sync_loads |= sync
+            self._layer_read = LayerByLayerRead(sync)
         elif sync:
             self.adapter.wait_for_loads(sync)
-            self._sync_loads |= sync
             self._collect()
 
     def wait_for_layer(self, layer_name: str) -> None:
-        """Worker, in each attention layer of the forward pass (wait_for_layer_load): waits
+        """Worker, in each attention layer of the forward pass (wait_for_layer_load): blocks
         until the server writes this layer of the step's sync loads no more, bounded as
-        start_loads' wait."""
-        if not self._reading_by_layer:
+        start_loads' wait; returns at once when no load is read layer by layer."""
+        read = self._layer_read
+        if read is None:
             return
         index = self._layer_index.get(layer_name)
         if index is None:  # a layer the registration did not name: wait for everything
-            self.adapter.wait_for_loads(self._reading_by_layer)
+            self.adapter.wait_for_loads(read.request_ids)
             return
-        self.adapter.wait_for_layer(self._reading_by_layer, index)
-        self._layers_waited.add(index)
+        self.adapter.wait_for_layer(read.request_ids, index)
+        read.layers_waited.add(index)
 
-    def _finish_reading_by_layer(self) -> None:
+    def _finish_reading_by_layer(self, read: LayerByLayerRead) -> None:
         """After the forward pass: wait for the answer to the loads it read layer by layer
         (their failed blocks go to this step's load errors). If a layer of the cache never
         waited, the pass may have read it before it landed: report those loads as failed
         (vLLM recomputes them) and wait for whole loads from now on."""
-        reading, self._reading_by_layer = self._reading_by_layer, set()
-        self.adapter.wait_for_loads(reading)
-        if self._layers_waited != set(self._layer_index.values()):
+        self.adapter.wait_for_loads(read.request_ids)
+        if read.layers_waited != set(self._layer_index.values()):
             logger.warning("vLLM's forward pass did not call wait_for_layer_load for every "
                            "layer of the KV cache: loads are read whole from now on, and "
                            "this step's are recomputed")
             self._by_layer = False
-            self.adapter.discard_loads(reading)
+            self.adapter.discard_loads(read.request_ids)
 
     def _send_loads(self, loads: list[LoadSpec]) -> None:
         """One RETRIEVE for those of `loads` with an item that this step has not sent
         (written layer by layer when it holds a sync load and load_by_layer is on)."""
         unsent = [load for load in loads
-                  if load.item is not None and load.request_id not in self._sent_this_step]
+                  if load.item is not None and not self._sent_before_the_pass(load.request_id)]
         if unsent:
             self._require_registration()
-            self.adapter.start_load([load.item for load in unsent], by_layer=self._by_layer
-                                    and any(load.sync for load in unsent))
-            self._sent_this_step.update(load.request_id for load in unsent)
+            self.adapter.start_load([load.item for load in unsent if load.item is not None],
+                                    by_layer=self._by_layer and any(load.sync for load in unsent))
+            for load in unsent:
+                self._request(load.request_id).load_sent(load.sync)
+
+    def _sent_before_the_pass(self, request_id: str) -> bool:
+        """handle_preemptions sent the request's sync load of this step."""
+        record = self.requests.get(request_id)
+        return record is not None and record.load is LoadState.SYNC_SENT
 
     def start_stores(self, meta: StepMetadata) -> None:
-        """Worker, every step after the forward pass (wait_for_save): one STORE."""
+        """Worker, every step after the forward pass (wait_for_save): one STORE; never
+        blocks."""
         if meta.stores:
             self._require_registration()
             if self._store_event is not None:  # the server reads once this pass has written
                 self._store_event.record()
             self.adapter.start_store(meta.stores)
-            self._pending_stores.update(item.request_id for item in meta.stores)
+            for item in meta.stores:
+                self._request(item.request_id).store_sent()
 
     def finished(self, meta: StepMetadata | None) -> tuple[set[str], set[str]]:
         """Worker, every step (get_transfer_results): (finished requests whose stores have
-        all been read, requests whose loads landed or failed)."""
+        all been read, requests whose loads landed or failed). Blocks only for the answers
+        to the loads this step's forward pass read layer by layer."""
         if meta is not None:
-            self._awaiting_stores.update(meta.await_stores)
-        if self._reading_by_layer:
-            self._finish_reading_by_layer()
+            for request_id in meta.await_stores:
+                self._request(request_id).request_finished()
+        read, self._layer_read = self._layer_read, None
+        if read is not None:
+            self._finish_reading_by_layer(read)
         self._collect()
-        sending = {r for r in self._awaiting_stores if r not in self._pending_stores}
-        self._awaiting_stores -= sending
-        recving, self._loads_done = self._loads_done, set()
+        records = self.requests.values()
+        sending = {r.request_id for r in records if r.stores is StoreState.READ}
+        recving = {r.request_id for r in records if r.load is LoadState.LANDED}
+        for record in records:
+            record.reported()
+        self.requests = {rid: r for rid, r in self.requests.items() if not r.idle}
         return sending, recving
 
+    def _request(self, request_id: str) -> RequestTransfers:
+        """The request's record, made when a hook first sees it."""
+        record = self.requests.get(request_id)
+        if record is None:
+            record = self.requests[request_id] = RequestTransfers(request_id)
+        return record
+
     def _collect(self) -> None:
+        """The transfers the adapter reports ended since the last call, into their records."""
         stores, loads = self.adapter.get_finished()
-        self._pending_stores -= stores
-        self._loads_done |= loads - self._sync_loads
-        self._sync_loads -= loads
+        for request_id in stores:
+            self._request(request_id).stores_read()
+        for request_id in loads:
+            self._request(request_id).load_ended()
 
     def load_errors(self) -> set[int]:
         """Worker, every step: blocks of failed loads since the last call."""

@@ -11,8 +11,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ...errors import ServerCondition
 
-class L2Error(Exception):
+
+class L2Error(ServerCondition):
     """The L2 store failed an operation (unreachable, timed out, refused): retry later."""
 
 

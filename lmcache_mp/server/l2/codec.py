@@ -24,7 +24,7 @@ import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
 
-from ..store import ChunkKey
+from ..cache.chunk import ChunkKey
 from .keyfile import L2Keys
 
 KEY_PREFIX = b"lmcache-mp:1:"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..access import AccessError, read_secret_file
+from ..net.access import AccessError, read_secret_file
 
 MIN_KEY_CHARS = 32  # `openssl rand -hex 32` writes 64
 MAX_KEYS = 2  # the key that signs, and one being rolled in or out

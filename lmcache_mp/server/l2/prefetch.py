@@ -17,13 +17,17 @@ import asyncio
 import ctypes
 import logging
 from collections.abc import Awaitable, Sequence
+from functools import partial
 
 import torch
 
 from ...protocol import LOOKUP_SLICE_PROBES, StoreStatus
-from ..pool import CpuPool
-from ..registry import Geometry, Registry
-from ..store import Chunk, ChunkKey, ChunkStore, PrefixScan
+from ..cache.chunk import Chunk, ChunkKey
+from ..cache.pool import CpuPool
+from ..cache.scan import PrefixScan
+from ..cache.store import ChunkStore
+from ..memory.geometry import Geometry
+from ..memory.registry import Registry
 from .base import L2, L2Counters, L2Error
 from .codec import ValueFormat, l2_key, namespace
 from .health import Health
@@ -39,8 +43,9 @@ MAX_PULLS = 64  # pulls in flight at once; LOOKUPs beyond it answer from L1 alon
 def _copy_payload(value: bytes, header_bytes: int, target: torch.Tensor) -> None:
     """Copy a verified value's payload into a chunk's pool bytes; ctypes' memmove lets go of
     the GIL, and no tensor is made over the read-only `bytes`."""
-    source = ctypes.cast(ctypes.c_char_p(value), ctypes.c_void_p).value + header_bytes
-    ctypes.memmove(target.data_ptr(), source, target.numel())
+    address = ctypes.cast(ctypes.c_char_p(value), ctypes.c_void_p).value
+    assert address is not None  # a bytes object's buffer is never NULL
+    ctypes.memmove(target.data_ptr(), address + header_bytes, target.numel())
 
 
 class Prefetcher:
@@ -79,7 +84,7 @@ class Prefetcher:
         geometries = self._geometries(model, kv_world_size)
         if geometries is None:
             return None
-        pulls = []
+        pulls: list[asyncio.Task] = []
         budget = LOOKUP_SLICE_PROBES  # probes, over all items: a long L1 run is left alone
         for cache_salt, hashes in items:
             if budget < kv_world_size:
@@ -101,11 +106,14 @@ class Prefetcher:
                 pull = asyncio.ensure_future(self._pull(model, kv_world_size, cache_salt,
                                                         after, wanted, geometries))
                 self._pulls[ident] = pull
-                pull.add_done_callback(lambda _, ident=ident: self._pulls.pop(ident, None))
+                pull.add_done_callback(partial(self._forget_pull, ident))
             pulls.append(pull)
         return self._wait(pulls) if pulls else None
 
-    async def _wait(self, pulls: list[asyncio.Future]) -> None:
+    def _forget_pull(self, ident: tuple, _done: asyncio.Future) -> None:
+        self._pulls.pop(ident, None)
+
+    async def _wait(self, pulls: Sequence[asyncio.Future]) -> None:
         if self.wait_s <= 0:
             return
         _, pending = await asyncio.wait(pulls, timeout=self.wait_s)
@@ -176,13 +184,15 @@ class Prefetcher:
             if not all(intact[ranks]):
                 corrupt = intact[ranks].count(False)
                 break
-            placed = []
+            placed: list[tuple[Chunk, bytes, int]] = []
             for (chunk_key, key), value in zip(flat[ranks], values[ranks]):
+                assert value is not None  # intact
                 worker = chunk_key.kv_worker_id
                 parent = window[c - 1][worker][0] if c else parents[worker]
                 reservation = self.store.reserve(chunk_key, len(value) - header_bytes,
                                                  geometries[worker], parent=parent)
                 if reservation.status == StoreStatus.STORED:
+                    assert reservation.chunk is not None  # a STORED reservation has one
                     placed.append((reservation.chunk, value, c))
                 elif reservation.status != StoreStatus.ALREADY_STORED:
                     break  # no room, over the salt's cap, or its parent left L1: it ends here
@@ -198,10 +208,12 @@ class Prefetcher:
         def abort() -> None:
             for chunk, _, _ in reserved:
                 self.store.abort(chunk)
-        try:
-            await self.offload.run(lambda: [
+
+        def copy_reserved() -> None:
+            for chunk, value, _ in reserved:
                 _copy_payload(value, header_bytes, self.pool.view(chunk.offset, chunk.nbytes))
-                for chunk, value, _ in reserved], abort)
+        try:
+            await self.offload.run(copy_reserved, abort)
         except asyncio.CancelledError:
             raise  # aborted when the copy thread is done
         except BaseException:

@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 from .base import L2, L2Error
 from .urls import check_url, parse_cluster_url
 
+
 class RedisL2(L2):
     """One client (a connection pool, or a cluster client) shared by every L2 operation."""
 

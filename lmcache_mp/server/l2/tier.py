@@ -10,9 +10,10 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
-from ..pool import CpuPool
-from ..registry import Registry
-from ..store import Chunk, ChunkStore
+from ..cache.chunk import Chunk
+from ..cache.pool import CpuPool
+from ..cache.store import ChunkStore
+from ..memory.registry import Registry
 from .base import L2, L2Counters, L2Error
 from .codec import ValueFormat, value_format
 from .health import Health
@@ -23,6 +24,7 @@ from .prefetch import Prefetcher
 from .redis import RedisL2
 from .urls import read_password_file
 from .writeback import WriteBehind
+
 
 class L2Tier:
     def __init__(self, backend: L2, store: ChunkStore, registry: Registry, pool: CpuPool,

@@ -45,7 +45,7 @@ def check_url(url: str) -> None:
     parts = urlsplit(url)
     if not parts.hostname:
         raise ValueError(f"--l2 {url!r}: no host")
-    parts.port  # raises ValueError for a port that is not a number
+    _ = parts.port  # raises ValueError for a port that is not a number
     if parts.path.strip("/") and not parts.path.strip("/").isdigit():
         raise ValueError(f"--l2 {url!r}: the path must be a database number")
 

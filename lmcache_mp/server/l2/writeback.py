@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quotas import QuotaBook
-from ..store import Chunk, ChunkStore
+from ..cache.chunk import Chunk
+from ..cache.quotas import QuotaBook
+from ..cache.store import ChunkStore
 from .base import L2, L2Counters, L2Error
 from .codec import ValueFormat, l2_key, namespace
 from .health import Health
@@ -84,7 +85,8 @@ class WriteBehind:
             self._wake.set()
 
     def _take(self) -> list[_Queued]:
-        batch, size = [], 0
+        batch: list[_Queued] = []
+        size = 0
         while self._queue and (not batch or size + self._queue[0].chunk.nbytes <= BATCH_BYTES):
             batch.append(self._queue.popleft())
             size += batch[-1].chunk.nbytes

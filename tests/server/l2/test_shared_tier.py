@@ -13,7 +13,14 @@ from lmcache_mp.client import CacheClient, LookupItem, StoreStatus
 from ...redis_servers import redis_cluster, redis_server
 from ...utils import run_server
 from ...workers import (
-    BLOCKS_PER_CHUNK, MODEL, Job, chunk_blocks, expected_blocks, prompt, retrieve_worker, run,
+    BLOCKS_PER_CHUNK,
+    MODEL,
+    Job,
+    chunk_blocks,
+    expected_blocks,
+    prompt,
+    retrieve_worker,
+    run,
     store_worker,
 )
 

@@ -8,14 +8,22 @@ import os
 
 import pytest
 
+from lmcache_mp.server.cache.chunk import ChunkKey
 from lmcache_mp.server.config import Config
 from lmcache_mp.server.l2.codec import (
-    CrcFormat, MacFormat, ValueFormat, key_id, l2_key, namespace, value_format,
+    CrcFormat,
+    MacFormat,
+    ValueFormat,
+    key_id,
+    l2_key,
+    namespace,
+    value_format,
 )
 from lmcache_mp.server.l2.keyfile import L2Keys, read_key_file
 from lmcache_mp.server.l2.ledger import Ledger
 from lmcache_mp.server.l2.urls import check_url, parse_cluster_url
-from lmcache_mp.server.store import ChunkKey
+
+from ...utils import FakeClock
 
 
 @pytest.mark.parametrize("url", [
@@ -157,16 +165,8 @@ def test_a_keyed_server_takes_only_values_signed_by_its_keys():
     assert CrcFormat().payload(key, signed_new, len(payload)) is None
 
 
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_ledger_budget_deletes_the_oldest_values():
-    ledger = Ledger(budget=300, ttl_s=60, clock=Clock())
+    ledger = Ledger(budget=300, ttl_s=60, clock=FakeClock(0.0))
     for name in (b"a", b"b", b"c"):
         assert ledger.make_room("s", 100, None) == []
         ledger.add(name, "s", 100)
@@ -178,7 +178,7 @@ def test_ledger_budget_deletes_the_oldest_values():
 
 
 def test_ledger_caps_a_salt_by_its_own_oldest_values_first():
-    ledger = Ledger(budget=None, ttl_s=60, clock=Clock())
+    ledger = Ledger(budget=None, ttl_s=60, clock=FakeClock(0.0))
     ledger.add(b"other", "t", 100)
     ledger.add(b"a", "s", 100)
     ledger.add(b"b", "s", 100)
@@ -188,7 +188,7 @@ def test_ledger_caps_a_salt_by_its_own_oldest_values_first():
 
 
 def test_ledger_forgets_expired_values_and_failed_writes():
-    clock = Clock()
+    clock = FakeClock(0.0)
     ledger = Ledger(budget=None, ttl_s=10, clock=clock)
     ledger.add(b"a", "s", 100)
     clock.now = 5

@@ -1,0 +1,334 @@
+"""Registered worker caches: their handles mapped, bounded per connection and uid, liveness."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import secrets
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, Protocol, cast
+
+import torch
+
+from ...errors import BadRequest, UnknownInstance
+from ...protocol import (
+    MAX_REGISTERED_BYTES_PER_CONNECTION,
+    MAX_REGISTERED_BYTES_PER_UID,
+    MAX_REGISTRATIONS,
+    MAX_REGISTRATIONS_PER_CONNECTION,
+    TICKET_BYTES,
+    CudaIpcHandle,
+    MemfdHandle,
+    RegisterKVCacheRequest,
+    span_bytes,
+)
+from ...protocol.fd_channel import FD_CHANNEL_MAGIC
+from .cuda_ipc import Allocation, CudaIpcSupport, open_allocations
+from .geometry import DTYPES
+from .handles import Window, check, memory_of, stack_layers, validate_handles
+from .host_rows import HostRows
+from .instance import KVCacheInstance
+
+logger = logging.getLogger(__name__)
+
+# A memfd may hold at most this much beyond twice its layers' extent: the server maps only
+# the extent, and a registration keeps no more than that of a worker's memory alive.
+SEGMENT_SLACK_BYTES = 1024**2
+# fd_channel.FdChannel.watch: (token, on_hangup) -> how to stop watching, or None
+Watch = Callable[[bytes, Callable[[], None]], Callable[[], None] | None]
+
+
+def _release(counter: Counter, key: Any, amount: int) -> None:
+    counter[key] -= amount
+    if not counter[key]:
+        del counter[key]
+
+
+class Tickets(Protocol):
+    """The fd channel's tickets, as the registry uses them (fd_channel.FdChannel)."""
+
+    def peek(self, ticket: bytes) -> Any: ...  # its PassedFd, or None
+    def spend(self, ticket: bytes) -> None: ...
+
+
+class Registry:
+    """Every registered KV cache by instance id, and the clients that own them."""
+
+    def __init__(self, chunk_size: int, clock: Callable[[], float],
+                 tickets: Tickets, cuda_ipc: CudaIpcSupport | None = None,
+                 watch: Watch | None = None):
+        """`tickets`: the fd channel's, which memfd handles name;
+        `cuda_ipc`: how to map cuda_ipc handles; None on a server without CUDA;
+        `watch`: the fd channel's watches, which end a registration when its worker hangs up."""
+        self.chunk_size = chunk_size
+        self.clock = clock
+        self.tickets = tickets
+        self.cuda_ipc = cuda_ipc
+        self.watch = watch
+        self._instances: dict[int, KVCacheInstance] = {}
+        # The same by the connection that owns them, and by engine: every request refreshes
+        # its connection's registrations, and an MLA RETRIEVE finds its leader's TP group,
+        # neither by a walk over everyone's (up to MAX_REGISTRATIONS).
+        self._by_owner: dict[bytes, dict[int, KVCacheInstance]] = {}
+        self._by_engine: dict[bytes, dict[int, KVCacheInstance]] = {}
+        # Bytes of memfd extents registered, by connection and by the uid that sent them.
+        self._bytes_of_owner: Counter[bytes] = Counter()
+        self._bytes_of_uid: Counter[int] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._instances)
+
+    def register(self, owner: bytes, engine: bytes, req: RegisterKVCacheRequest,
+                 uid: int | None = None) -> KVCacheInstance:
+        """Map a worker's cache for connection `owner` of `engine`, whose peer is `uid` (None:
+        unknown) (access.Session). A refusal leaves every ticket it names unspent."""
+        # Each mapping holds a descriptor in this process: bounded, so no client can use up
+        # the server's descriptors (and with them every other client's connections).
+        check(len(self._instances) < MAX_REGISTRATIONS,
+              f"the server holds {MAX_REGISTRATIONS} registrations already (MAX_REGISTRATIONS)")
+        mine = len(self._by_owner.get(owner, ()))
+        check(mine < MAX_REGISTRATIONS_PER_CONNECTION,
+              f"this connection holds {mine} registrations already; the limit is "
+              f"{MAX_REGISTRATIONS_PER_CONNECTION} (MAX_REGISTRATIONS_PER_CONNECTION): "
+              f"unregister one first")
+        geometry, num_blocks = validate_handles(req, self.chunk_size)
+        dtype = DTYPES[geometry.dtype]
+        memfd = req.layers[0].kind == MemfdHandle.KIND
+        # validate_handles: every layer is of layers[0]'s kind
+        memfds = cast(list[MemfdHandle], req.layers) if memfd else []
+        passed = self._usable_tickets(memfds, engine, uid) if memfd else {}
+        mappings: dict[bytes, mmap.mmap] = {}
+        allocations: dict[bytes, Allocation] = {}
+        prefault: list[tuple[mmap.mmap, int, int]] = []
+        registered: Counter[int] = Counter()
+        handles = req.layers
+        stop_watching = None
+        try:
+            if memfd:
+                sizes = {ticket: p.size for ticket, p in passed.items()}
+            else:
+                if self.cuda_ipc is None:
+                    raise BadRequest("`layers[0].kind`: this server has no CUDA, so it cannot "
+                                     "map cuda_ipc handles; register memfd handles")
+                allocations = open_allocations(cast(list[CudaIpcHandle], req.layers),
+                                               self.cuda_ipc)
+                sizes = {key: a.data.numel() for key, a in allocations.items()}
+            ends = []
+            for i, handle in enumerate(req.layers):
+                size = sizes[memory_of(handle)]
+                end = handle.offset + span_bytes(handle.shape, handle.strides, dtype.itemsize)
+                where = (f"memfd {handle.name[:64]!r}" if isinstance(handle, MemfdHandle)
+                         else "its CUDA allocation")
+                check(end <= size, f"`layers[{i}]`: tensor ends at byte {end} but {where} "
+                      f"holds {size} bytes")
+                ends.append(end)
+            if memfd:
+                windows = self._windows(owner, memfds, ends, passed)
+                for ticket, window in windows.items():
+                    mappings[ticket], runs = window.map(passed[ticket])
+                    prefault += [(mappings[ticket], offset, length) for offset, length in runs]
+                    registered[passed[ticket].uid] += window.end - window.start
+                # Each mapping starts at its window: offsets count from there.
+                handles = [replace(h, offset=h.offset - windows[h.ticket].start) for h in memfds]
+            instance_id = self._new_id()
+            stop_watching = self._watch(req.watch, instance_id) if req.watch else None
+            # Views only once nothing can fail: a segment with views cannot be closed.
+            buffers = ({name: torch.frombuffer(m, dtype=torch.uint8)
+                        for name, m in mappings.items()}
+                       if mappings else {key: a.data for key, a in allocations.items()})
+            typed = {key: raw[:raw.numel() - raw.numel() % dtype.itemsize].view(dtype)
+                     for key, raw in buffers.items()}
+            layers = [typed[memory_of(h)].as_strided(h.shape, h.strides, h.offset // dtype.itemsize)
+                      for h in handles]
+            stacked = stack_layers(handles, typed[memory_of(handles[0])])
+            lane = None
+            if allocations:
+                assert self.cuda_ipc is not None  # it opened them
+                try:
+                    lane = self.cuda_ipc.new_lane(layers[0].device, geometry, req.store_event)
+                except RuntimeError as exc:  # the event handle does not open, or no memory
+                    raise BadRequest(f"`store_event`: cannot set up GPU copies for this cache "
+                                     f"({exc})") from None
+        except BaseException:  # only cuda_ipc can fail after the views exist: they hold no mmap
+            if stop_watching is not None:
+                stop_watching()
+            for mapping in mappings.values():
+                mapping.close()
+            for allocation in allocations.values():
+                allocation.close()
+            raise
+        for ticket in passed:  # registered: only now are the tickets used up
+            self.tickets.spend(ticket)
+        instance = KVCacheInstance(
+            instance_id=instance_id, owner=owner, engine=engine, model=req.model,
+            kv_world_size=req.kv_world_size, kv_worker_id=req.kv_worker_id, tp_rank=req.tp_rank,
+            tp_group=req.tp_group,
+            num_blocks=num_blocks, geometry=geometry, layers=layers, stacked=stacked,
+            mappings=list(mappings.values()), last_seen=self.clock(),
+            allocations=list(allocations.values()), lane=lane, stop_watching=stop_watching,
+            host_rows=HostRows.of(layers, stacked, geometry.block_dim), prefault=prefault,
+            registered=registered)
+        self._instances[instance.instance_id] = instance
+        self._bytes_of_owner[owner] += registered.total()
+        self._bytes_of_uid.update(registered)
+        for index, key in ((self._by_owner, owner), (self._by_engine, engine)):
+            index.setdefault(key, {})[instance.instance_id] = instance
+        instance.start_populating()
+        logger.info("registered instance %d: model %s, kv worker %d/%d, %d layers on %s, "
+                    "%d blocks, %d bytes per chunk%s", instance.instance_id, req.model,
+                    req.kv_worker_id, req.kv_world_size, geometry.num_layers, layers[0].device,
+                    num_blocks, geometry.chunk_bytes,
+                    "" if stacked is not None else " (per-layer copies)")
+        return instance
+
+    def _usable_tickets(self, handles: list[MemfdHandle], engine: bytes, uid: int | None
+                        ) -> dict[bytes, Any]:
+        """The fd channel's PassedFd for each ticket the layers name, once each is known to
+        serve this session: sent by its uid and, if a binding asked for it, for its engine.
+        Nothing is spent, so a refusal leaves the ticket to its rightful user."""
+        passed = {}
+        for i, handle in enumerate(handles):
+            if handle.ticket in passed:
+                continue
+            path = f"`layers[{i}].ticket`"
+            check(len(handle.ticket) == TICKET_BYTES, f"{path}: expected {TICKET_BYTES} bytes "
+                  f"from the fd channel, got {len(handle.ticket)}")
+            found = self.tickets.peek(handle.ticket)
+            check(found is not None, f"{path}: unknown or expired ticket (for segment "
+                  f"{handle.name[:64]!r}): send the memfd to the fd channel (HELLO's "
+                  f"fd_socket) and register within a minute")
+            kept = "refused, and the ticket kept for the session it serves"
+            check(uid is None or found.uid == uid, f"{path}: another uid sent its memfd; a "
+                  f"ticket serves only sessions of the uid that sent the descriptor ({kept})")
+            check(found.engine is None or found.engine == engine, f"{path}: it was issued "
+                  f"to a session of another engine; a ticket serves only the engine whose "
+                  f"fd_binding asked for it ({kept})")
+            check(found.engine is not None or uid is not None, f"{path}: it is bound to no "
+                  f"engine (a version 1 request, {FD_CHANNEL_MAGIC!r}) and this session's uid is "
+                  f"unknown (tcp://): ask for tickets with HELLO's fd_binding ({kept})")
+            passed[handle.ticket] = found
+        return passed
+
+    def _windows(self, owner: bytes, handles: list[MemfdHandle], ends: list[int],
+                 passed: dict[bytes, Any]) -> dict[bytes, Window]:
+        """Per ticket, the window of its memfd that the layers span (`ends`: where each
+        layer's bytes end). Refused for a memfd much larger than its window, or past the
+        registered bytes a connection or a uid may have."""
+        windows: dict[bytes, Window] = {}
+        for i, (h, end) in enumerate(zip(handles, ends)):
+            start = h.offset - h.offset % mmap.ALLOCATIONGRANULARITY
+            window = windows.setdefault(h.ticket, Window(f"layers[{i}]", h.name, start, end))
+            window.start, window.end = min(window.start, start), max(window.end, end)
+        adding: Counter[int] = Counter()
+        for ticket, window in windows.items():
+            size, extent = passed[ticket].size, window.end - window.start
+            check(size <= 2 * extent + SEGMENT_SLACK_BYTES, f"`{window.path}`: memfd "
+                  f"{window.name[:64]!r} holds {size} bytes, but its layers span {extent} "
+                  f"(bytes {window.start} to {window.end}); a segment may hold at most twice "
+                  f"its layers' extent and {SEGMENT_SLACK_BYTES} bytes more: size it to the "
+                  f"cache")
+            adding[passed[ticket].uid] += extent
+        mine = self._bytes_of_owner[owner]
+        check(mine + adding.total() <= MAX_REGISTERED_BYTES_PER_CONNECTION,
+              f"`layers`: this connection has {mine} bytes of worker memory registered; "
+              f"{adding.total()} more would pass MAX_REGISTERED_BYTES_PER_CONNECTION "
+              f"({MAX_REGISTERED_BYTES_PER_CONNECTION}): unregister a cache first")
+        for sender, nbytes in adding.items():
+            theirs = self._bytes_of_uid[sender]
+            check(theirs + nbytes <= MAX_REGISTERED_BYTES_PER_UID,
+                  f"`layers`: uid {sender}'s memfds are registered for {theirs} bytes; "
+                  f"{nbytes} more would pass MAX_REGISTERED_BYTES_PER_UID "
+                  f"({MAX_REGISTERED_BYTES_PER_UID}): unregister caches of that uid first")
+        return windows
+
+    def _watch(self, token: bytes, instance_id: int) -> Callable[[], None]:
+        """Drop the registration as soon as the worker's watch connection hangs up."""
+        if self.watch is None:
+            raise BadRequest("`watch`: this server takes no watches")
+        check(len(token) == TICKET_BYTES, f"`watch`: expected {TICKET_BYTES} bytes from the "
+              f"fd channel, got {len(token)}")
+
+        def hung_up() -> None:
+            if instance_id in self._instances:
+                logger.info("instance %d: its worker hung up its watch (it exited); "
+                               "dropping its registration", instance_id)
+                self.unregister(instance_id)
+        stop = self.watch(token, hung_up)
+        if stop is None:
+            raise BadRequest("`watch`: unknown, expired or closed watch: open one on the fd "
+                             "channel (HELLO's fd_socket) and register within a minute, keeping "
+                             "it open")
+        return stop
+
+    def _new_id(self) -> int:
+        # Random, so that an id a client kept from before a server restart names nothing.
+        while True:
+            instance_id = secrets.randbits(53) or 1  # exact in every msgpack implementation
+            if instance_id not in self._instances:
+                return instance_id
+
+    def get(self, instance_id: int, owner: bytes) -> KVCacheInstance:
+        """The instance, if this connection registered it."""
+        instance = self._instances.get(instance_id)
+        if instance is None or instance.owner != owner:
+            raise UnknownInstance(f"no KV cache with instance_id {instance_id} is registered "
+                                  f"by this connection; register it (again) first")
+        return instance
+
+    def owns_any(self, owner: bytes) -> bool:
+        return owner in self._by_owner
+
+    def seen(self, owner: bytes) -> None:
+        mine = self._by_owner.get(owner)
+        if mine:
+            now = self.clock()
+            for instance in mine.values():
+                instance.last_seen = now
+
+    def unregister(self, instance_id: int) -> None:
+        instance = self._instances.pop(instance_id)
+        _release(self._bytes_of_owner, instance.owner, instance.registered.total())
+        for sender, nbytes in instance.registered.items():
+            _release(self._bytes_of_uid, sender, nbytes)
+        for index, key in ((self._by_owner, instance.owner), (self._by_engine, instance.engine)):
+            group = index[key]
+            del group[instance_id]
+            if not group:
+                del index[key]
+        instance.closed = True
+        if instance.stop_watching is not None:
+            instance.stop_watching()
+        if instance.copies_in_flight == 0:
+            instance.unmap()
+        logger.info("unregistered instance %d", instance_id)
+
+    def copy_finished(self, instance: KVCacheInstance) -> None:
+        instance.copies_in_flight -= 1
+        if instance.closed and instance.copies_in_flight == 0:
+            instance.unmap()
+
+    def expired(self, timeout: float) -> list[int]:
+        deadline = self.clock() - timeout
+        return [i.instance_id for i in self._instances.values() if i.last_seen < deadline]
+
+    def instance_ids(self) -> list[int]:
+        return list(self._instances)
+
+    def instances(self) -> list[KVCacheInstance]:
+        return list(self._instances.values())
+
+    def tp_followers(self, leader: KVCacheInstance) -> list[KVCacheInstance]:
+        """Under MLA, the other ranks of the leader's TP group: the same engine (the secret
+        its sessions share) and tp_group, model, kv rank, cache shape and handle kind, so
+        they take the same chunks into the same blocks. Nobody outside the engine can join."""
+        if leader.geometry.layout != "mla":
+            return []
+        return [i for i in self._by_engine[leader.engine].values()
+                if i is not leader and i.tp_rank != leader.tp_rank
+                and i.tp_group == leader.tp_group and i.model == leader.model
+                and i.kv_world_size == leader.kv_world_size
+                and i.kv_worker_id == leader.kv_worker_id and i.geometry == leader.geometry
+                and i.num_blocks == leader.num_blocks
+                and (i.lane is None) == (leader.lane is None)]  # both on GPUs, or both not

@@ -1,0 +1,71 @@
+"""CLEAR and the QUOTA ops (admins only), and the quota file's reload on SIGHUP."""
+
+from __future__ import annotations
+
+from ...errors import BadRequest
+from ...protocol import (
+    ClearReply,
+    ClearRequest,
+    QuotaDeleteRequest,
+    QuotaGetRequest,
+    QuotaInfo,
+    QuotaListReply,
+    QuotaListRequest,
+    QuotaSetRequest,
+    validate_salt,
+)
+from ..cache.quotas import Quota, QuotaError, load_quota_file
+from ..net.access import Session
+from .context import OpContext
+
+
+class AdminOps:
+    def __init__(self, ctx: OpContext):
+        self.ctx = ctx
+
+    def clear(self, session: Session, req: ClearRequest) -> ClearReply:
+        if req.cache_salt is not None:
+            validate_salt(req.cache_salt, "cache_salt")
+        return ClearReply(self.ctx.store.clear(req.cache_salt))
+
+    def _quota_info(self, salt: str) -> QuotaInfo:
+        store = self.ctx.store
+        quota = store.quotas.get(salt)
+        usage = store.tenants.get(salt)
+        return QuotaInfo(salt, quota.cap, quota.reserve, store.quotas.has_own(salt),
+                         usage.bytes_used if usage else 0)
+
+    def quota_set(self, session: Session, req: QuotaSetRequest) -> QuotaInfo:
+        salt = validate_salt(req.cache_salt)
+        try:
+            self.ctx.store.quotas.set(salt, Quota(req.cap, req.reserve))
+        except QuotaError as exc:
+            raise BadRequest(f"quota for {salt!r} refused: {exc}") from None
+        self.ctx.store.enforce_cap(salt)
+        return self._quota_info(salt)
+
+    def quota_get(self, session: Session, req: QuotaGetRequest) -> QuotaInfo:
+        return self._quota_info(validate_salt(req.cache_salt))
+
+    def quota_delete(self, session: Session, req: QuotaDeleteRequest) -> QuotaInfo:
+        """Drop the run-time quota; the file's, the flags' or the default applies again."""
+        salt = validate_salt(req.cache_salt)
+        try:
+            self.ctx.store.quotas.delete(salt)
+        except QuotaError as exc:
+            raise BadRequest(f"quota for {salt!r} not deleted: {exc}") from None
+        self.ctx.store.enforce_cap(salt)
+        return self._quota_info(salt)
+
+    def quota_list(self, session: Session, req: QuotaListRequest) -> QuotaListReply:
+        quotas = self.ctx.store.quotas
+        return QuotaListReply(quotas.default.cap,
+                              [self._quota_info(salt) for salt in sorted(quotas.configured())])
+
+    def reload_quota_file(self) -> None:
+        """Read --quota-file again (on SIGHUP); raises QuotaError and keeps the old quotas."""
+        config, store = self.ctx.config, self.ctx.store
+        if config.quota_file is None:
+            raise QuotaError("no --quota-file to reload")
+        store.quotas.replace_file(load_quota_file(config.quota_file))
+        store.enforce_caps()

@@ -1,0 +1,137 @@
+"""Wiring: every part of a server built from its Config into one typed record, before start."""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import cuda, runtime
+from .cache.chunk import GPU_TIER, Chunk
+from .cache.pool import CpuPool, CudaPinner, DevicePool
+from .cache.store import ChunkStore
+from .config import Config
+from .copy.device import CudaDevice
+from .copy.engine import CopyEngine
+from .copy.streams import StreamCopier
+from .memory.cuda_ipc import CudaIpcSupport, SharedAllocations
+from .memory.registry import Registry
+from .net.access import Sessions, load_or_create_token, prepare_runtime_dir, read_token_file
+from .net.fd_channel import FdChannel
+from .net.router import Router
+from .observe.metrics import ServerMetrics
+from .ops.dispatcher import Dispatcher
+from .warm.segment import KEY_NAME, WarmStart
+
+if TYPE_CHECKING:
+    from .l2.tier import L2Tier
+
+_GPU_COPY_TIMEOUT_S = 60.0  # one request's device work; a GPU that takes longer has failed
+
+
+@dataclass(frozen=True)
+class Components:
+    """A server's parts, each built once: the lifecycle (server.py) starts them in order and
+    stops them in the reverse one."""
+
+    config: Config
+    sessions: Sessions
+    label_key: bytes  # keys the tenant labels' digests: the admin token
+    fd_channel: FdChannel
+    warm: WarmStart | None  # the named pool segment (--pool-segment)
+    pool: CpuPool
+    gpu_pool: DevicePool | None  # the GPU tier (--gpu-size)
+    store: ChunkStore
+    registry: Registry
+    copy_engine: CopyEngine
+    copier: StreamCopier | None  # copies of caches on GPUs (a server with CUDA)
+    l2: L2Tier | None  # the shared second tier (--l2)
+    metrics: ServerMetrics
+    dispatcher: Dispatcher
+    router: Router
+
+
+def wire(config: Config) -> Components:
+    """Build every part; a warm start adopts its chunks here. Raises AccessError,
+    WarmStartError, QuotaError or OSError for what keeps a server from starting."""
+    # Every connection and registration costs a descriptor: take all the system allows.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    sessions, admin_token, fd_channel = _access(config)
+    # Parallelism comes from the copy threads; torch's own pool would oversubscribe the cores.
+    torch.set_num_threads(1)
+    has_cuda = torch.cuda.is_available()
+    warm = _warm_start(config)
+    pool = CpuPool(config.cpu_size, CudaPinner() if has_cuda else None,
+                   warm.open() if warm is not None else None)
+    gpu_pool = DevicePool(config.gpu_size, torch.device("cuda", 0)) if config.gpu_size else None
+    capacity = pool.capacity + (gpu_pool.capacity if gpu_pool is not None else 0)
+    store = ChunkStore(pool.allocator, config.lease_timeout, config.quota_book(capacity),
+                       gpu_allocator=gpu_pool.allocator if gpu_pool is not None else None)
+    if warm is not None:
+        warm.restore(store, pool)
+    copier = cuda_ipc = None
+    if has_cuda:
+        copier = StreamCopier(CudaDevice(), config.copy_threads, _GPU_COPY_TIMEOUT_S)
+        cuda_ipc = CudaIpcSupport(SharedAllocations(cuda.open_allocation).open,
+                                  cuda.device_index, copier.new_lane)
+    registry = Registry(config.chunk_size, time.monotonic, fd_channel, cuda_ipc,
+                        fd_channel.watch)
+    copy_engine = CopyEngine(config.copy_threads)
+    l2 = None
+    if config.l2 is not None:
+        from .l2.tier import L2Tier  # redis-py is needed only with --l2
+
+        def chunk_bytes(chunk: Chunk) -> torch.Tensor:
+            tier_pool = gpu_pool if chunk.tier == GPU_TIER else pool
+            assert tier_pool is not None  # GPU-tier chunks exist only with a GPU pool
+            return tier_pool.view(chunk.offset, chunk.nbytes)
+        l2 = L2Tier.from_config(config, store, registry, pool, chunk_bytes)
+    metrics = ServerMetrics()
+    # The router sends what the dispatcher pushes (LOAD_DONE), and hands it every request.
+    dispatcher = Dispatcher(config, store, pool, registry, copy_engine, sessions,
+                            fd_channel.path, push=lambda client, message: router.push(
+                                client, message),
+                            copier=copier, gpu_pool=gpu_pool, metrics=metrics, l2=l2)
+    router = Router(config, dispatcher, sessions, metrics)
+    return Components(config, sessions, admin_token.encode(), fd_channel, warm, pool,
+                      gpu_pool, store, registry, copy_engine, copier, l2, metrics, dispatcher,
+                      router)
+
+
+def _access(config: Config) -> tuple[Sessions, str, FdChannel]:
+    """The runtime directory, the tokens and the fd channel; raises AccessError."""
+    gid = config.socket_gid
+    directory = Path(config.runtime_dir)
+    prepare_runtime_dir(directory, gid)
+    shared_mode = 0o640 if gid is not None else 0o600
+    engine_token = (read_token_file(Path(config.token_file)) if config.token_file else
+                    load_or_create_token(directory / runtime.TOKEN_NAME, shared_mode, gid))
+    admin_token = (read_token_file(Path(config.admin_token_file), 0o600)
+                   if config.admin_token_file else
+                   load_or_create_token(directory / runtime.ADMIN_TOKEN_NAME, 0o600, None))
+    # Only a socket file has permissions to decide who connects: tcp:// and abstract
+    # ipc://@ sockets need the token.
+    path_socket = (config.bind_url.startswith("ipc://")
+                   and not config.bind_url.startswith("ipc://@"))
+    sessions = Sessions(engine_token, admin_token, token_required=not path_socket)
+    channel = FdChannel(str(directory / runtime.FD_SOCKET_NAME),
+                        0o660 if gid is not None else 0o600, gid, bindings=sessions.bound)
+    return sessions, admin_token, channel
+
+
+def _warm_start(config: Config) -> WarmStart | None:
+    if config.pool_segment is None:
+        return None
+    # The key that signs snapshots lives apart from them, in the runtime directory: whoever
+    # can write /dev/shm (a container sharing it, say) cannot read it.
+    key = load_or_create_token(Path(config.runtime_dir) / KEY_NAME, 0o600, None)
+    return WarmStart(config.pool_segment, config.cpu_size, config.chunk_size, key.encode(),
+                     config.adopt,
+                     Path(config.pool_segment_dir) if config.pool_segment_dir else None,
+                     config.copy_threads)
