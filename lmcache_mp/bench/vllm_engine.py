@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from ..errors import LMCacheMPError
 
@@ -60,6 +61,9 @@ class TinyLlama:
     intermediate: int = 256
     vocab: int = 1024
     max_positions: int = 4096
+    # > 0: a hybrid model whose even layers attend to this many tokens back (vLLM's Llama
+    # reads config.layer_types), so that vLLM makes a sliding-window KV cache group
+    sliding_window: int = 0
 
 
 def write_model(path: Path, seed: int, shape: TinyLlama = TinyLlama()) -> None:
@@ -103,6 +107,10 @@ def write_model(path: Path, seed: int, shape: TinyLlama = TinyLlama()) -> None:
                          max_position_embeddings=shape.max_positions, tie_word_embeddings=False,
                          bos_token_id=1, eos_token_id=2, dtype="float32")
     config.architectures = ["LlamaForCausalLM"]
+    if shape.sliding_window:
+        config.layer_types = ["sliding_attention" if layer % 2 == 0 else "full_attention"
+                              for layer in range(shape.layers)]
+        config.sliding_window = shape.sliding_window
     config.save_pretrained(path)
     save_file({name: tensor.contiguous() for name, tensor in tensors.items()},
               str(path / "model.safetensors"))
@@ -128,6 +136,11 @@ class EngineSettings:
     cache_name: str = "tiny-llama"  # the connector's `model`: the name in cache keys
     max_model_len: int = 2048
     sync_load_max_bytes: int | None = None  # the connector's option; None: its default
+    # vLLM's kv_role: kv_producer (a prefill engine), kv_consumer (a decode engine)
+    kv_role: Literal["kv_both", "kv_producer", "kv_consumer"] = "kv_both"
+    store_generated: bool | None = None  # the connector's option; None: its default
+    # vLLM's hybrid KV cache manager (a group per attention kind); off: every layer full-length
+    hybrid_kv_cache_manager: bool = True
 
 
 @dataclass
@@ -165,6 +178,7 @@ class EngineProcess:
 
     def __init__(self, python: str, settings: EngineSettings, log_path: Path) -> None:
         self.settings = settings
+        self.kv_cache: dict = {}  # vLLM's KV cache plan, once wait_ready returned
         self.log_path = log_path
         self._log = open(log_path, "wb")
         env = os.environ | ENGINE_ENV
@@ -175,8 +189,11 @@ class EngineProcess:
         self._stdin, self._stdout = self._proc.stdin, self._proc.stdout
 
     def wait_ready(self, timeout: float = 300.0) -> float:
-        """Seconds the engine took to start; engines started together start in parallel."""
-        return self._read_line(timeout)["ready"]
+        """Seconds the engine took to start; engines started together start in parallel.
+        Its KV cache, as vLLM planned it, is then in `kv_cache` (_kv_cache_report)."""
+        ready = self._read_line(timeout)
+        self.kv_cache = ready["kv_cache"]
+        return ready["ready"]
 
     def generate(self, prompts: list[Prompt], max_tokens: int = 8,
                  timeout: float = 120.0) -> BatchResult:
@@ -226,14 +243,29 @@ def _build_engine(settings: EngineSettings):
              "model": settings.cache_name}
     if settings.sync_load_max_bytes is not None:
         extra["sync_load_max_bytes"] = settings.sync_load_max_bytes
+    if settings.store_generated is not None:
+        extra["store_generated"] = settings.store_generated
     transfer = KVTransferConfig(
         kv_connector="LMCacheMPServerConnector",
-        kv_connector_module_path="lmcache_mp.integrations.vllm", kv_role="kv_both",
+        kv_connector_module_path="lmcache_mp.integrations.vllm", kv_role=settings.kv_role,
         kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     return LLM(model=settings.model_dir, skip_tokenizer_init=True, block_size=BLOCK_SIZE,
                max_model_len=settings.max_model_len, max_num_seqs=8, enforce_eager=True,
                dtype="float32", seed=0, enable_prefix_caching=True,
-               disable_hybrid_kv_cache_manager=True, kv_transfer_config=transfer)
+               disable_hybrid_kv_cache_manager=not settings.hybrid_kv_cache_manager,
+               kv_transfer_config=transfer)
+
+
+def _kv_cache_report(llm) -> dict:
+    """The KV cache vLLM planned: its groups, blocks, and how many requests of
+    max_model_len tokens fit (vLLM's own "maximum concurrency" figure)."""
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    config = llm.llm_engine.vllm_config
+    kv_cache_config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    return {"groups": [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups],
+            "num_blocks": kv_cache_config.num_blocks,
+            "max_concurrency": get_max_concurrency_for_kv_cache_config(config, kv_cache_config)}
 
 
 def _serve(settings: EngineSettings) -> None:
@@ -248,7 +280,7 @@ def _serve(settings: EngineSettings) -> None:
         replies.write(json.dumps(payload) + "\n")
         replies.flush()
 
-    reply({"ready": time.perf_counter() - started})
+    reply({"ready": time.perf_counter() - started, "kv_cache": _kv_cache_report(llm)})
     for line in sys.stdin:
         batch = json.loads(line)
         params = SamplingParams(temperature=0.0, max_tokens=batch["max_tokens"], logprobs=0,

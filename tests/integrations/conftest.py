@@ -1,8 +1,11 @@
-"""The model the vLLM tests' engines are configured with: its config.json, no weights."""
+"""What the vLLM tests share: the model their engines are configured with (its config.json,
+no weights), a real server per module, and test_vllm.py's Engines against it."""
 
 import json
 
 import pytest
+
+from ..utils import run_server
 
 LAYERS = 4
 TINY_LLAMA = {
@@ -18,3 +21,25 @@ def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     (path / "config.json").write_text(json.dumps(TINY_LLAMA))
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with run_server("--lease-timeout", "30") as srv:
+        yield srv
+
+
+@pytest.fixture
+def engines(model_dir, server):
+    """make(**Engine options) -> an Engine against the module's server, closed after."""
+    from .test_vllm import Engine  # it imports vLLM, for the CPU, its warnings silenced
+
+    made = []
+
+    def make(**kwargs) -> Engine:
+        made.append(Engine(model_dir, server.url, **kwargs))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()

@@ -49,6 +49,7 @@ with warnings.catch_warnings():
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
     from vllm.v1.core.kv_cache_utils import (
         KVCacheBlock,
         get_request_block_hasher,
@@ -78,18 +79,12 @@ from lmcache_mp.integrations.vllm import (
 from lmcache_mp.integrations.vllm.layout import as_server_layout
 from lmcache_mp.protocol import CudaIpcHandle, MemfdHandle
 
-from ..utils import ipc_url, run_server
+from ..utils import ipc_url
 from .conftest import LAYERS  # the model_dir fixture's model (conftest.py)
 
 BLOCK = 16
 NUM_BLOCKS = 160
 CONNECTOR = "LMCacheMPServerConnector"
-
-
-@pytest.fixture(scope="module")
-def server():
-    with run_server("--lease-timeout", "30") as srv:
-        yield srv
 
 
 def prompt(tag: int, length: int) -> list[int]:
@@ -101,13 +96,18 @@ def kv_byte(tokens, position: int, layer: int, rank: int) -> int:
     return (sum(tokens[:position + 1]) * 31 + position * 7 + layer * 3 + rank * 101) % 251
 
 
-def transfer_config(url: str | None, **extra) -> KVTransferConfig:
+def sampled_token(position: int) -> int:
+    """What the fake model samples at a position: answers differ from token to token."""
+    return (position * 7901 + 3) % 30000
+
+
+def transfer_config(url: str | None, kv_role: str = "kv_both", **extra) -> KVTransferConfig:
     """Our connector's config; without a url the connector's default endpoint."""
     if url is not None:
         extra["url"] = url
     return KVTransferConfig(kv_connector=CONNECTOR,
                             kv_connector_module_path="lmcache_mp.integrations.vllm",
-                            kv_role="kv_both", kv_connector_extra_config=extra)
+                            kv_role=kv_role, kv_connector_extra_config=extra)
 
 
 def kv_cache_config(spec, num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
@@ -118,6 +118,21 @@ def kv_cache_config(spec, num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
         kv_cache_tensors=[KVCacheTensor(size=page * num_blocks * LAYERS, layers=names,
                                         layer_stride=page * num_blocks, block_stride=page)],
         kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+
+
+def layer_name(layer: int) -> str:
+    return f"model.layers.{layer}.self_attn.attn"
+
+
+def planned_kv_cache_config(vllm_config, groups, num_blocks: int) -> KVCacheConfig:
+    """vLLM's own plan (get_kv_cache_config_from_groups) of a KV cache of several groups,
+    each (spec, layer numbers): vLLM's hybrid KV cache manager puts the groups in the same
+    tensors, a block of one group at a time."""
+    vllm_config.cache_config.kv_cache_layout = "LBHNC"
+    vllm_config.cache_config.num_gpu_blocks_override = num_blocks
+    specs = [KVCacheGroupSpec([layer_name(i) for i in layers], spec) for spec, layers in groups]
+    per_block = max(spec.page_size_bytes * len(layers) for spec, layers in groups)
+    return get_kv_cache_config_from_groups(vllm_config, specs, per_block * num_blocks)
 
 
 def read_layers(connector) -> None:
@@ -135,7 +150,7 @@ def worker_connector(vllm_config, kvcc: KVCacheConfig, rank: int):
     with connector.get_mem_pool_context():
         caches = allocate_kv_cache(kvcc, torch.device("cpu"), KVCacheLayout.LBHNC)
     connector.register_kv_caches(caches)
-    return connector, list(caches.values())
+    return connector, [caches[name] for tensor in kvcc.kv_cache_tensors for name in tensor.layers]
 
 
 class Engine:
@@ -145,7 +160,8 @@ class Engine:
 
     def __init__(self, model_dir: str, url: str, tp: int = 1, block_size: int = BLOCK,
                  num_blocks: int = NUM_BLOCKS, cache_dtype: str = "auto", kv_spec=None,
-                 policy: str = "recompute", **extra):
+                 policy: str = "recompute", kv_role: str = "kv_both", kv_events=None,
+                 kv_groups=None, **extra):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.config = VllmConfig(
@@ -155,12 +171,20 @@ class Engine:
             parallel_config=ParallelConfig(tensor_parallel_size=tp),
             scheduler_config=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8,
                                              max_model_len=4096, is_encoder_decoder=False),
-            kv_transfer_config=transfer_config(url, **extra))
+            kv_transfer_config=transfer_config(url, kv_role, **extra),
+            kv_events_config=kv_events)
         self.config.kv_transfer_config.kv_load_failure_policy = policy
         self.config.cache_config.num_gpu_blocks = num_blocks
         spec = kv_spec or FullAttentionSpec(block_size=block_size, num_kv_heads=2 // tp,
                                             head_size=64, dtype=torch.float16)
-        kvcc = kv_cache_config(spec, num_blocks)
+        # kv_groups: [(spec, layer numbers)], a hybrid model's KV cache groups
+        kvcc = (kv_cache_config(spec, num_blocks) if kv_groups is None
+                else planned_kv_cache_config(self.config, kv_groups, num_blocks))
+        # each cache tensor's KV cache group, in the order the workers' caches list them
+        group_of = {name: g for g, group in enumerate(kvcc.kv_cache_groups)
+                    for name in group.layer_names}
+        self.cache_groups = [group_of[name] for tensor in kvcc.kv_cache_tensors
+                             for name in tensor.layers]
         self.scheduler = Scheduler(self.config, kvcc, StructuredOutputManager(self.config),
                                    block_size=block_size)
         self.workers = [worker_connector(self.config, kvcc, rank) for rank in range(tp)]
@@ -169,7 +193,8 @@ class Engine:
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(block_size, hash_fn)
         self.aggregator = KVOutputAggregator(tp)
-        self.block_tables: dict[str, list[int]] = {}
+        self.group_tables: dict[str, list[list[int]]] = {}  # every group's blocks
+        self.metas: list[StepMetadata] = []  # what the scheduler told the workers, each step
         self.first_computed: dict[str, int] = {}  # the first position a forward pass wrote
         # the first position a forward pass wrote, and each it went back to since
         self.computed_from: dict[str, list[int]] = {}
@@ -178,8 +203,8 @@ class Engine:
         self.reads_layers = True  # whether a forward pass calls wait_for_layer_load, as vLLM's
 
     def add(self, request_id: str, tokens: list[int], cache_salt: str | None = None,
-            **kwargs) -> Request:
-        request = Request(request_id, tokens, SamplingParams(max_tokens=2), None,
+            max_tokens: int = 2, **kwargs) -> Request:
+        request = Request(request_id, tokens, SamplingParams(max_tokens=max_tokens), None,
                           cache_salt=cache_salt, block_hasher=self.block_hasher, **kwargs)
         self.scheduler.add_request(request)
         return request
@@ -191,14 +216,15 @@ class Engine:
         starts = {}
         for new in output.scheduled_new_reqs:
             starts[new.req_id] = new.num_computed_tokens
-            self.block_tables[new.req_id] = list(new.block_ids[0])
+            self.group_tables[new.req_id] = [list(ids) for ids in new.block_ids]
         cached = output.scheduled_cached_reqs
         for i, request_id in enumerate(cached.req_ids):
             starts[request_id] = cached.num_computed_tokens[i]
             if request_id in cached.resumed_req_ids:
-                self.block_tables[request_id] = list(cached.new_block_ids[i][0])
+                self.group_tables[request_id] = [list(ids) for ids in cached.new_block_ids[i]]
             elif cached.new_block_ids[i] is not None:
-                self.block_tables[request_id].extend(cached.new_block_ids[i][0])
+                for table, ids in zip(self.group_tables[request_id], cached.new_block_ids[i]):
+                    table.extend(ids)
         runner_outputs = []
         for rank, (connector, caches) in enumerate(self.workers):
             meta = pickle.loads(pickle.dumps(output.kv_connector_metadata))  # as to a worker
@@ -219,9 +245,11 @@ class Engine:
             report = KVConnectorOutput(
                 finished_sending=results.finished_sending or None,
                 finished_recving=results.finished_recving or None,
-                invalid_block_ids=connector.get_block_ids_with_load_errors())
+                invalid_block_ids=connector.get_block_ids_with_load_errors(),
+                failed_recving=results.failed_recving)
             connector.clear_connector_metadata()
             runner_outputs.append(self._runner_output(output, report))
+        self.metas.append(output.kv_connector_metadata)
         merged = self.aggregator.aggregate(runner_outputs)
         self.reports.append(merged.kv_connector_output)
         self.scheduler.update_from_output(output, merged)
@@ -231,16 +259,23 @@ class Engine:
         self.first_computed.setdefault(request_id, start)
         if start < self.computed_from.setdefault(request_id, [start])[-1]:
             self.computed_from[request_id].append(start)  # vLLM computes again from here
-        table = self.block_tables[request_id]
+        tables = self.group_tables[request_id]
         for position in range(start, start + count):
-            block, slot = table[position // self.block_size], position % self.block_size
+            slot = position % self.block_size
             for layer, cache in enumerate(caches):
+                block = tables[self.cache_groups[layer]][position // self.block_size]
                 cache.view(torch.uint8)[block, :, slot, :] = kv_byte(tokens, position, layer, rank)
+
+    @property
+    def block_tables(self) -> dict[str, list[int]]:
+        """Each request's blocks of the first KV cache group."""
+        return {request_id: tables[0] for request_id, tables in self.group_tables.items()}
 
     def _runner_output(self, output: SchedulerOutput, report) -> ModelRunnerOutput:
         request_ids = list(output.num_scheduled_tokens)
-        sampled = [[7] if self.scheduler.requests[r].num_computed_tokens
-                   >= self.scheduler.requests[r].num_tokens else [] for r in request_ids]
+        requests = [self.scheduler.requests[r] for r in request_ids]
+        sampled = [[sampled_token(r.num_tokens)] if r.num_computed_tokens >= r.num_tokens
+                   else [] for r in requests]
         return ModelRunnerOutput(req_ids=request_ids,
                                  req_id_to_index={r: i for i, r in enumerate(request_ids)},
                                  sampled_token_ids=sampled, kv_connector_output=report)
@@ -254,12 +289,16 @@ class Engine:
         raise AssertionError(f"requests left: {self.scheduler.requests}")
 
     def assert_kv(self, request_id: str, tokens: list[int], start: int = 0) -> None:
-        """Byte-exact: each prompt position from `start` holds its prefix's KV, on every rank."""
-        table = self.block_tables[request_id]
+        """Byte-exact: each prompt position from `start` holds its prefix's KV, on every rank,
+        in every block vLLM keeps (a window group has its null block, 0, for the others)."""
+        tables = self.group_tables[request_id]
         for rank, (_, caches) in enumerate(self.workers):
             for layer, cache in enumerate(caches):
                 raw = cache.view(torch.uint8)
+                table = tables[self.cache_groups[layer]]
                 for position in range(start, len(tokens)):
+                    if table[position // self.block_size] == 0:
+                        continue
                     got = raw[table[position // self.block_size], :,
                               position % self.block_size, :]
                     expected = kv_byte(tokens, position, layer, rank)
@@ -269,19 +308,6 @@ class Engine:
         for connector, _ in self.workers:
             connector.shutdown()
         self.scheduler.connector.shutdown()
-
-
-@pytest.fixture
-def engines(model_dir, server):
-    made = []
-
-    def make(**kwargs) -> Engine:
-        made.append(Engine(model_dir, server.url, **kwargs))
-        return made[-1]
-
-    yield make
-    for engine in made:
-        engine.close()
 
 
 def stats(server):

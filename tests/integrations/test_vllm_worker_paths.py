@@ -153,7 +153,8 @@ def mla_load_twice(url: str) -> None:
         assert lookup(scheduler, reader) == (512, True)
         scheduler.update_state_after_alloc(reader, blocks_of(first), 512)
         meta = scheduler.build_connector_meta(scheduler_output())
-        follower._worker.adapter.load_timeout = 0.01  # it gives up before the leader sends
+        # it gives up before the leader sends
+        follower._worker.adapter.adapters[0].load_timeout = 0.01
         assert step_until_reported([follower], scheduler, meta, 1, "reader")  # recomputed
         assert step_until_reported([leader], scheduler, meta, 1, "reader") == set()
         follower._worker.client.ping()  # the late LOAD_DONE came before this reply
@@ -168,7 +169,7 @@ def mla_load_twice(url: str) -> None:
         scheduler.update_state_after_alloc(reader, blocks_of(again), 512)
         meta = scheduler.build_connector_meta(scheduler_output())
         assert [load.request_id for load in meta.loads] == ["reader"]
-        follower._worker.adapter.load_timeout = 30.0
+        follower._worker.adapter.adapters[0].load_timeout = 30.0
         ((_, recving, _),) = worker_step([follower], meta)
         assert "reader" not in recving  # the leader has not sent this load yet
         assert step_until_reported([leader], scheduler, meta, 1, "reader") == set()

@@ -16,6 +16,7 @@ from .test_vllm import (  # isort: skip
 )
 from lmcache_mp.client import TransferItem
 from lmcache_mp.integrations.vllm import LoadSpec, StepMetadata
+from lmcache_mp.integrations.vllm.adapters import GroupAdapters
 from lmcache_mp.integrations.vllm.transfers import LoadState, RequestTransfers, StoreState
 from lmcache_mp.protocol import CHUNK_HASH_BYTES, unpack_block_ids
 
@@ -153,13 +154,14 @@ class ScriptedAdapter:
 def load(request_id: str, *blocks: int, sync: bool = False, failed: tuple[int, ...] = ()
          ) -> LoadSpec:
     """A load of `blocks`; without blocks, one with nothing to read."""
-    item = (TransferItem.build(request_id, [bytes(CHUNK_HASH_BYTES)], list(blocks))
-            if blocks else None)
-    return LoadSpec(request_id, item, failed, sync)
+    items = ((TransferItem.build(request_id, [bytes(CHUNK_HASH_BYTES)], list(blocks)),)
+             if blocks else ())
+    return LoadSpec(request_id, items, failed, sync)
 
 
-def store(request_id: str) -> TransferItem:
-    return TransferItem.build(request_id, [bytes(CHUNK_HASH_BYTES)], list(range(BLOCK)))
+def store(request_id: str) -> tuple[TransferItem, ...]:
+    """A STORE of one chunk of the request: its item for the one KV cache group."""
+    return (TransferItem.build(request_id, [bytes(CHUNK_HASH_BYTES)], list(range(BLOCK))),)
 
 
 @dataclass
@@ -244,8 +246,9 @@ def scripted_worker(url: str, **extra):
                                              dtype=torch.float16))
     connector, _ = worker_connector(hand_config(url, **extra), kvcc, 0)
     side = connector._worker
-    side.adapter = ScriptedAdapter(side.adapter.registration)
-    return connector, side.adapter
+    adapter = ScriptedAdapter(side.adapter.adapters[0].registration)
+    side.adapter = GroupAdapters([adapter])  # type: ignore[list-item]
+    return connector, adapter
 
 
 @pytest.fixture(params=[True, False], ids=["by layer", "whole"])
@@ -280,8 +283,8 @@ def run_step(connector, step: Step) -> tuple[set[str], set[str], set[int]]:
 def expected_sends(step: Step) -> list[tuple[str, list[str]]]:
     """One RETRIEVE for the sync loads (handle_preemptions), one for the rest (start_load_kv),
     one STORE (wait_for_save): each only if it carries something."""
-    sync = [spec.request_id for spec in step.loads if spec.item is not None and spec.sync]
-    rest = [spec.request_id for spec in step.loads if spec.item is not None and not spec.sync]
+    sync = [spec.request_id for spec in step.loads if spec.items and spec.sync]
+    rest = [spec.request_id for spec in step.loads if spec.items and not spec.sync]
     return ([("RETRIEVE", sync)] if sync else []) + ([("RETRIEVE", rest)] if rest else []) + (
         [("STORE", step.stores)] if step.stores else [])
 

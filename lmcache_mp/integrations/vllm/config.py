@@ -52,6 +52,14 @@ class ConnectorConfig:
     # the secret this engine's scheduler and workers share on the server (holds, MLA
     # groups); "" derives one from vLLM's per-engine random values (engine_secret)
     engine_secret: str = ""
+    # store the KV of generated tokens too, each full chunk once computed, so that the next
+    # turn of a conversation (prompt, answer, new message) loads the answer on any engine;
+    # false: prompts only (answers that never come back as a prompt take no pool space)
+    store_generated: bool = True
+    # with vLLM's KV events on (--kv-events-config): chunks announced at most; past it the
+    # oldest is withdrawn (BlockRemoved). Bounds the scheduler's memory (~1 KiB a chunk of
+    # 16 blocks); a router then misses only chunks this engine announced long ago
+    kv_events_max_chunks: int = 8192
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -140,12 +148,13 @@ def _model_config(vllm_config: VllmConfig):
     return vllm_config.model_config
 
 
-def model_name(config: ConnectorConfig, vllm_config: VllmConfig) -> str:
+def model_name(config: ConnectorConfig, vllm_config: VllmConfig, groups_key: str = "") -> str:
     """The model in every cache key of this engine, the scheduler's and the workers' alike:
-    the `model` option (else vLLM's model, path or name) with the KVGeometry appended. A
-    name too long for the protocol is replaced by its SHA-256."""
+    the `model` option (else vLLM's model, path or name) with the KVGeometry appended, and
+    `groups_key`, the KV cache groups of a hybrid engine (groups.groups_suffix). A name too
+    long for the protocol is replaced by its SHA-256."""
     name = config.model or _model_config(vllm_config).model
-    suffix = "@" + KVGeometry.from_vllm(vllm_config).key()
+    suffix = "@" + KVGeometry.from_vllm(vllm_config).key() + groups_key
     if len(name) + len(suffix) > MAX_MODEL_CHARS:
         name = "sha256:" + hashlib.sha256(name.encode()).hexdigest()
     return name + suffix
@@ -177,6 +186,22 @@ def engine_secret(config: ConnectorConfig, vllm_config: VllmConfig) -> str:
         source = f"vllm\0{engine_id}\0{vllm_config.instance_id}"
     return hashlib.sha256(f"lmcache-mp engine secret\0{source}\0dp{dp_rank}".encode()
                           ).hexdigest()
+
+
+@dataclass(frozen=True)
+class Roles:
+    """What an engine does with the cache, from vLLM's kv_role: kv_both loads and stores,
+    kv_producer (a prefill engine) only stores, kv_consumer (a decode engine) only loads."""
+
+    loads: bool  # LOOKUP and RETRIEVE
+    stores: bool  # STORE
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig) -> Roles:
+        kv_transfer = vllm_config.kv_transfer_config
+        assert kv_transfer is not None  # vLLM makes a connector only from one
+        # vLLM's own reading of kv_role: each of these is true for kv_both
+        return cls(loads=kv_transfer.is_kv_consumer, stores=kv_transfer.is_kv_producer)
 
 
 def uses_mla(vllm_config: VllmConfig) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from .config import ConnectorConfig
@@ -21,9 +23,10 @@ from .worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -51,8 +54,12 @@ def follow_vllm_logging() -> None:
         ours.setLevel(logging.getLogger("vllm").getEffectiveLevel())
 
 
-class LMCacheMPServerConnector(KVConnectorBase_V1):
+class LMCacheMPServerConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector for lmcache-mp-server; vLLM builds one per process and role.
+
+    It supports vLLM's hybrid KV cache manager (SupportsHMA): each KV cache group of
+    full, sliding-window or chunked-local attention is stored and loaded (groups.py); a
+    model with a group of another kind (Mamba state, ...) is refused at start-up.
 
     Every hook says which process calls it and when. Scheduler hooks run on the engine
     core's scheduling thread, once per step or per request, and never wait on the server
@@ -77,9 +84,9 @@ class LMCacheMPServerConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(config, vllm_config)
+            self._scheduler = SchedulerSide(config, vllm_config, kv_cache_config)
         else:
-            self._worker = WorkerSide(config, vllm_config)
+            self._worker = WorkerSide(config, vllm_config, kv_cache_config)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -126,8 +133,29 @@ class LMCacheMPServerConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler, once per request that ends (done, aborted), before vLLM frees its
-        blocks; True keeps them until the workers report the request in finished_sending."""
+        blocks; True keeps them until the workers report the request in finished_sending.
+        (vLLM 0.33 calls request_finished_all_groups instead, as for any SupportsHMA.)"""
         return self._on_scheduler("request_finished").request_finished(request), None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """Scheduler, once per request that ends, before vLLM frees its blocks, with every
+        KV cache group's block ids; as request_finished."""
+        return self._on_scheduler("request_finished_all_groups").request_finished(
+            request, block_ids), None
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        """Scheduler, once, after vLLM built its KV cache manager: window groups' block
+        tables are read from it when a STORE is planned (vLLM frees old window blocks)."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._on_scheduler("bind_kv_cache_manager").kv_cache_manager = kv_cache_manager
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Scheduler, once per step, after update_connector_output: BlockStored for chunks
+        this engine stored (their STORE went out this step) or found by LOOKUP, and
+        BlockRemoved for those a LOOKUP showed gone; vLLM publishes them with its own KV
+        events (--kv-events-config). Nothing unless vLLM's KV events are on."""
+        return self._on_scheduler("take_events").take_events()
 
     def has_pending_block_frees(self) -> bool:
         """Scheduler, when it runs out of blocks, before preempting: True while finished
@@ -175,7 +203,7 @@ class LMCacheMPServerConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
         """Worker, every step (through get_transfer_results, and blocks as it does):
-        (sending done, loading done)."""
+        (sending done, loading done); a failed load is loading done."""
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending, results.finished_recving
 
@@ -184,12 +212,14 @@ class LMCacheMPServerConnector(KVConnectorBase_V1):
         loads read layer by layer in this step's forward pass (bounded as start_load_kv)."""
         meta = self._connector_metadata if isinstance(self._connector_metadata,
                                                       StepMetadata) else None
-        sending, recving = self._on_worker("get_transfer_results").finished(meta)
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
+        sending, recving, failed = self._on_worker("get_transfer_results").finished(meta)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker, every step, after get_transfer_results; never blocks: blocks whose load
-        failed, which vLLM recomputes."""
+        failed, which vLLM recomputes (with several KV cache groups none: vLLM takes those
+        only as requests, get_transfer_results' failed_recving)."""
         return self._on_worker("get_block_ids_with_load_errors").load_errors()
 
     def shutdown(self) -> None:

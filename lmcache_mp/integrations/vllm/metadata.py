@@ -12,15 +12,17 @@ from ...protocol import TransferItem
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """One request's load: workers copy `item`'s chunks into its blocks and report the request
-    in finished_recving when they have landed. With item None nothing is read: the request
-    is reported at once (vLLM still waits for it). `failed_block_ids` are blocks vLLM
-    expects filled that no chunk covers: workers report them as load errors. A `sync` load
-    feeds this step's forward pass: workers wait for it before the pass and never report
-    it in finished_recving (vLLM scheduled the request in this step, waiting for nothing)."""
+    """One request's load: workers copy the chunks of `items` (one per KV cache group, in
+    vLLM's group order) into its blocks and report the request in finished_recving when
+    they have landed. With no items nothing is read: the request is reported at once (vLLM
+    still waits for it). `failed_block_ids` are blocks vLLM expects filled that no chunk
+    covers: workers report them as load errors (with several groups, the request as a
+    failed load). A `sync` load feeds this step's forward pass: workers wait for it before
+    the pass and never report it in finished_recving (vLLM scheduled the request in this
+    step, waiting for nothing)."""
 
     request_id: str
-    item: TransferItem | None
+    items: tuple[TransferItem, ...] = ()
     failed_block_ids: tuple[int, ...] = ()
     sync: bool = False
 
@@ -30,9 +32,14 @@ class StepMetadata(KVConnectorMetadata):
     """Built by the scheduler once per step (build_connector_meta), read by every worker."""
 
     loads: list[LoadSpec] = field(default_factory=list)  # start in start_load_kv
-    stores: list[TransferItem] = field(default_factory=list)  # start in wait_for_save
+    # start in wait_for_save: per request, one item per KV cache group
+    stores: list[tuple[TransferItem, ...]] = field(default_factory=list)
     # finished requests whose blocks vLLM frees only once every worker has reported them
     # in finished_sending, after their stores were read
     await_stores: list[str] = field(default_factory=list)
     # requests preempted this step: their blocks may be reused by this step's forward pass
     preempted: list[str] = field(default_factory=list)
+    # requests whose STOREs read window blocks (sliding-window, chunked-local groups) that
+    # vLLM freed while they ran and gives to a request in this step: this step's forward
+    # pass must not write them before those STOREs are read
+    fence: list[str] = field(default_factory=list)

@@ -1,61 +1,62 @@
-"""The connector's scheduler role: lookups, each request's RequestTracker, each step's metadata."""
+"""The connector's scheduler role: lookups, each request's tracker, each step's metadata."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-import msgpack
-
 from ...client.cache_client import CacheClient
 from ...client.scheduler import SchedulerAdapter
-from ...client.tracker import ChunkLayout, Phase, RequestTracker, StepPlan
-from ...protocol import MAX_REQUEST_ID_CHARS
+from ...client.tracker import ChunkLayout, Phase, StepPlan
+from ...protocol import MAX_REQUEST_ID_CHARS, TransferItem, unpack_block_ids
 from .config import (
     ConnectorConfig,
     KVGeometry,
+    Roles,
     engine_secret,
     model_name,
     parallel_strategy,
     server_salt,
     warn_if_loads_fail_requests,
 )
+from .events import ChunkEvents, kv_events_enabled
+from .groups import (
+    NULL_BLOCK,
+    GroupKind,
+    groups_suffix,
+    kv_groups,
+    retrieve_items,
+    sharded,
+    store_items,
+)
 from .metadata import LoadSpec, StepMetadata
+from .tracking import StoredTokens, VllmRequestTracker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
 
 
-def chunk_extra_keys(request: Request, num_chunks: int, chunk_size: int) -> list[bytes]:
-    """Per chunk, what its KV depends on besides its tokens, as vLLM's own prefix cache
-    keys its blocks: the LoRA adapter (name and path) in every chunk, and each image (or
-    other multimodal item) by its content hash (`identifier`) and its offset from the
-    chunk's start in every chunk its placeholder tokens overlap. b"" for a chunk without."""
-    lora = request.lora_request
-    lora_keys: list[list[str | int]] = ([["lora", lora.lora_name, lora.lora_path or ""]]
-                                        if lora else [])
-    keys: list[bytes] = []
-    for index in range(num_chunks):
-        start, end = index * chunk_size, (index + 1) * chunk_size
-        chunk_keys = list(lora_keys)
-        for feature in request.mm_features:
-            offset, length = feature.mm_position.offset, feature.mm_position.length
-            if offset < end and start < offset + length:
-                chunk_keys.append(["mm", feature.identifier, offset - start, length])
-        keys.append(msgpack.packb(chunk_keys) if chunk_keys else b"")
-    return keys
-
-
 class SchedulerSide:
-    """The connector's scheduler role: one RequestTracker per request it looked up, which
-    holds everything known about the request (its Phase, blocks, hold, failed loads).
+    """The connector's scheduler role: one VllmRequestTracker per request it looked up,
+    which holds everything known about the request (its Phase, blocks, hold, failed loads,
+    its tokens as they grow).
+
+    kv_role decides what it does (Roles): a kv_producer never sends a LOOKUP (so its
+    workers never RETRIEVE), a kv_consumer never plans a STORE, kv_both does both. What a
+    storing engine stores is StoredTokens: full chunks of the prompt and, unless
+    store_generated is false, of the generated tokens, planned in the step whose forward
+    pass computes them, or at the latest in request_finished, before vLLM frees the
+    blocks (then vLLM waits for that STORE, as for any finished request's).
 
     vLLM admits a request in three hooks of one schedule() call: get_num_new_matched_tokens
     (our lookup), update_state_after_alloc (its blocks), and build_connector_meta (the
@@ -64,28 +65,52 @@ class SchedulerSide:
     the load before its forward pass. A larger one is async: the request is not scheduled
     in that step; it waits until the workers report the load, then vLLM schedules it like
     a new request and calls update_state_after_alloc again.
+
+    A hybrid model's KV cache groups (groups.py) are planned on group 0's blocks, and each
+    plan becomes one item per group. With several groups every load is async: vLLM 0.33
+    takes a failed load of such a model only as a failed request (failed_recving), which
+    it can recompute only while the request waits for its load.
     """
 
-    def __init__(self, config: ConnectorConfig, vllm_config: VllmConfig):
+    def __init__(self, config: ConnectorConfig, vllm_config: VllmConfig,
+                 kv_cache_config: KVCacheConfig | None = None):
         block_size = vllm_config.cache_config.block_size
         try:
             self.layout = ChunkLayout(block_size, config.chunk_size)
         except ValueError as exc:
             raise ValueError(f"vLLM's --block-size {block_size} does not fit lmcache-mp's "
                              f"chunk_size {config.chunk_size}: {exc}") from None
+        parallel = parallel_strategy(vllm_config, 0)
+        self.groups = kv_groups(kv_cache_config, block_size, parallel.use_mla)
         self.client = CacheClient(config.url, timeout=config.lookup_timeout,
                                   client_name="vllm-scheduler",
                                   engine=engine_secret(config, vllm_config))
-        self.adapter = SchedulerAdapter(self.client, model_name(config, vllm_config),
-                                        parallel_strategy(vllm_config, 0), config.chunk_size)
+        self.adapter = SchedulerAdapter(
+            self.client, model_name(config, vllm_config, groups_suffix(self.groups)),
+            sharded(parallel, 0, len(self.groups)), config.chunk_size)
+        self.windowed = any(group.kind is not GroupKind.FULL for group in self.groups)
+        # vLLM's KV cache manager (bind_kv_cache_manager): a window group's table as it is
+        # now, where vLLM may have freed blocks we recorded
+        self.kv_cache_manager: KVCacheManager | None = None
+        # window groups' blocks that a STORE read -> its request: when vLLM gives one to a
+        # request again, the step's workers wait for that STORE first (StepMetadata.fence)
+        self._window_stores: dict[int, str] = {}
         self.lookup_wait = config.lookup_wait
+        self.roles = Roles.from_vllm(vllm_config)
+        self.stored_tokens = (StoredTokens.NONE if not self.roles.stores
+                              else StoredTokens.ALL if config.store_generated
+                              else StoredTokens.PROMPT)
+        # routers' view of what this engine can load (vLLM's --kv-events-config)
+        self.events = (ChunkEvents(self.layout, config.kv_events_max_chunks)
+                       if kv_events_enabled(vllm_config) else None)
         # loads of more tokens than this are async (0 bytes: all of them)
         self.sync_load_max_tokens = (config.sync_load_max_bytes
-                                     // KVGeometry.from_vllm(vllm_config).bytes_per_token())
+                                     // KVGeometry.from_vllm(vllm_config).bytes_per_token()
+                                     if len(self.groups) == 1 else 0)
         # requests whose sync load the last step sent: vLLM reports a failure as blocks
-        self._sync_loads: dict[str, RequestTracker] = {}
+        self._sync_loads: dict[str, VllmRequestTracker] = {}
         # every request looked up, until it ends (FREEING ones until their stores are read)
-        self.trackers: dict[str, RequestTracker] = {}
+        self.trackers: dict[str, VllmRequestTracker] = {}
         warn_if_loads_fail_requests(vllm_config)
         self._next = StepMetadata()  # what request_finished adds for the next step
 
@@ -102,11 +127,15 @@ class SchedulerSide:
         # vLLM 0.33 passes whole blocks (it drops a partial tail of its own when ours is longer)
         num_computed_tokens -= num_computed_tokens % self.layout.block_size
         asked = self.adapter.asked(request.request_id)
+        if not asked:
+            tracker.follow(looking_up=True)  # a preempted request's generated tokens too
         from_chunk = (tracker.lookup_from_chunk if asked
                       else tracker.first_chunk_to_look_up(num_computed_tokens))
-        if not asked and (tracker.load_failed or from_chunk >= len(tracker.chunk_hashes)):
-            # A failed load is not offered again; and chunks the engine's own prefix cache
-            # covers entirely (or a prompt shorter than a chunk) need no LOOKUP, no hold.
+        if not asked and (not self.roles.loads or tracker.load_failed
+                          or from_chunk >= len(tracker.chunk_hashes)):
+            # A kv_producer never loads; a failed load is not offered again; and chunks
+            # the engine's own prefix cache covers entirely (or a prompt shorter than a
+            # chunk) need no LOOKUP, no hold.
             tracker.record_lookup(num_vllm_hit_tokens=num_computed_tokens,
                                   num_lmcache_hit_chunks=0, from_chunk=from_chunk)
             return 0, False
@@ -118,12 +147,14 @@ class SchedulerSide:
             tracker.record_lookup(num_vllm_hit_tokens=num_computed_tokens,
                                   num_lmcache_hit_chunks=0, from_chunk=from_chunk)
             return None, False
+        if self.events is not None:
+            self.events.looked_up(request, from_chunk, hit, len(tracker.chunk_hashes))
         # The hold stays until update_state_after_alloc.
         to_load = tracker.record_lookup(num_vllm_hit_tokens=num_computed_tokens,
                                         num_lmcache_hit_chunks=hit, from_chunk=from_chunk)
         return to_load, to_load > self.sync_load_max_tokens
 
-    def _tracker(self, request: Request) -> RequestTracker | None:
+    def _tracker(self, request: Request) -> VllmRequestTracker | None:
         """The request's tracker, made at its first lookup; None if it cannot be cached."""
         tracker = self.trackers.get(request.request_id)
         if tracker is not None:
@@ -133,10 +164,8 @@ class SchedulerSide:
         if (request.prompt_token_ids is None or request.prompt_embeds is not None
                 or len(request.request_id) > MAX_REQUEST_ID_CHARS):
             return None
-        num_chunks = len(request.prompt_token_ids) // self.layout.chunk_size
-        tracker = RequestTracker(request.request_id, request.prompt_token_ids, self.layout,
-                                 server_salt(request.cache_salt),
-                                 chunk_extra_keys(request, num_chunks, self.layout.chunk_size))
+        tracker = VllmRequestTracker.of(request, self.layout, server_salt(request.cache_salt),
+                                        self.stored_tokens, len(self.groups))
         self.trackers[request.request_id] = tracker
         return tracker
 
@@ -147,10 +176,6 @@ class SchedulerSide:
         tracker = self.trackers.get(request.request_id)
         if tracker is None or tracker.finished:
             return
-        groups = blocks.get_block_ids()
-        if len(groups) != 1:
-            raise RuntimeError("lmcache-mp needs one KV cache group: start vLLM with "
-                               "--disable-hybrid-kv-cache-manager")
         # The second call, once a load has landed, only brings the rest of the blocks.
         first = tracker.phase is Phase.WAITING
         taken = None
@@ -165,12 +190,12 @@ class SchedulerSide:
             self.adapter.forget(request.request_id)  # a later lookup (preemption) asks anew
         if first and num_external_tokens != tracker.num_tokens_to_load:
             taken = self._take_what_vllm_took(tracker, num_external_tokens)
-        tracker.allocate(groups[0][len(tracker.allocated_block_ids):])
+        tracker.allocate_groups(blocks.get_block_ids())
         if first and num_external_tokens > 0:
             unfillable = () if taken is None else tracker.allocated_block_ids[taken[0]:taken[1]]
             tracker.plan_load(unfillable)
 
-    def _take_what_vllm_took(self, tracker: RequestTracker, num_external_tokens: int
+    def _take_what_vllm_took(self, tracker: VllmRequestTracker, num_external_tokens: int
                              ) -> tuple[int, int]:
         """vLLM took fewer tokens than we offered (another connector loads them, the request
         skips prefix caching, or vLLM trimmed the hit): plan to load the whole chunks within
@@ -197,17 +222,19 @@ class SchedulerSide:
         stores of every scheduled request (RequestTracker.plan_step), the holds to drop."""
         meta, self._next = self._next, StepMetadata()
         self.adapter.poll()  # holds of lookups dropped in flight, answered since
+        if self._window_stores:
+            meta.fence = self._reused_window_blocks(scheduler_output)
         scheduled = scheduler_output.num_scheduled_tokens
-        tracker: RequestTracker | None  # one per loop below
+        tracker: VllmRequestTracker | None  # one per loop below
         for tracker in self.trackers.values():
             if tracker.phase is Phase.LOAD_PLANNED:  # vLLM waits for it: always reported
                 plan = tracker.plan_step(0)
-                item = plan.retrieve.transfer_item() if plan.retrieve is not None else None
+                items = self._retrieve_items(tracker, plan)
                 # vLLM schedules a request in the step that plans its load only if the load
                 # is sync: the forward pass reads it (async loads wait outside the batch)
                 sync = tracker.request_id in scheduled
-                meta.loads.append(LoadSpec(tracker.request_id, item, plan.unfillable_block_ids,
-                                           sync))
+                meta.loads.append(LoadSpec(tracker.request_id, items,
+                                           plan.unfillable_block_ids, sync))
                 self._apply(tracker, replace(plan, retrieve=None), meta)
                 if sync:
                     tracker.load_reported()  # the workers wait for it before this step's pass
@@ -216,6 +243,7 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             tracker = self.trackers.get(new.req_id)
             if tracker is not None and not tracker.finished:
+                tracker.follow()
                 self._apply(tracker, tracker.plan_step(
                     scheduler_output.num_scheduled_tokens[new.req_id]), meta)
 
@@ -227,19 +255,61 @@ class SchedulerSide:
             # A resumed request's blocks all came through update_state_after_alloc.
             new_block_ids = cached.new_block_ids[i]
             if request_id not in cached.resumed_req_ids and new_block_ids is not None:
-                tracker.allocate(new_block_ids[0])
+                tracker.allocate_groups(new_block_ids, new=True)
+            tracker.follow()  # the tokens it generated: this step's pass computes the last
             self._apply(tracker, tracker.plan_step(
                 scheduler_output.num_scheduled_tokens[request_id]), meta)
 
         meta.preempted = sorted(scheduler_output.preempted_req_ids or ())
         return meta
 
-    def _apply(self, tracker: RequestTracker, plan: StepPlan, meta: StepMetadata) -> None:
+    def _reused_window_blocks(self, scheduler_output: SchedulerOutput) -> list[str]:
+        """Requests whose STOREs read window blocks that vLLM gives out in this step (it
+        freed them while those requests ran): this step's workers wait for those STOREs."""
+        given: list[tuple[list[int], ...] | None] = [
+            new.block_ids for new in scheduler_output.scheduled_new_reqs]
+        given += scheduler_output.scheduled_cached_reqs.new_block_ids
+        fence = set()
+        for groups in given:
+            for block_ids in groups or ():
+                for block_id in block_ids:
+                    request_id = self._window_stores.pop(block_id, None)
+                    if request_id is not None:
+                        fence.add(request_id)
+        return sorted(fence)
+
+    def _retrieve_items(self, tracker: VllmRequestTracker, plan: StepPlan
+                        ) -> tuple[TransferItem, ...]:
+        if plan.retrieve is None:
+            return ()
+        return retrieve_items(plan.retrieve, self.groups, tracker.group_block_ids, self.layout)
+
+    def _apply(self, tracker: VllmRequestTracker, plan: StepPlan, meta: StepMetadata,
+               current: Sequence[Sequence[int]] | None = None) -> None:
+        """One step's plan for the request into `meta`: its load and its STORE, one item per
+        KV cache group; `current`: vLLM's block table of the request now, if known."""
         if plan.retrieve is not None:
-            meta.loads.append(LoadSpec(tracker.request_id, plan.retrieve.transfer_item(),
+            meta.loads.append(LoadSpec(tracker.request_id, self._retrieve_items(tracker, plan),
                                        plan.unfillable_block_ids))
-        if plan.store is not None:
-            meta.stores.append(plan.store.transfer_item())
+        store = plan.store
+        if store is not None and self.windowed and current is None \
+                and self.kv_cache_manager is not None:
+            current = self.kv_cache_manager.get_block_ids(tracker.request_id)
+        chunks, items = (0, ()) if store is None else store_items(
+            store, self.groups, tracker.group_block_ids, self.layout, current)
+        if store is not None and chunks < len(store.chunk_hashes):
+            logger.debug("request %s: %d of %d chunks stored: a window group freed blocks "
+                         "a hit needs", tracker.request_id, chunks, len(store.chunk_hashes))
+        if store is not None and chunks:
+            meta.stores.append(items)
+            for group, item in zip(self.groups, items):
+                if group.kind is not GroupKind.FULL:
+                    for block_id in unpack_block_ids(item.block_ids, "block_ids"):
+                        if block_id != NULL_BLOCK:
+                            self._window_stores[block_id] = tracker.request_id
+            if self.events is not None:
+                assert tracker.request is not None  # VllmRequestTracker.of gives it one
+                self.events.stored(tracker.request, store.first_chunk_index, chunks)
         if plan.release is not None:
             self.adapter.release(plan.release.request_id, plan.release.cache_salt)
 
@@ -250,7 +320,7 @@ class SchedulerSide:
         failed = connector_output.failed_recving or set()
         landed = connector_output.finished_recving or set()
         sync_loads, self._sync_loads = self._sync_loads, {}
-        tracker: RequestTracker | None  # one per loop below
+        tracker: VllmRequestTracker | None  # one per loop below
         for tracker in sync_loads.values():
             if invalid and not invalid.isdisjoint(tracker.allocated_block_ids):
                 tracker.mark_load_failed()  # vLLM recomputes from the first bad block
@@ -274,25 +344,38 @@ class SchedulerSide:
         """Whether a finished request's blocks wait for its stores to be read."""
         return any(t.phase is Phase.FREEING for t in self.trackers.values())
 
-    def request_finished(self, request: Request) -> bool:
+    def request_finished(self, request: Request,
+                         block_ids: Sequence[Sequence[int]] | None = None) -> bool:
         """Scheduler, once per finished request: ends its session on the server (dropping
-        any hold); True when its blocks must wait for its stores."""
+        any hold); True when its blocks must wait for its stores. `block_ids`: vLLM's table
+        of every group now (request_finished_all_groups)."""
         request_id = request.request_id
         tracker = self.trackers.get(request_id)
         if tracker is None or tracker.finished:
             return False
         phase = tracker.phase
+        if phase is Phase.RUNNING:
+            # Chunks completed by the last tokens it generated, not planned yet (under async
+            # scheduling a step is planned before the tokens of the one before are known):
+            # the next step's workers store them, from blocks vLLM keeps until then.
+            tracker.follow()
+            self._apply(tracker, tracker.plan_step(0), self._next, block_ids)
         tracker.finish()
         self.adapter.end_session(request_id, tracker.cache_salt)  # drops any hold it has
         if phase is Phase.LOAD_PLANNED:
             # vLLM waits for this request's load, which was never sent: report it at once.
-            self._next.loads.append(LoadSpec(request_id, None))
+            self._next.loads.append(LoadSpec(request_id))
         elif phase is not Phase.LOADING and tracker.phase is Phase.FREEING:
             self._next.await_stores.append(request_id)
             return True
         # (A loading request's blocks are freed when its load is reported.)
         del self.trackers[request_id]
         return False
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Scheduler, once per step after update_connector_output: the KV events since the
+        last call (ChunkEvents), which vLLM publishes with its own."""
+        return self.events.take() if self.events is not None else []
 
     def shutdown(self) -> None:
         """Scheduler, once, at engine shutdown."""

@@ -15,14 +15,17 @@ from ...client.tracker import ChunkLayout
 from ...client.worker import WorkerAdapter
 from ...errors import LMCacheMPError
 from ...protocol import RegisterKVCacheRequest
+from .adapters import GroupAdapters
 from .allocation import SharedMemoryAllocation
 from .config import ConnectorConfig, engine_secret, model_name, parallel_strategy
+from .groups import KVGroup, groups_suffix, kv_groups, sharded
 from .layout import as_server_layout
 from .metadata import LoadSpec, StepMetadata
 from .transfers import LayerByLayerRead, LoadState, RequestTransfers, StoreState
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +33,21 @@ logger = logging.getLogger(__name__)
 class WorkerSide:
     """The connector's worker role on one rank: its KV cache, and one RequestTransfers per
     request with a load or STOREs on this rank (its LoadState and StoreState), which the
-    hooks below read and change through the record's transitions alone."""
+    hooks below read and change through the record's transitions alone.
 
-    def __init__(self, config: ConnectorConfig, vllm_config: VllmConfig):
+    Each KV cache group (groups.py) is registered apart, with its own layers, as a kv
+    worker of its own (GroupShard); GroupAdapters sends a transfer's item of each group
+    with the group's registration."""
+
+    def __init__(self, config: ConnectorConfig, vllm_config: VllmConfig,
+                 kv_cache_config: KVCacheConfig | None = None):
         self.config = config
         self.block_size = vllm_config.cache_config.block_size
         ChunkLayout(self.block_size, config.chunk_size)  # refuses a block size that does not fit
-        self.model = model_name(config, vllm_config)
         parallel_config = vllm_config.parallel_config
         self.parallel = parallel_strategy(vllm_config, parallel_config.rank)
+        self.groups = kv_groups(kv_cache_config, self.block_size, self.parallel.use_mla)
+        self.model = model_name(config, vllm_config, groups_suffix(self.groups))
         transfer_config = vllm_config.kv_transfer_config
         assert transfer_config is not None  # vLLM makes a connector only from one
         self.tp_group = (f"{transfer_config.engine_id}"
@@ -48,12 +57,14 @@ class WorkerSide:
                                   mla_follower=not self.parallel.sends_transfers,
                                   engine=engine_secret(config, vllm_config))
         self.url = self.client.rpc.url
-        self.adapter = WorkerAdapter(self.client, self.model, self.parallel, config.load_timeout)
+        self.adapter = GroupAdapters([
+            WorkerAdapter(self.client, self.model, sharded(self.parallel, group.index,
+                                                           len(self.groups)),
+                          config.load_timeout) for group in self.groups])
         self._segments: list[SharedSegment] = []  # the memfds we allocated the KV cache in
         self._store_event: StoreEvent | None = None  # a KV cache on a GPU: STOREs wait on it
         # every request with a load or STOREs on this rank: what vLLM's hooks read and change
         self.requests: dict[str, RequestTransfers] = {}
-        self._load_errors: set[int] = set()  # blocks of this step's loads that no chunk covers
         # Sync loads read layer by layer (config.load_by_layer, a cache in CPU memory): each
         # layer name's place among the registered tensors, and this step's read, if any.
         self._by_layer = False
@@ -74,30 +85,24 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Worker, once at start-up: finds each layer's handle (cuda_ipc for a cache on a
         GPU, memfd on the CPU: the CacheClient passes the segments' descriptors to the
-        server), checks the server's chunk size and registers the cache; raises if any of
-        that fails."""
+        server), checks the server's chunk size and registers each KV cache group's layers
+        (vLLM's groups alias the same tensors: a group's blocks are its own); raises if
+        any of that fails."""
         layout = "mla" if self.parallel.use_mla else "mha"
-        tensors: list[torch.Tensor] = []
-        seen: dict[tuple[int, tuple[int, ...]], int] = {}
-        for name, tensor in kv_caches.items():  # layers that share a cache share its tensor
-            key = (tensor.data_ptr(), tuple(tensor.shape))
-            if key not in seen:
-                seen[key] = len(tensors)
-                tensors.append(tensor)
-            self._layer_index[name] = seen[key]
-        if not tensors:
+        if not kv_caches:
             raise ValueError("register_kv_caches: vLLM gave no KV cache tensors")
-        devices = {t.device.type for t in tensors}
+        per_group = [self._group_tensors(group, kv_caches) for group in self.groups]
+        devices = {t.device.type for tensors in per_group for t in tensors}
         if devices == {"cuda"}:
             # The server maps the cache by CUDA IPC; its STORE copies wait on this event,
             # recorded after each forward pass (start_stores).
-            handles = [as_server_layout(handle, layout, self.block_size)
-                       for handle in cuda_ipc_handles(tensors)]
-            self._store_event = StoreEvent(tensors[0].device)
+            handles = [[as_server_layout(handle, layout, self.block_size)
+                        for handle in cuda_ipc_handles(tensors)] for tensors in per_group]
+            self._store_event = StoreEvent(per_group[0][0].device)
         elif devices == {"cpu"}:
             try:
-                handles = [as_server_layout(handle, layout, self.block_size)
-                           for handle, _ in memfd_handles(tensors)]
+                handles = [[as_server_layout(handle, layout, self.block_size)
+                            for handle, _ in memfd_handles(tensors)] for tensors in per_group]
             except ValueError as exc:
                 raise ValueError(
                     f"lmcache-mp cannot register vLLM's KV cache: {exc}. On CPU the server "
@@ -108,26 +113,54 @@ class WorkerSide:
         else:
             raise ValueError(f"lmcache-mp registers KV caches on CUDA devices or in CPU shared "
                              f"memory, all on one of them; these are on {sorted(devices)}")
-        request = RegisterKVCacheRequest(
-            self.model, self.parallel.kv_world_size, self.parallel.kv_worker_id, layout,
-            self.block_size, handles, self.parallel.tp_rank, self.tp_group,
-            self._store_event.handle if self._store_event is not None else b"")
         try:
             hello = self.client.hello()
             if hello.chunk_size != self.config.chunk_size:
                 raise ValueError(f"the server at {self.url} stores chunks of "
                                  f"{hello.chunk_size} tokens, the connector's chunk_size is "
                                  f"{self.config.chunk_size}: make them equal")
-            registration = self.client.register(request)
+            for group, adapter, group_handles in zip(self.groups, self.adapter.adapters,
+                                                     handles):
+                shard = adapter.parallel
+                # MLA groups form by tp_group: one group of layers per registration
+                tp_group = self.tp_group + (f"/g{group.index}" if len(self.groups) > 1 else "")
+                adapter.registration = self.client.register(RegisterKVCacheRequest(
+                    self.model, shard.kv_world_size, shard.kv_worker_id, layout,
+                    self.block_size, group_handles, shard.tp_rank, tp_group,
+                    self._store_event.handle if self._store_event is not None else b""))
         except LMCacheMPError as exc:
             raise RuntimeError(f"cannot register the KV cache with lmcache-mp-server at "
                                f"{self.url} (is it running?): {exc}") from exc
-        self.adapter.registration = registration
         self._by_layer = (self.config.load_by_layer and devices == {"cpu"}
-                          and self.parallel.sends_transfers)
-        logger.info("rank %d registered %d %s layers of %d blocks with %s as instance %d",
-                    self.parallel.worker_id, len(handles), layout, registration.num_blocks,
-                    self.url, registration.instance_id)
+                          and self.parallel.sends_transfers and len(self.groups) == 1)
+        for group, registration in zip(self.groups, self.adapter.registrations):
+            assert registration is not None  # registered just above
+            logger.info("rank %d registered %d %s layers of %d blocks (KV cache group %d of "
+                        "%d, %s) with %s as instance %d", self.parallel.worker_id,
+                        len(registration.request.layers), layout, registration.num_blocks,
+                        group.index, len(self.groups), group.kind.value, self.url,
+                        registration.instance_id)
+
+    def _group_tensors(self, group: KVGroup, kv_caches: dict[str, torch.Tensor]
+                       ) -> list[torch.Tensor]:
+        """The group's KV cache tensors, each once (layers that share a cache share its
+        tensor), and, with one group, each layer's place among them (load_by_layer)."""
+        names = group.layer_names or tuple(kv_caches)
+        missing = [name for name in names if name not in kv_caches]
+        if missing:
+            raise ValueError(f"register_kv_caches: vLLM gave no KV cache for the layers "
+                             f"{missing[:4]} of KV cache group {group.index}")
+        tensors: list[torch.Tensor] = []
+        seen: dict[tuple[int, tuple[int, ...]], int] = {}
+        for name in names:
+            tensor = kv_caches[name]
+            key = (tensor.data_ptr(), tuple(tensor.shape))
+            if key not in seen:
+                seen[key] = len(tensors)
+                tensors.append(tensor)
+            if len(self.groups) == 1:
+                self._layer_index[name] = seen[key]
+        return tensors
 
     # -- every step --------------------------------------------------------------------------
 
@@ -138,7 +171,7 @@ class WorkerSide:
         deadline, load_timeout and a margin, passed); it blocks only while such a store is
         open. Then send the step's sync loads, so that the server copies while vLLM
         prepares the step's inputs."""
-        self.adapter.wait_for_stores([request_id for request_id in meta.preempted
+        self.adapter.wait_for_stores([request_id for request_id in meta.preempted + meta.fence
                                       if request_id in self.requests
                                       and self.requests[request_id].storing])
         self._collect()
@@ -157,10 +190,10 @@ class WorkerSide:
         self._send_loads(meta.loads)
         sync: list[str] = []
         for load in meta.loads:
-            self._load_errors.update(load.failed_block_ids)
-            if load.item is None and not load.sync:
+            self.adapter.fail(load.request_id, load.failed_block_ids)
+            if not load.items and not load.sync:
                 self._request(load.request_id).nothing_to_load()
-            elif load.item is not None and load.sync:
+            elif load.items and load.sync:
                 self.requests[load.request_id].read_by_pass()
                 sync.append(load.request_id)
         if sync and self._by_layer:  # each layer waits for its own (wait_for_layer)
@@ -200,10 +233,10 @@ class WorkerSide:
         """One RETRIEVE for those of `loads` with an item that this step has not sent
         (written layer by layer when it holds a sync load and load_by_layer is on)."""
         unsent = [load for load in loads
-                  if load.item is not None and not self._sent_before_the_pass(load.request_id)]
+                  if load.items and not self._sent_before_the_pass(load.request_id)]
         if unsent:
             self._require_registration()
-            self.adapter.start_load([load.item for load in unsent if load.item is not None],
+            self.adapter.start_load([load.items for load in unsent],
                                     by_layer=self._by_layer and any(load.sync for load in unsent))
             for load in unsent:
                 self._request(load.request_id).load_sent(load.sync)
@@ -221,13 +254,14 @@ class WorkerSide:
             if self._store_event is not None:  # the server reads once this pass has written
                 self._store_event.record()
             self.adapter.start_store(meta.stores)
-            for item in meta.stores:
-                self._request(item.request_id).store_sent()
+            for items in meta.stores:
+                self._request(items[0].request_id).store_sent()
 
-    def finished(self, meta: StepMetadata | None) -> tuple[set[str], set[str]]:
+    def finished(self, meta: StepMetadata | None) -> tuple[set[str], set[str], set[str]]:
         """Worker, every step (get_transfer_results): (finished requests whose stores have
-        all been read, requests whose loads landed or failed). Blocks only for the answers
-        to the loads this step's forward pass read layer by layer."""
+        all been read, requests whose loads landed or failed, those of them that failed
+        in some KV cache group: see GroupAdapters). Blocks only for the answers to the
+        loads this step's forward pass read layer by layer."""
         if meta is not None:
             for request_id in meta.await_stores:
                 self._request(request_id).request_finished()
@@ -241,7 +275,7 @@ class WorkerSide:
         for record in records:
             record.reported()
         self.requests = {rid: r for rid, r in self.requests.items() if not r.idle}
-        return sending, recving
+        return sending, recving, self.adapter.take_failed(recving)
 
     def _request(self, request_id: str) -> RequestTransfers:
         """The request's record, made when a hook first sees it."""
@@ -259,22 +293,22 @@ class WorkerSide:
             self._request(request_id).load_ended()
 
     def load_errors(self) -> set[int]:
-        """Worker, every step: blocks of failed loads since the last call."""
-        errors, self._load_errors = self._load_errors, set()
-        return errors | self.adapter.get_block_ids_with_load_errors()
+        """Worker, every step: blocks of failed loads since the last call (one KV cache
+        group; with several, finished() names the requests instead)."""
+        return self.adapter.load_errors()
 
     def _require_registration(self) -> None:
-        if self.adapter.registration is None:
+        if None in self.adapter.registrations:
             raise RuntimeError("the KV cache is not registered: vLLM must call "
                                "register_kv_caches before the first step")
 
     def shutdown(self) -> None:
         """Worker, once, at shutdown: unregisters and closes the KV cache's segments (their
         memory goes once vLLM's tensors over them are gone)."""
-        registration = self.adapter.registration
-        if registration is not None:
-            with contextlib.suppress(LMCacheMPError):
-                self.client.unregister(registration)
+        for registration in self.adapter.registrations:
+            if registration is not None:
+                with contextlib.suppress(LMCacheMPError):
+                    self.client.unregister(registration)
         self.client.close()
         for segment in self._segments:
             segment.close()
