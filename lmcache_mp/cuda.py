@@ -107,6 +107,18 @@ class IpcAllocation:
             cupy.cuda.runtime.ipcCloseMemHandle(self.pointer)
 
 
+def new_stream(device: int) -> torch.cuda.ExternalStream:
+    """A CUDA stream of its own on `device` (non-blocking, as torch's are), for torch to queue
+    work on; the CUDA stream lives as long as the object returned (it keeps cupy's owner,
+    whose collection destroys it once the work queued there has finished)."""
+    cupy = _cupy()
+    with cupy.cuda.Device(device):
+        owner = cupy.cuda.Stream(non_blocking=True)
+    stream = torch.cuda.ExternalStream(owner.ptr, device=torch.device("cuda", device))
+    stream.owner = owner  # type: ignore[attr-defined]
+    return stream
+
+
 def device_bytes(cupy: Any, pointer: int, size: int, device: int) -> torch.Tensor:
     """`size` bytes of device memory at `pointer` on `device`, as a uint8 tensor, without a
     copy: a cupy array over memory it does not own, handed to torch through DLPack (which,

@@ -206,7 +206,8 @@ def every_metric() -> set[str]:
     stats = StatsReply(1, 1, 4, 1, 1, 1, 0, 0, 1, gpu_capacity_bytes=2,
                        tenants={"a": tenant}, outcomes={"LOOKUP": {"ok": 1}},
                        latency={"LOOKUP": hist}, copy_time={"store": hist},
-                       evictions_by_cause={"pool_full": 1}, l2_enabled=True)
+                       evictions_by_cause={"pool_full": 1}, l2_enabled=True,
+                       disk_enabled=True, disk_read_time=hist)
     labels = TenantLabels({}, b"key", 10)
     return {sample.name for family in stats_metrics(stats, labels) for sample in family.samples}
 

@@ -8,6 +8,7 @@ import os
 import random
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -77,6 +78,16 @@ def run_server(*args: str, url: str | None = None, runtime_dir: str | None = Non
         code = server.close()
         if code != 0:
             raise AssertionError(f"server exited with {code}:\n{server.output()}")
+
+
+def wait_for(condition: Callable[[], T], what: str, timeout: float = 60.0) -> T:
+    """Poll `condition` until it returns something true (a server's counter reaching a
+    figure, say); that value. The timeout only ends a test that would hang: generous."""
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return result
 
 
 def lines_run(call: Callable[[], T]) -> tuple[T, int]:

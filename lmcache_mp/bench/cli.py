@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import LMCacheMPError
 from ..runtime import default_url
+from ..sizes import parse_size
 from .options import UNIFORM, WORKLOADS, BenchOptions
 from .redis_peer import PeerUnavailable, check_redis_available
 from .shapes import SHAPES
@@ -40,6 +41,19 @@ workloads:
                 each way, pool verified per second and thread, index memory a chunk when
                 stored and when adopted (only --restart-chunks, --shape, --seed, --json,
                 --timeout apply)
+  disk          a spawned server with a small pool and a disk tier (--disk-dir, default a
+                temporary directory: point it at the NVMe the server would use): the raw
+                bound (sequential O_DIRECT writes and reads of the same bytes in the same
+                directory, 1 and 4 threads), tier write bandwidth (--requests prompts of
+                --chunks chunks, default 64 × 32 of --shape W2, through a --cpu-size pool,
+                default 256MiB), tier read bandwidth after a restart, byte for byte, and a
+                restart after SIGKILL at --restart-chunks 8KiB chunks (only --requests,
+                --chunks, --batch, --shape, --cpu-size, --disk-dir, --restart-chunks,
+                --seed, --json, --timeout and --no-verify apply)
+
+  chat with --disk-size: the same conversations twice, with a disk tier under a pool of an
+  eighth of the working set and with that pool alone: hit rates with the disk, pool-only
+  and unbounded, and chunks written through against chunks the pool evicted
 """
 
 EPILOG = """\
@@ -48,6 +62,8 @@ examples:
   lmcache-mp-bench --workload W3 --tp 2 --json w3.json
   lmcache-mp-bench --workload chat --duration 60 --plot chat.png
   lmcache-mp-bench --workload chat --nodes 2 --adopt-restart   # two servers, one Redis
+  lmcache-mp-bench --workload disk --disk-dir /mnt/nvme/bench
+  lmcache-mp-bench --workload chat --disk-size 4GiB
   lmcache-mp-bench --workload W2 --url   # the server running at this user's default endpoint
   LMCACHE_MP_TOKEN=... LMCACHE_MP_ADMIN_TOKEN=... \
     lmcache-mp-bench --workload W2 --url tcp://127.0.0.1:5555
@@ -85,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmcache-mp-bench", description=DESCRIPTION, epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=(*WORKLOADS, "engine", "warm-restart"),
+    parser.add_argument("--workload", choices=(*WORKLOADS, "engine", "warm-restart", "disk"),
                         default="W1",
                         help="what the engines prefill (default W1)")
     where = parser.add_mutually_exclusive_group()
@@ -175,10 +191,21 @@ def build_parser() -> argparse.ArgumentParser:
                              "or rediss://; default: a redis-server started here on a free "
                              "loopback port); the run's chunks stay there for an hour (TTL)")
     parser.add_argument("--restart-chunks", type=positive_int, default=100_000, metavar="N",
-                        help="warm-restart only: chunks the server holds when it is stopped "
-                             "(rounded up to prompts of 64; default 100000; the targets are "
-                             "for 1000000, which needs a pool of 8 GiB of 8KiB chunks in "
-                             "/dev/shm)")
+                        help="warm-restart and disk: chunks the server holds when it is "
+                             "stopped (warm-restart) or killed (disk) (rounded up to prompts "
+                             "of 64; default 100000; warm-restart's targets are for 1000000, "
+                             "which needs a pool of 8 GiB of 8KiB chunks in /dev/shm)")
+    parser.add_argument("--disk-dir", metavar="DIR", type=Path,
+                        help="disk and chat --disk-size: where the spawned server's disk tier "
+                             "(and the raw bound's files) go, in a fresh directory removed at "
+                             "the end (default: the system's temporary directory; point it at "
+                             "the NVMe a server would use)")
+    parser.add_argument("--disk-size", metavar="SIZE",
+                        help="chat only: give the spawned server a disk tier of SIZE (e.g. "
+                             "4GiB: it should hold the working set) under a pool of an eighth "
+                             "of the working set (or --cpu-size), run the same conversations "
+                             "with that pool alone too, and report both hit rates beside the "
+                             "unbounded cache's")
     parser.add_argument("--adopt-restart", action="store_true",
                         help="with --nodes: keep each node's pool in a shared-memory segment "
                              "(--pool-segment), SIGTERM the last node halfway through and "
@@ -241,7 +268,8 @@ def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> B
         seed=args.seed, peer=args.peer, cpu_size=args.cpu_size, verify=args.verify,
         lookup_rounds=args.lookup_rounds, lookup_iters=args.lookup_iters,
         lookup_seconds=args.lookup_seconds, timeout=args.timeout,
-        progress=args.progress and sys.stderr.isatty(), profile=args.profile)
+        progress=args.progress and sys.stderr.isatty(), profile=args.profile,
+        disk_size=args.disk_size, disk_dir=None if args.disk_dir is None else str(args.disk_dir))
 
 
 def log(message: str) -> None:
@@ -255,7 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         return engine_main(args)
     if args.workload == "warm-restart":
         return warm_restart_main(args)
+    if args.workload == "disk":
+        return disk_main(args, parser)
     check_nodes_flags(args, parser)
+    check_disk_flags(args, parser)
     options = options_from(args, parser)
     # What runs imports torch: seconds that --help and a flag error do without.
     import torch
@@ -268,7 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.nodes > 1:
             return nodes.nodes_main(args, options, log)
-        report = run(options, log)
+        if options.disk_size is not None:
+            from .disk_chat import run_with_disk
+
+            report = run_with_disk(options, log)
+        else:
+            report = run(options, log)
     except PeerUnavailable as exc:
         print(f"lmcache-mp-bench: {exc}", file=sys.stderr)
         return 2
@@ -304,7 +340,47 @@ def engine_main(args: argparse.Namespace) -> int:
     return _run_standalone(
         args, lambda: vllm_ttft.measure(args.requests or 5, args.seed, args.timeout, log),
         vllm_ttft.describe, vllm_ttft.render, vllm_ttft.to_json,
-        lambda figures: figures.mismatches == 0)
+        lambda figures: figures.mismatches == 0 and figures.disk_mismatches == 0)
+
+
+def check_disk_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """--disk-size and --disk-dir against the rest of the command line (not --workload disk)."""
+    if args.disk_size is None:
+        if args.disk_dir is not None:
+            parser.error("--disk-dir needs --disk-size (with --workload chat) or "
+                         "--workload disk")
+        return
+    if args.workload != "chat":
+        parser.error("--disk-size runs the chat workload: add --workload chat")
+    if args.url is not None or args.nodes > 1:
+        parser.error("--disk-size spawns its own server: --url and --nodes do not apply")
+    if args.duration is not None and args.cpu_size is None:
+        parser.error("--disk-size with --duration needs --cpu-size: the pool is an eighth of "
+                     "the working set of --requests")
+    try:
+        parse_size(args.disk_size)
+    except ValueError as exc:
+        parser.error(f"--disk-size: {exc}")
+
+
+def disk_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.disk_size is not None:
+        parser.error("--disk-size does not apply to --workload disk: it sizes its tier to "
+                     "hold every chunk")
+    if args.cpu_size is not None:
+        try:
+            parse_size(args.cpu_size)
+        except ValueError as exc:
+            parser.error(f"--cpu-size: {exc}")
+    from . import disk
+
+    shape = SHAPES[args.shape or "W2"]
+    return _run_standalone(
+        args, lambda: disk.measure(shape, args.requests or 64, args.chunks or 32,
+                                   args.batch or 4, args.cpu_size, args.disk_dir,
+                                   args.restart_chunks, args.seed, args.timeout, args.verify,
+                                   log),
+        disk.describe, disk.render, disk.to_json, lambda figures: figures.passed)
 
 
 def warm_restart_main(args: argparse.Namespace) -> int:

@@ -36,3 +36,5 @@ class BenchOptions:
     timeout: float
     progress: bool
     profile: bool = False  # time each phase of a request in every process (phases.py)
+    disk_size: str | None = None  # chat: a disk tier of this size under the spawned server
+    disk_dir: str | None = None  # where it goes (a fresh directory inside); None: the temp dir

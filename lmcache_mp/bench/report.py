@@ -174,6 +174,26 @@ class Checks:
 
 
 @dataclass
+class DiskTierFigures:
+    """chat --disk-size: the disk tier's share of the run (STATS once the phases ended and
+    write-through had written what they queued), and the pool alone beside it."""
+
+    disk_capacity_bytes: int
+    pool_share: float  # the pool over the working set (an eighth, or more: disk_chat.py)
+    chunks_written: int  # write-through wrote: STATS disk_chunks_written
+    pool_evictions: int  # what the pool evicted: what a write-back policy would have written
+    disk_hits: int  # chunks read back from disk into the pool
+    dropped: int  # chunks write-through did not write (queue full, evicted first, ...)
+    prefetch_timeouts: int  # LOOKUPs answered before their read-back was done
+    disk_evictions: int
+    pool_only_hit_rate: float = math.nan  # the same requests, the same pool, no disk tier
+
+    @property
+    def written_per_eviction(self) -> float:
+        return ratio(self.chunks_written, self.pool_evictions)
+
+
+@dataclass
 class Report:
     meta: dict[str, Any]  # versions, the command's options, the machine: free-form by design
     figures: Figures
@@ -187,6 +207,7 @@ class Report:
     echo_samples_us: list[float] = field(default_factory=list, repr=False)
     # --profile: "OP\tside phase" -> [nanoseconds, spans, items], every process summed
     profile: dict[str, list[int]] | None = None
+    disk: DiskTierFigures | None = None  # chat --disk-size
 
 
 # The phases of one request in the order they happen (lmcache_mp/phases.py stamps them).
@@ -273,6 +294,26 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _disk_rows(disk: DiskTierFigures, hit_rate: Compared) -> list[list[str]]:
+    gap = 100 * (hit_rate.bound - hit_rate.measured)
+    return [
+        ["hit rate: with the disk tier, against unbounded", _pct(hit_rate.measured),
+         f"unbounded cache {_pct(hit_rate.bound)}",
+         "—" if math.isnan(gap) else
+         f"{gap:.1f} points under ({'met' if gap <= 1.0 else 'MISSED'}: ≤ 1)"],
+        ["hit rate: the same pool alone", _pct(disk.pool_only_hit_rate),
+         f"unbounded cache {_pct(hit_rate.bound)}",
+         _pct(ratio(disk.pool_only_hit_rate, hit_rate.bound))],
+        ["pool, of the working set", f"{100 * disk.pool_share:.1f}%",
+         f"an eighth, or 1.5 steps' chunks; disk tier {format_size(disk.disk_capacity_bytes)}",
+         ""],
+        ["write-through wrote / the pool evicted (write-back's writes)",
+         f"{disk.chunks_written} / {disk.pool_evictions} chunks",
+         f"{disk.disk_hits} read back, {disk.dropped} not written, "
+         f"{disk.prefetch_timeouts} LOOKUP waits cut short", _times(disk.written_per_eviction)],
+    ]
+
+
 def render(report: Report) -> str:
     """The table printed at the end of a run (Markdown, so it pastes into a README)."""
     f = report.figures
@@ -305,6 +346,8 @@ def render(report: Report) -> str:
                         f"({100 * report.server.cpu_share:.0f}% of one core)"), "", ""],
         ["server peak RSS", format_size(report.server.peak_rss_bytes), "", ""],
     ]
+    if report.disk is not None:
+        rows += _disk_rows(report.disk, f.hit_rate)
     checks = report.checks
     rows.append(["byte-exact checks",
                  f"{checks.verified_chunks} chunks, {checks.corrupt_chunks} corrupt, "

@@ -6,6 +6,7 @@ import contextlib
 import os
 import platform
 import secrets
+import shutil
 import sys
 import tempfile
 import time
@@ -22,6 +23,7 @@ from ..client import CacheClient
 from ..protocol import StatsReply
 from ..sizes import format_size
 from ..spawn import ServerProcess
+from . import disk_chat
 from .bounds import CopyBound, EchoProcess, LookupFigures, measure_lookups
 from .engine import Engine, EngineSetup
 from .options import UNIFORM, BenchOptions
@@ -97,8 +99,17 @@ def run(options: BenchOptions, log: Callable[[str], None]) -> Report:
         server = None
         if spawned:
             pool = _spawned_pool_size(options, kv_world_size)
-            server = ServerProcess(None, ["--cpu-size", pool, "--log-level", "warning",
-                                          "--chunk-size", str(options.shape.chunk_size)])
+            args = ["--cpu-size", pool, "--log-level", "warning",
+                    "--chunk-size", str(options.shape.chunk_size)]
+            if options.disk_size is not None:  # chat --disk-size (disk_chat.py)
+                if options.disk_dir is not None:
+                    os.makedirs(options.disk_dir, exist_ok=True)
+                disk_dir = tempfile.mkdtemp(prefix="lmcache-mp-bench-disk-",
+                                            dir=options.disk_dir)
+                stack.callback(shutil.rmtree, disk_dir, True)
+                args += ["--disk-dir", os.path.join(disk_dir, "tier"), "--disk-size",
+                         options.disk_size]
+            server = ServerProcess(None, args)
             url = server.url
             stack.callback(server.close)
             log(f"starting a server on {url} with a {pool} pool")
@@ -151,6 +162,9 @@ def run(options: BenchOptions, log: Callable[[str], None]) -> Report:
         log(f"single-thread copy bound: {copy_bound.gbs:.2f} GB/s (sampled again between steps)")
 
         results = _run_phases(options, workload, engines, client, capacity, log, copy_bound)
+        disk = None
+        if options.disk_size is not None:
+            disk = disk_chat.figures(disk_chat.settle(client, options.timeout))
         bound = copy_bound.gbs
         log(f"LOOKUP latency: {options.lookup_rounds} rounds × {options.lookup_iters}, "
             f"batched LOOKUP {options.lookup_seconds:g} s")
@@ -162,6 +176,7 @@ def run(options: BenchOptions, log: Callable[[str], None]) -> Report:
         meta = _meta(options, redis)
     report = _report(options, meta, bound, results, lookups, final, url, spawned, capacity)
     report.profile = profile if options.profile else None
+    report.disk = disk
     return report
 
 

@@ -8,6 +8,22 @@ cache; the second engine, which has never seen it, loads it from the server. Eac
 the median over the rounds of `generate()` with one output token. The loaded output must
 equal the output from vLLM's own prefix cache, token and logprob, and the cold run's token;
 the run fails when it does not.
+
+Each round then times turn 2 of a conversation: the first engine answers a question
+(ANSWER_TOKENS generated, stored by the connector), and turn 2 (the question, the answer, a
+new message) runs on the first engine from vLLM's own prefix cache, on the second with
+question and answer loaded from the server, and on the second with only the question on
+the server (under another salt: the answer recomputed, as without store_generated).
+
+`measure` also times the prefix loaded from the server's disk tier: a third engine computes
+new prompts through a server with `--disk-dir`, the server is stopped (SIGTERM) and started
+again on the same directory (its pool empty: the prompts are on disk only), and a fourth
+engine loads them; its tokens must equal the cold run's.
+
+`measure` also starts a hybrid model (SHAPE with sliding-window layers) with vLLM's hybrid
+KV cache manager on and off, and reports the KV cache vLLM planned for each in the same
+memory (VLLM_CPU_KVCACHE_SPACE): its blocks and vLLM's maximum concurrency of
+max_model_len requests.
 """
 
 from __future__ import annotations
@@ -18,7 +34,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..client import CacheClient
@@ -41,6 +57,10 @@ SHAPE = TinyLlama(layers=4, hidden=512, heads=8, kv_heads=4, intermediate=1024)
 CHUNK_SIZE = 64  # loads what vLLM's own prefix cache keeps of the prompt: every full 32-block
 SALT = "bench-engine"
 TARGET = 1.2  # loaded from our server vs vLLM's own prefix cache
+ANSWER_TOKENS = 128  # turn 1's answer: two full chunks
+MESSAGE_TOKENS = 40  # turn 2's new message
+# even layers attend 256 tokens back; vLLM's KV plan for requests as long as a deployment's
+HYBRID_SHAPE = replace(SHAPE, sliding_window=256, max_positions=32768)
 
 
 @dataclass
@@ -52,13 +72,29 @@ class EngineFigures:
     cold: list[float]
     vllm_prefix_cache: list[float]
     loaded: list[float]
-    mismatches: int  # rounds whose loaded output differed (see measure)
+    mismatches: int  # rounds whose loaded outputs differed, either turn (see measure_with)
     threads: str
+    # turn 2 of a conversation (see the module docstring)
+    turn2_vllm_prefix_cache: list[float] = field(default_factory=list)
+    turn2_loaded: list[float] = field(default_factory=list)  # question and answer loaded
+    turn2_recomputed: list[float] = field(default_factory=list)  # the answer recomputed
+    turn2_mismatches: int = 0  # rounds whose turn 2 outputs differed
+    # the hybrid model's KV cache with vLLM's hybrid KV cache manager "on" and "off"
+    # (EngineProcess.kv_cache); empty when not measured
+    hybrid_kv_cache: dict[str, dict] = field(default_factory=dict)
+    # the prefix loaded from the disk tier after a restart (measure_from_disk); empty when
+    # not measured
+    loaded_from_disk: list[float] = field(default_factory=list)
+    disk_mismatches: int = 0  # of those rounds, outputs whose tokens differed from cold
+    disk_hits: int = 0  # chunks the restarted server read back from disk
 
     @property
     def medians(self) -> dict[str, float]:
-        return {name: statistics.median(getattr(self, name))
-                for name in ("cold", "vllm_prefix_cache", "loaded")}
+        names = ["cold", "vllm_prefix_cache", "loaded", "turn2_vllm_prefix_cache",
+                 "turn2_loaded", "turn2_recomputed"]
+        if self.loaded_from_disk:
+            names.append("loaded_from_disk")
+        return {name: statistics.median(getattr(self, name)) for name in names}
 
 
 def skip_reason() -> str | None:
@@ -78,16 +114,82 @@ def measure(rounds: int, seed: int, timeout: float, log: Callable[[str], None]) 
                                  "--log-level", "warning"]) as server:
         root = Path(scratch)
         write_model_with(python, root / "model", seed=1, shape=SHAPE)
+        write_model_with(python, root / "hybrid", seed=1, shape=HYBRID_SHAPE)
+        max_model_len = PROMPT_TOKENS + ANSWER_TOKENS + MESSAGE_TOKENS + 64
         settings = EngineSettings(str(root / "model"), server_url=server.url,
-                                  chunk_size=CHUNK_SIZE, max_model_len=PROMPT_TOKENS + 64)
+                                  chunk_size=CHUNK_SIZE, max_model_len=max_model_len)
+        hybrid = {mode: EngineSettings(str(root / "hybrid"), server_url=server.url,
+                                       chunk_size=CHUNK_SIZE, cache_name=f"hybrid-{mode}",
+                                       max_model_len=HYBRID_SHAPE.max_positions,
+                                       hybrid_kv_cache_manager=mode == "on")
+                  for mode in ("on", "off")}
+        log(f"starting a hybrid model's vLLM engine with HMA on, then off ({python})")
+        kv_caches: dict[str, dict] = {}
+        for mode, hybrid_settings in hybrid.items():  # one at a time: each takes its memory
+            with EngineProcess(python, hybrid_settings, root / f"hybrid-{mode}.log") as engine:
+                engine.wait_ready(timeout)
+                kv_caches[mode] = engine.kv_cache
         log(f"starting two vLLM engines ({python})")
         with EngineProcess(python, settings, root / "computes.log") as computes, \
                 EngineProcess(python, settings, root / "loads.log") as loads, \
                 server.client(admin=True, timeout=timeout) as admin:
             computes.wait_ready(timeout)
             loads.wait_ready(timeout)
-            return measure_with(computes, loads, admin, rounds, random.Random(seed), timeout,
-                                log)
+            figures = measure_with(computes, loads, admin, rounds, random.Random(seed),
+                                   timeout, log)
+        figures.hybrid_kv_cache = kv_caches
+        log("storing prompts through a server with a disk tier, restarting it, loading them")
+        figures.loaded_from_disk, figures.disk_mismatches, figures.disk_hits = \
+            measure_from_disk(python, root, rounds, random.Random(seed + 1), timeout)
+        return figures
+
+
+def measure_from_disk(python: str, root: Path, rounds: int, rng: random.Random,
+                      timeout: float) -> tuple[list[float], int, int]:
+    """TTFT of prompts whose prefix is on the server's disk tier only: computed cold by one
+    engine through a server with --disk-dir, which is then stopped and started again on the
+    same directory (its pool empty), and loaded by a new engine. The seconds of each round
+    (the first, warming the engine up, untimed), how many rounds' tokens differed from the
+    cold run's, and the chunks read back from disk."""
+    prompts = [Prompt([rng.randrange(3, SHAPE.vocab) for _ in range(PROMPT_TOKENS)], SALT)
+               for _ in range(rounds + 1)]
+    server_args = ["--cpu-size", "256MiB", "--chunk-size", str(CHUNK_SIZE), "--disk-dir",
+                   str(root / "disk"), "--disk-size", "1GiB", "--disk-prefetch-wait",
+                   str(timeout), "--log-level", "warning"]
+
+    def engine_on(server: ServerProcess, name: str) -> EngineProcess:
+        settings = EngineSettings(str(root / "model"), server_url=server.url,
+                                  chunk_size=CHUNK_SIZE, max_model_len=PROMPT_TOKENS + 64)
+        return EngineProcess(python, settings, root / f"{name}.log")
+
+    def until(condition: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: not within {timeout} s")
+            time.sleep(0.01)
+
+    cold_tokens = []
+    with ServerProcess(None, server_args) as server, engine_on(server, "disk-writer") as writer, \
+            server.client(admin=True, timeout=timeout) as admin:
+        writer.wait_ready(timeout)
+        for request in prompts:
+            (cold,) = writer.generate([request], max_tokens=1, timeout=timeout).completions
+            cold_tokens.append(cold.tokens)
+        chunks = len(prompts) * (PROMPT_TOKENS // CHUNK_SIZE)
+        until(lambda: admin.stats().disk_chunks_written >= chunks, f"{chunks} chunks on disk")
+    seconds, mismatches = [], 0
+    with ServerProcess(None, server_args) as server, engine_on(server, "disk-reader") as reader, \
+            server.client(admin=True, timeout=timeout) as admin:
+        reader.wait_ready(timeout)
+        until(lambda: admin.stats().disk_loaded, "the disk tier's index")
+        for number, request in enumerate(prompts):
+            loaded = reader.generate([request], max_tokens=1, timeout=timeout)
+            mismatches += loaded.completions[0].tokens != cold_tokens[number]
+            if number:
+                seconds.append(loaded.seconds)
+        hits = admin.stats().disk_hits
+    return seconds, mismatches, hits
 
 
 def measure_with(computes: EngineProcess, loads: EngineProcess, admin: CacheClient,
@@ -100,19 +202,27 @@ def measure_with(computes: EngineProcess, loads: EngineProcess, admin: CacheClie
     def one(engine: EngineProcess, request: Prompt):
         return engine.generate([request], max_tokens=1, timeout=timeout)
 
+    def chunks_of(tenant: str) -> int:
+        found = admin.stats().tenants.get(tenant)
+        return found.chunks if found else 0
+
+    def wait_stored_of(tenant: str, chunks: int) -> None:
+        deadline = time.monotonic() + timeout
+        while chunks_of(tenant) < chunks:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server did not get {chunks} chunks of {tenant} in "
+                                   f"{timeout} s")
+            time.sleep(0.01)
+
     def stored() -> int:
-        tenant = admin.stats().tenants.get(salt)
-        return tenant.chunks if tenant else 0
+        return chunks_of(salt)
 
     def wait_stored(chunks: int) -> None:
-        deadline = time.monotonic() + timeout
-        while stored() < chunks:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the server did not get {chunks} chunks in {timeout} s")
-            time.sleep(0.01)
+        wait_stored_of(salt, chunks)
 
     figures = EngineFigures(rounds, prompt_tokens, [], [], [], 0,
                             f"OMP_NUM_THREADS={ENGINE_ENV['OMP_NUM_THREADS']}")
+    turns, question_only = f"{salt}-turns", f"{salt}-question-only"
     for number in range(rounds + 1):  # round 0 warms both engines up, untimed
         request = Prompt([rng.randrange(3, vocab) for _ in range(prompt_tokens)], salt)
         expected = stored() + prompt_tokens // chunk_size
@@ -120,6 +230,26 @@ def measure_with(computes: EngineProcess, loads: EngineProcess, admin: CacheClie
         wait_stored(expected)
         own = one(computes, request)
         loaded = one(loads, request)
+        # Turn 2: a new question answered on `computes` (the answer's chunks stored, all but
+        # the last token fed back), and asked alone under another salt (no answer stored).
+        question = [rng.randrange(3, vocab) for _ in range(prompt_tokens)]
+        had = {tenant: chunks_of(tenant) for tenant in (turns, question_only)}
+        answered = had[turns] + (prompt_tokens + ANSWER_TOKENS - 1) // chunk_size
+        asked = had[question_only] + prompt_tokens // chunk_size
+        (answer,) = computes.generate([Prompt(question, turns)], max_tokens=ANSWER_TOKENS,
+                                      timeout=timeout).completions
+        one(computes, Prompt(question, question_only))
+        wait_stored_of(turns, answered)
+        wait_stored_of(question_only, asked)
+        follow_up = [*question, *answer.tokens,
+                     *(rng.randrange(3, vocab) for _ in range(MESSAGE_TOKENS))]
+        own_turn2 = one(computes, Prompt(follow_up, turns))
+        loaded_turn2 = one(loads, Prompt(follow_up, turns))
+        recomputed_turn2 = one(loads, Prompt(follow_up, question_only))
+        # Both turn 2s store what they computed (the second engine is kv_both too): wait
+        # for those STOREs, so that the next round's runs share the CPUs with no copy.
+        for tenant in (turns, question_only):
+            wait_stored_of(tenant, had[tenant] + len(follow_up) // chunk_size)
         if number == 0:
             continue
         figures.cold.append(cold.seconds)
@@ -128,10 +258,23 @@ def measure_with(computes: EngineProcess, loads: EngineProcess, admin: CacheClie
         # Loading from the server computes what vLLM's own cache does (the prompt's tail
         # over a cached prefix), which may round differently from a cold prefill of 1,500
         # tokens: the same numbers as vLLM's cache, the same tokens as cold.
+        # Tokens only: the engine that generated the answer finds some of its blocks in its
+        # own prefix cache and computes the rest again, in another order than a load's.
+        turn2_differs = (loaded_turn2.completions[0].tokens != own_turn2.completions[0].tokens
+                         or recomputed_turn2.completions[0].tokens
+                         != own_turn2.completions[0].tokens)
         figures.mismatches += (loaded.completions != own.completions
-                               or loaded.completions[0].tokens != cold.completions[0].tokens)
+                               or loaded.completions[0].tokens != cold.completions[0].tokens
+                               or turn2_differs)
+        figures.turn2_vllm_prefix_cache.append(own_turn2.seconds)
+        figures.turn2_loaded.append(loaded_turn2.seconds)
+        figures.turn2_recomputed.append(recomputed_turn2.seconds)
+        figures.turn2_mismatches += turn2_differs
         log(f"round {number}/{rounds}: cold {cold.seconds * 1e3:.1f} ms, vLLM's prefix "
-            f"cache {own.seconds * 1e3:.1f} ms, loaded {loaded.seconds * 1e3:.1f} ms")
+            f"cache {own.seconds * 1e3:.1f} ms, loaded {loaded.seconds * 1e3:.1f} ms; turn 2: "
+            f"vLLM's prefix cache {own_turn2.seconds * 1e3:.1f} ms, answer loaded "
+            f"{loaded_turn2.seconds * 1e3:.1f} ms, answer recomputed "
+            f"{recomputed_turn2.seconds * 1e3:.1f} ms")
     return figures
 
 
@@ -147,10 +290,35 @@ def render(figures: EngineFigures) -> str:
         f"{ms['vllm_prefix_cache']} | {loaded_vs_own:.2f}× (target ≤ {TARGET}×: {verdict}) |",
         f"| TTFT, cold | {ms['cold']} | loaded {ms['loaded']} | "
         f"{medians['cold'] / medians['loaded']:.2f}× faster loaded |",
-        f"| loaded output = vLLM's prefix-cache output (tokens, logprobs), tokens = cold | "
-        f"{figures.rounds - figures.mismatches} of {figures.rounds} rounds |  | "
+        f"| TTFT turn 2, question and answer loaded from lmcache-mp | {ms['turn2_loaded']} | "
+        f"answer recomputed {ms['turn2_recomputed']} | "
+        f"{medians['turn2_recomputed'] / medians['turn2_loaded']:.2f}× faster loaded |",
+        f"| TTFT turn 2, vLLM's own prefix cache | {ms['turn2_vllm_prefix_cache']} | "
+        f"answer loaded {ms['turn2_loaded']} | "
+        f"{medians['turn2_loaded'] / medians['turn2_vllm_prefix_cache']:.2f}× |",
+        f"| loaded outputs = vLLM's prefix-cache outputs (tokens, logprobs); tokens = cold, "
+        f"= recomputed | {figures.rounds - figures.mismatches} of {figures.rounds} rounds "
+        f"(turn 2: {figures.turn2_mismatches} differed) |  | "
         f"{'PASS' if figures.mismatches == 0 else 'FAIL'} |",
     ]
+    if figures.loaded_from_disk:
+        rows.append(
+            f"| TTFT, prefix loaded from lmcache-mp's disk tier (after a restart: the pool "
+            f"empty; {figures.disk_hits} chunks read back) | {ms['loaded_from_disk']} | "
+            f"loaded from its pool {ms['loaded']}; cold {ms['cold']}; vLLM's own prefix cache "
+            f"{ms['vllm_prefix_cache']} | "
+            f"{medians['loaded_from_disk'] / medians['loaded']:.2f}× the pool's; "
+            f"{medians['cold'] / medians['loaded_from_disk']:.2f}× faster than cold; tokens "
+            f"= cold in {len(figures.loaded_from_disk) + 1 - figures.disk_mismatches} of "
+            f"{len(figures.loaded_from_disk) + 1} |")
+    on, off = figures.hybrid_kv_cache.get("on"), figures.hybrid_kv_cache.get("off")
+    if on and off:
+        rows.append(
+            f"| KV cache of a hybrid model, HMA on ({len(on['groups'])} groups) | "
+            f"{on['num_blocks']} blocks; {on['max_concurrency']:.1f} requests of "
+            f"max_model_len | HMA off: {off['num_blocks']} blocks; "
+            f"{off['max_concurrency']:.1f} requests | "
+            f"{on['max_concurrency'] / off['max_concurrency']:.2f}× the requests |")
     return "\n".join(rows)
 
 
@@ -158,8 +326,13 @@ def describe(figures: EngineFigures) -> str:
     shape = SHAPE
     return (f"vLLM (CPU build), a {shape.layers}-layer Llama (hidden {shape.hidden}, vocab "
             f"{shape.vocab}, float32) with seeded random weights; {figures.prompt_tokens}-token "
-            f"prompts, --block-size {BLOCK_SIZE}, chunks of {CHUNK_SIZE} tokens; "
-            f"{figures.threads} per engine; median of {figures.rounds} rounds.")
+            f"prompts (turn 2: the question, a {ANSWER_TOKENS}-token answer, a "
+            f"{MESSAGE_TOKENS}-token message), --block-size {BLOCK_SIZE}, chunks of "
+            f"{CHUNK_SIZE} tokens; {figures.threads} per engine; median of {figures.rounds} "
+            f"rounds. The hybrid model: the same Llama with every other layer attending "
+            f"{HYBRID_SHAPE.sliding_window} tokens back, max_model_len "
+            f"{HYBRID_SHAPE.max_positions}, in vLLM's "
+            f"VLLM_CPU_KVCACHE_SPACE={ENGINE_ENV['VLLM_CPU_KVCACHE_SPACE']} GiB.")
 
 
 def to_json(figures: EngineFigures) -> str:

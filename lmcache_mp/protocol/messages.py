@@ -353,6 +353,8 @@ class TenantStats:
     misses: int
     evictions: int
     refused: int  # chunks a STORE could not place
+    disk_bytes: int = 0  # its chunks' bytes in the disk tier (--disk-dir), under the same cap
+    disk_chunks: int = 0
 
 
 @dataclass
@@ -425,6 +427,31 @@ class StatsReply:
     l2_bytes_held: int = 0
     l2_errors: int = 0
     l2_prefetch_timeouts: int = 0
+    # The disk tier (--disk-dir; all 0 without one): server.disk.space.DiskCounters, by name,
+    # and the seconds each read-back window's reads took.
+    disk_enabled: bool = False
+    disk_capacity_bytes: int = 0
+    disk_bytes_used: int = 0
+    disk_chunks: int = 0
+    disk_hits: int = 0
+    disk_misses: int = 0
+    disk_corrupt: int = 0
+    disk_bytes_read: int = 0
+    disk_bytes_written: int = 0
+    disk_chunks_written: int = 0
+    disk_chunks_skipped: int = 0
+    disk_dropped: int = 0
+    disk_evictions: int = 0
+    disk_queue_bytes: int = 0
+    disk_queue_chunks: int = 0
+    disk_read_errors: int = 0
+    disk_write_errors: int = 0
+    disk_prefetch_timeouts: int = 0
+    disk_writing: bool = False
+    disk_loaded: bool = False
+    disk_loaded_chunks: int = 0
+    disk_index_bytes: int = 0
+    disk_read_time: Histogram | None = None
 
 
 @dataclass

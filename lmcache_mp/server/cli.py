@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(config.log_level, config.log_format)
     # What serves imports torch, seconds of start-up that --help, --print-config and a
     # flag error do without.
+    from .disk.tier import DiskTierError
     from .server import Server, hold_exit_signals
     from .warm.segment import WarmStartError
     from .wiring import wire
@@ -42,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except WarmStartError as exc:
         logging.getLogger("lmcache_mp.server").error("cannot use the pool segment: %s", exc)
+        return 2
+    except DiskTierError as exc:
+        logging.getLogger("lmcache_mp.server").error("cannot use the disk tier: %s", exc)
         return 2
     except OSError as exc:  # most often: the address is already in use
         logging.getLogger("lmcache_mp.server").error("cannot serve on %s: %s",

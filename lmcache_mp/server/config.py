@@ -26,6 +26,7 @@ from .l2.urls import check_url, read_password_file
 
 SEGMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # --pool-segment
 ADOPT_MODES = ("auto", "require", "never")  # --adopt
+MAX_DISK_SIZE = 16 * 1024**4  # --disk-size: the disk index keeps offsets in 32 bits of 4 KiB
 ENV_PREFIX = "LMCACHE_MP_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 
@@ -239,6 +240,25 @@ class Config:
                         "its snapshot is good and starts cold otherwise (removing the stale "
                         "segment); require refuses to start without a good snapshot; never "
                         "always starts cold", _choice(*ADOPT_MODES), "MODE")
+    disk_dir: str | None = option(None, "a disk tier under the CPU pool (docs/disk.md): the "
+                                  "directory of its data file and journal, on a local "
+                                  "filesystem (NVMe); created 0700, and refused unless it is "
+                                  "this user's own and private; committed chunks are written "
+                                  "there behind each STORE, survive a crash or SIGKILL, and a "
+                                  "LOOKUP that misses in memory reads the rest of its prompt "
+                                  "from there", str, "DIR", shown="none: memory alone")
+    disk_size: int | None = option(None, "with --disk-dir: bytes the disk tier may fill; past "
+                                   "it, its least recently used chunks (a prompt's end before "
+                                   "its start) make room", parse_size, "SIZE",
+                                   shown="required with --disk-dir", text=exact_size)
+    disk_queue_size: int = option(256 * 1024**2, "chunk bytes waiting to be written to the "
+                                  "disk tier; past it, chunks are not written (STATS "
+                                  "disk_dropped counts them) rather than slowing STOREs",
+                                  parse_size, "SIZE", text=exact_size)
+    disk_prefetch_wait: float = option(1.0, "seconds a LOOKUP that misses in memory waits for "
+                                       "chunks read back from the disk tier before it answers "
+                                       "with what has landed (the read goes on for the next "
+                                       "LOOKUP); 0: never wait", _not_negative(float), "SEC")
     l2: str | None = option(None, "shared second tier (docs/l2.md): redis://HOST:PORT[/DB], "
                             "rediss://... for TLS, or redis+cluster://HOST:PORT,HOST:PORT,... "
                             "(seed nodes of a Redis Cluster); user:password@ before the host "
@@ -314,6 +334,14 @@ class Config:
             raise ValueError(f"--url must start with tcp:// or ipc://, got {self.bind_url!r}")
         if self.pool_segment_dir is not None and self.pool_segment is None:
             raise ValueError("--pool-segment-dir needs --pool-segment")
+        if self.disk_dir is None and self.disk_size is not None:
+            raise ValueError("--disk-size needs --disk-dir")
+        if self.disk_dir is not None and not self.disk_size:
+            raise ValueError("--disk-dir needs --disk-size (the bytes the tier may fill), "
+                             "e.g. --disk-size 100GiB")
+        if self.disk_size is not None and not 1024**2 <= self.disk_size <= MAX_DISK_SIZE:
+            raise ValueError(f"--disk-size must be between 1MiB and 16TiB (the index's "
+                             f"offsets), got {self.disk_size} bytes")
         if self.l2 is None and self.l2_password_file is not None:
             raise ValueError("--l2-password-file needs --l2")
         if self.l2 is None and self.l2_key_file is not None:

@@ -12,6 +12,7 @@ never what the file holds.
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import stat
@@ -20,6 +21,10 @@ from pathlib import Path
 from ..errors import SetupError
 
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# What open() says when the name is not a regular file: a link (O_NOFOLLOW), a directory,
+# a FIFO or socket without a reader (O_NONBLOCK), a device without its driver.
+_NOT_A_FILE = (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV, errno.ENOTDIR,
+               errno.EOPNOTSUPP)
 
 
 class UnsafePath(SetupError):
@@ -81,12 +86,15 @@ class PrivateDir:
     def open(self, name: str, flags: int, max_bytes: int | None = None) -> int:
         """A descriptor of file `name`, checked: a regular file of this user, mode 0600 or
         stricter, of at most `max_bytes` (None: any size). Raises FileNotFoundError when
-        there is none, UnsafePath for anything else there."""
+        there is none, UnsafePath for anything else there, and OSError for what the
+        filesystem refuses (EROFS, EACCES, EINVAL for flags it does not take)."""
         try:
             fd = os.open(name, flags | _OPEN_FLAGS, 0o600, dir_fd=self.fd)
         except FileNotFoundError:
             raise
         except OSError as exc:
+            if exc.errno not in _NOT_A_FILE:
+                raise
             info = _lstat(self.path / name)
             what = (f"owned by {owner_name(info.st_uid)}, is a {_kind(info.st_mode)}" if info
                     else f"cannot be opened: {exc.strerror}")

@@ -96,6 +96,8 @@ class Server:
         config, parts = self.config, self.parts
         loop = asyncio.get_running_loop()
         parts.pool.start_prefault()
+        if parts.disk is not None:
+            parts.disk.start()
         if parts.l2 is not None:
             parts.l2.start()
         parts.fd_channel.start(loop)
@@ -136,6 +138,11 @@ class Server:
                                "change what engines load from it; give every server that "
                                "shares it the same --l2-key-file (docs/l2.md, Trust)",
                                parts.l2.describe())
+        if parts.disk is not None:
+            logger.info("disk tier: %s, %s (write-through queue %s, LOOKUP waits up to %g s "
+                        "for its reads)", parts.disk.describe(), format_size(config.disk_size
+                                                                             or 0),
+                        format_size(config.disk_queue_size), config.disk_prefetch_wait)
         if config.bind_url.startswith("tcp://"):
             logger.warning("%s is a TCP endpoint: any process that can reach it and holds the "
                            "engine token can use the cache; keep the token file private",
@@ -241,6 +248,10 @@ class Server:
         if router.in_flight:
             await asyncio.wait(list(router.in_flight), timeout=self.config.shutdown_timeout)
         router.fail_in_flight()
+        if parts.disk is not None:
+            logger.info("shutdown: writing the disk tier's queue (up to %.0f s), then stopping "
+                        "it", self.config.shutdown_timeout)
+            await parts.disk.close(self.config.shutdown_timeout)
         if parts.l2 is not None:
             logger.info("shutdown: stopping L2 write-behind and prefetch")
             await parts.l2.close()

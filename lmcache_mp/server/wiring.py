@@ -28,6 +28,7 @@ from .ops.dispatcher import Dispatcher
 from .warm.segment import KEY_NAME, WarmStart
 
 if TYPE_CHECKING:
+    from .disk.tier import DiskTier
     from .l2.tier import L2Tier
 
 _GPU_COPY_TIMEOUT_S = 60.0  # one request's device work; a GPU that takes longer has failed
@@ -49,6 +50,7 @@ class Components:
     registry: Registry
     copy_engine: CopyEngine
     copier: StreamCopier | None  # copies of caches on GPUs (a server with CUDA)
+    disk: DiskTier | None  # the disk tier (--disk-dir)
     l2: L2Tier | None  # the shared second tier (--l2)
     metrics: ServerMetrics
     dispatcher: Dispatcher
@@ -83,25 +85,35 @@ def wire(config: Config) -> Components:
     registry = Registry(config.chunk_size, time.monotonic, fd_channel, cuda_ipc,
                         fd_channel.watch)
     copy_engine = CopyEngine(config.copy_threads)
+
+    def chunk_bytes(chunk: Chunk) -> torch.Tensor:
+        tier_pool = gpu_pool if chunk.tier == GPU_TIER else pool
+        assert tier_pool is not None  # GPU-tier chunks exist only with a GPU pool
+        return tier_pool.view(chunk.offset, chunk.nbytes)
+    metrics = ServerMetrics()
+    disk = None
+    if config.disk_dir is not None:
+        from .disk.tier import DiskTier
+
+        assert config.disk_size is not None  # Config.validate() requires it
+        disk = DiskTier(Path(config.disk_dir), config.disk_size, config.disk_queue_size,
+                        config.disk_prefetch_wait, store, registry, pool, chunk_bytes,
+                        metrics.disk_read)
     l2 = None
     if config.l2 is not None:
         from .l2.tier import L2Tier  # redis-py is needed only with --l2
 
-        def chunk_bytes(chunk: Chunk) -> torch.Tensor:
-            tier_pool = gpu_pool if chunk.tier == GPU_TIER else pool
-            assert tier_pool is not None  # GPU-tier chunks exist only with a GPU pool
-            return tier_pool.view(chunk.offset, chunk.nbytes)
         l2 = L2Tier.from_config(config, store, registry, pool, chunk_bytes)
-    metrics = ServerMetrics()
     # The router sends what the dispatcher pushes (LOAD_DONE), and hands it every request.
     dispatcher = Dispatcher(config, store, pool, registry, copy_engine, sessions,
                             fd_channel.path, push=lambda client, message: router.push(
                                 client, message),
-                            copier=copier, gpu_pool=gpu_pool, metrics=metrics, l2=l2)
+                            copier=copier, gpu_pool=gpu_pool, metrics=metrics, l2=l2,
+                            disk=disk)
     router = Router(config, dispatcher, sessions, metrics)
     return Components(config, sessions, admin_token.encode(), fd_channel, warm, pool,
-                      gpu_pool, store, registry, copy_engine, copier, l2, metrics, dispatcher,
-                      router)
+                      gpu_pool, store, registry, copy_engine, copier, disk, l2, metrics,
+                      dispatcher, router)
 
 
 def _access(config: Config) -> tuple[Sessions, str, FdChannel]:

@@ -40,7 +40,10 @@ def test_a_round_on_real_engines_reports_every_figure(engines, admin):
                                      salt="e2e-bench")
     assert figures.mismatches == 0
     assert all(len(samples) == 2 and min(samples) > 0
-               for samples in (figures.cold, figures.vllm_prefix_cache, figures.loaded))
+               for samples in (figures.cold, figures.vllm_prefix_cache, figures.loaded,
+                               figures.turn2_vllm_prefix_cache, figures.turn2_loaded,
+                               figures.turn2_recomputed))
     table = vllm_ttft.render(figures)
     assert "| TTFT, prefix loaded from lmcache-mp |" in table and "| TTFT, cold |" in table
+    assert "| TTFT turn 2, question and answer loaded from lmcache-mp |" in table
     assert json.loads(vllm_ttft.to_json(figures))["medians"] == figures.medians

@@ -127,12 +127,13 @@ def test_the_quota_model_holds_on_a_real_server(tmp_path: Path) -> None:
             stats = call(sock, 13, "STATS", {})
             assert stats["tenants"]["team-f"] == {
                 "bytes_used": 4 * footprint, "chunks": 4, "cap": 32 * KiB, "reserve": 0,
-                "hits": 3, "misses": 3, "evictions": 1, "refused": 1}
+                "hits": 3, "misses": 3, "evictions": 1, "refused": 1, "disk_bytes": 0,
+                "disk_chunks": 0}
             # "nobody" was only looked up: it holds nothing and has no quota, so it is not listed.
             assert set(stats["tenants"]) == {"team-a", "team-f", "team-r"}
             assert stats["tenants"]["team-r"] == {
                 "bytes_used": 0, "chunks": 0, "cap": None, "reserve": MiB, "hits": 0,
-                "misses": 0, "evictions": 0, "refused": 0}
+                "misses": 0, "evictions": 0, "refused": 0, "disk_bytes": 0, "disk_chunks": 0}
             for total in ("chunks", "bytes_used"):
                 assert stats[total] == sum(t[total] for t in stats["tenants"].values()), total
             for total in ("hits", "misses", "evictions"):  # unlisted salts count here too

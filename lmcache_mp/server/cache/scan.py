@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from .chunk import Chunk, LeaseOwner
@@ -59,3 +59,20 @@ class PrefixScan:
         if self.hold_while_scanning:
             self.store.unhold(self.found)
         self.found = []
+
+
+def short_runs(store: ChunkStore, model: str, kv_world_size: int,
+               items: Sequence[tuple[str, Sequence[bytes]]], budget: int
+               ) -> Iterator[tuple[str, Sequence[bytes], int]]:
+    """The LOOKUP items whose run of chunks in memory stops short of their hashes, as
+    (cache_salt, hashes, how many of them memory holds), for a lower tier to continue;
+    `budget` probes over all items (a long run in memory is left alone)."""
+    for cache_salt, hashes in items:
+        if budget < kv_world_size:
+            return
+        scan = PrefixScan(store, model, kv_world_size, cache_salt, hashes,
+                          hold_while_scanning=False)
+        budget -= scan.step(budget)
+        stored = len(scan.found) // kv_world_size
+        if scan.done and stored < len(hashes):
+            yield cache_salt, hashes, stored

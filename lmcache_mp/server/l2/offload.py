@@ -1,4 +1,5 @@
-"""CPU work of the L2 tier (copies, checksums) on its own threads, never on the event loop."""
+"""A lower tier's CPU and I/O work (copies, checksums, disk reads and writes) on its own
+threads, never on the event loop."""
 
 from __future__ import annotations
 
@@ -9,12 +10,10 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-THREADS = 2
-
 
 class Offload:
-    def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(THREADS, thread_name_prefix="l2")
+    def __init__(self, name: str = "l2", threads: int = 2) -> None:
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix=name)
 
     async def run(self, work: Callable[[], T], if_abandoned: Callable[[], None]) -> T:
         """`work()` on a thread. If the caller is cancelled meanwhile, `if_abandoned()` runs

@@ -17,14 +17,14 @@ import asyncio
 import ctypes
 import logging
 from collections.abc import Awaitable, Sequence
-from functools import partial
 
 import torch
 
 from ...protocol import LOOKUP_SLICE_PROBES, StoreStatus
 from ..cache.chunk import Chunk, ChunkKey
 from ..cache.pool import CpuPool
-from ..cache.scan import PrefixScan
+from ..cache.pulls import Pulls
+from ..cache.scan import short_runs
 from ..cache.store import ChunkStore
 from ..memory.geometry import Geometry
 from ..memory.registry import Registry
@@ -59,21 +59,9 @@ class Prefetcher:
         self.store = store
         self.registry = registry
         self.pool = pool
-        self.wait_s = wait_s
         self.offload = offload
         self.values = values
-        self._pulls: dict[tuple, asyncio.Task] = {}
-
-    def _geometries(self, model: str, kv_world_size: int) -> list[Geometry] | None:
-        """Each kv worker's chunk geometry, from this node's registrations; None unless every
-        kv worker has registered (no one here could load the chunks otherwise)."""
-        found: dict[int, Geometry] = {}
-        for instance in self.registry.instances():
-            if instance.model == model and instance.kv_world_size == kv_world_size:
-                found[instance.kv_worker_id] = instance.geometry
-        if len(found) < kv_world_size:
-            return None
-        return [found[worker] for worker in range(kv_world_size)]
+        self._pulls = Pulls(MAX_PULLS, wait_s, self._timed_out)
 
     def before_lookup(self, model: str, kv_world_size: int,
                       items: Sequence[tuple[str, Sequence[bytes]]]) -> Awaitable[None] | None:
@@ -81,44 +69,26 @@ class Prefetcher:
         LOOKUP should await before it looks in L1, or None to look at once."""
         if not self.health.available():
             return None
-        geometries = self._geometries(model, kv_world_size)
+        geometries = self.registry.geometries(model, kv_world_size)
         if geometries is None:
             return None
         pulls: list[asyncio.Task] = []
-        budget = LOOKUP_SLICE_PROBES  # probes, over all items: a long L1 run is left alone
-        for cache_salt, hashes in items:
-            if budget < kv_world_size:
-                break
-            scan = PrefixScan(self.store, model, kv_world_size, cache_salt, hashes,
-                              hold_while_scanning=False)
-            budget -= scan.step(budget)
-            stored = len(scan.found) // kv_world_size
-            if not scan.done or stored == len(hashes):
-                continue
+        for cache_salt, hashes, stored in short_runs(self.store, model, kv_world_size, items,
+                                                     LOOKUP_SLICE_PROBES):
             wanted = tuple(hashes[stored:])
             # Chained hashes: the first and last name the whole run.
             ident = (model, kv_world_size, cache_salt, wanted[0], wanted[-1])
-            pull = self._pulls.get(ident)
+            pull = self._pulls.running(ident)
             if pull is None:
-                if len(self._pulls) >= MAX_PULLS:
-                    continue
                 after = hashes[stored - 1] if stored else None
-                pull = asyncio.ensure_future(self._pull(model, kv_world_size, cache_salt,
-                                                        after, wanted, geometries))
-                self._pulls[ident] = pull
-                pull.add_done_callback(partial(self._forget_pull, ident))
-            pulls.append(pull)
-        return self._wait(pulls) if pulls else None
+                pull = self._pulls.start(ident, self._pull(model, kv_world_size, cache_salt,
+                                                           after, wanted, geometries))
+            if pull is not None:
+                pulls.append(pull)
+        return self._pulls.wait(pulls)
 
-    def _forget_pull(self, ident: tuple, _done: asyncio.Future) -> None:
-        self._pulls.pop(ident, None)
-
-    async def _wait(self, pulls: Sequence[asyncio.Future]) -> None:
-        if self.wait_s <= 0:
-            return
-        _, pending = await asyncio.wait(pulls, timeout=self.wait_s)
-        if pending:
-            self.counters.prefetch_timeouts += 1
+    def _timed_out(self) -> None:
+        self.counters.prefetch_timeouts += 1
 
     async def _pull(self, model: str, kv_world_size: int, cache_salt: str,
                     after: bytes | None, hashes: Sequence[bytes],
@@ -227,7 +197,4 @@ class Prefetcher:
         return chunks_ready, corrupt
 
     async def close(self) -> None:
-        pulls = list(self._pulls.values())
-        for pull in pulls:
-            pull.cancel()
-        await asyncio.gather(*pulls, return_exceptions=True)
+        await self._pulls.close()

@@ -26,7 +26,7 @@ from ...protocol import (
 )
 from ...protocol.fd_channel import FD_CHANNEL_MAGIC
 from .cuda_ipc import Allocation, CudaIpcSupport, open_allocations
-from .geometry import DTYPES
+from .geometry import DTYPES, Geometry
 from .handles import Window, check, memory_of, stack_layers, validate_handles
 from .host_rows import HostRows
 from .instance import KVCacheInstance
@@ -318,6 +318,17 @@ class Registry:
 
     def instances(self) -> list[KVCacheInstance]:
         return list(self._instances.values())
+
+    def geometries(self, model: str, kv_world_size: int) -> list[Geometry] | None:
+        """Each kv worker's chunk geometry, from this node's registrations; None unless every
+        kv worker has registered (no one here could load a lower tier's chunks otherwise)."""
+        found: dict[int, Geometry] = {}
+        for instance in self._instances.values():
+            if instance.model == model and instance.kv_world_size == kv_world_size:
+                found[instance.kv_worker_id] = instance.geometry
+        if len(found) < kv_world_size:
+            return None
+        return [found[worker] for worker in range(kv_world_size)]
 
     def tp_followers(self, leader: KVCacheInstance) -> list[KVCacheInstance]:
         """Under MLA, the other ranks of the leader's TP group: the same engine (the secret

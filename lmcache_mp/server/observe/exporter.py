@@ -70,7 +70,8 @@ def fold_tenants(tenants: dict[str, TenantStats], labels: TenantLabels
         if total is None:
             folded[label] = TenantStats(**vars(stats))
             continue
-        for name in ("bytes_used", "chunks", "reserve", "hits", "misses", "evictions", "refused"):
+        for name in ("bytes_used", "chunks", "reserve", "hits", "misses", "evictions", "refused",
+                     "disk_bytes", "disk_chunks"):
             setattr(total, name, getattr(total, name) + getattr(stats, name))
         total.cap = None
     return folded
@@ -145,6 +146,8 @@ def stats_metrics(stats: StatsReply, labels: TenantLabels) -> Iterator[Metric]:
                 stats.loop_lag_seconds)
     if stats.l2_enabled:
         yield from _l2_metrics(stats)
+    if stats.disk_enabled:
+        yield from _disk_metrics(stats)
     yield from _tenant_metrics(fold_tenants(stats.tenants, labels))
 
 
@@ -178,6 +181,52 @@ def _l2_metrics(stats: StatsReply) -> Iterator[Metric]:
                   stats.l2_prefetch_timeouts)
 
 
+def _disk_metrics(stats: StatsReply) -> Iterator[Metric]:
+    """The disk tier's figures (a server with --disk-dir only)."""
+    def counter(name: str, doc: str, value: int) -> CounterMetricFamily:
+        return CounterMetricFamily(PREFIX + "disk_" + name, doc, value=value)
+
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        return GaugeMetricFamily(PREFIX + "disk_" + name, doc, value=value)
+
+    yield gauge("capacity_bytes", "Bytes the disk tier may fill (less after the disk ran out "
+                "of room)", stats.disk_capacity_bytes)
+    yield gauge("used_bytes", "Chunk bytes in the disk tier", stats.disk_bytes_used)
+    yield gauge("chunks", "Chunks in the disk tier", stats.disk_chunks)
+    yield gauge("writing", "1 unless writes are stopped after a failure",
+                int(stats.disk_writing))
+    yield gauge("loaded", "1 once the index is rebuilt from the journal", int(stats.disk_loaded))
+    yield gauge("loaded_chunks", "Chunks the rebuild at start-up found",
+                stats.disk_loaded_chunks)
+    yield gauge("index_bytes", "Server memory the disk tier's index takes",
+                stats.disk_index_bytes)
+    yield counter("hits", "Chunks a LOOKUP read back from disk", stats.disk_hits)
+    yield counter("misses", "Chunks a read-back looked for on disk and did not find",
+                  stats.disk_misses)
+    yield counter("corrupt", "Chunks that failed their checksum or were cut short (dropped, "
+                  "counted as misses)", stats.disk_corrupt)
+    yield counter("read_bytes", "Chunk bytes read back from disk", stats.disk_bytes_read)
+    yield counter("written_bytes", "Chunk bytes written to disk", stats.disk_bytes_written)
+    yield counter("written_chunks", "Chunks written to disk", stats.disk_chunks_written)
+    yield counter("skipped_chunks", "Committed chunks not written: on disk already",
+                  stats.disk_chunks_skipped)
+    yield counter("dropped_chunks", "Chunks not written: queue full, no room, loading or "
+                  "writes stopped", stats.disk_dropped)
+    yield counter("evictions", "Chunks removed from disk to make room or keep a tenant under "
+                  "its cap", stats.disk_evictions)
+    yield gauge("queue_bytes", "Chunk bytes waiting to be written", stats.disk_queue_bytes)
+    yield gauge("queue_chunks", "Chunks waiting to be written", stats.disk_queue_chunks)
+    yield counter("read_errors", "Failed disk reads", stats.disk_read_errors)
+    yield counter("write_errors", "Failed disk writes or syncs", stats.disk_write_errors)
+    yield counter("prefetch_timeouts", "LOOKUPs answered before their read-back finished",
+                  stats.disk_prefetch_timeouts)
+    if stats.disk_read_time is not None:
+        family = HistogramMetricFamily(PREFIX + "disk_read_duration_seconds", "Seconds one "
+                                       "read-back window's disk reads took", labels=[])
+        _histogram(family, [], stats.disk_read_time)
+        yield family
+
+
 def _tenant_metrics(tenants: dict[str, TenantStats]) -> Iterator[Metric]:
     families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
         "bytes_used": GaugeMetricFamily(PREFIX + "tenant_used_bytes", "Bytes a tenant's "
@@ -196,6 +245,10 @@ def _tenant_metrics(tenants: dict[str, TenantStats]) -> Iterator[Metric]:
                                          "evicted", labels=["tenant"]),
         "refused": CounterMetricFamily(PREFIX + "tenant_refusals", "A tenant's chunks a STORE "
                                        "could not place", labels=["tenant"]),
+        "disk_bytes": GaugeMetricFamily(PREFIX + "tenant_disk_bytes", "Bytes a tenant's "
+                                        "chunks take in the disk tier", labels=["tenant"]),
+        "disk_chunks": GaugeMetricFamily(PREFIX + "tenant_disk_chunks", "A tenant's chunks "
+                                         "in the disk tier", labels=["tenant"]),
     }
     for label, stats in sorted(tenants.items()):
         for name, family in families.items():

@@ -45,6 +45,14 @@ class ServerMetrics:
         self.bytes_stored = 0
         self.bytes_retrieved = 0
         self.loop_lag = 0.0  # seconds; set by the LoopWatch
+        self._disk_reads = _Buckets(COPY_BOUNDS)
+
+    def disk_read(self, seconds: float) -> None:
+        """One read-back window's reads from the disk tier took `seconds`."""
+        self._disk_reads.observe(seconds)
+
+    def disk_read_time(self) -> Histogram:
+        return self._disk_reads.histogram()
 
     def answered(self, op: str, outcome: str, seconds: float) -> None:
         """A reply went out for `op` (an op name from the protocol's table, or `invalid`)."""

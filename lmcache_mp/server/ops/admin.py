@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+
 from ...errors import BadRequest
 from ...protocol import (
     ClearReply,
@@ -23,10 +25,20 @@ class AdminOps:
     def __init__(self, ctx: OpContext):
         self.ctx = ctx
 
-    def clear(self, session: Session, req: ClearRequest) -> ClearReply:
+    def clear(self, session: Session, req: ClearRequest) -> ClearReply | Awaitable[ClearReply]:
         if req.cache_salt is not None:
             validate_salt(req.cache_salt, "cache_salt")
-        return ClearReply(self.ctx.store.clear(req.cache_salt))
+        removed = self.ctx.store.clear(req.cache_salt)
+        if self.ctx.disk is None:
+            return ClearReply(removed)
+        return self._clear_disk(req.cache_salt, removed)
+
+    async def _clear_disk(self, cache_salt: str | None, removed: int) -> ClearReply:
+        """A disk holds millions of chunks: they go a slice at a time."""
+        assert self.ctx.disk is not None  # clear() comes here only with a disk tier
+        from_disk = [0]
+        await self.ctx.slices.run(self.ctx.disk.clearing(cache_salt, from_disk))
+        return ClearReply(removed + from_disk[0])
 
     def _quota_info(self, salt: str) -> QuotaInfo:
         store = self.ctx.store
@@ -41,8 +53,13 @@ class AdminOps:
             self.ctx.store.quotas.set(salt, Quota(req.cap, req.reserve))
         except QuotaError as exc:
             raise BadRequest(f"quota for {salt!r} refused: {exc}") from None
-        self.ctx.store.enforce_cap(salt)
+        self._enforce_cap(salt)
         return self._quota_info(salt)
+
+    def _enforce_cap(self, salt: str) -> None:
+        self.ctx.store.enforce_cap(salt)
+        if self.ctx.disk is not None:
+            self.ctx.disk.enforce_cap(salt)
 
     def quota_get(self, session: Session, req: QuotaGetRequest) -> QuotaInfo:
         return self._quota_info(validate_salt(req.cache_salt))
@@ -54,7 +71,7 @@ class AdminOps:
             self.ctx.store.quotas.delete(salt)
         except QuotaError as exc:
             raise BadRequest(f"quota for {salt!r} not deleted: {exc}") from None
-        self.ctx.store.enforce_cap(salt)
+        self._enforce_cap(salt)
         return self._quota_info(salt)
 
     def quota_list(self, session: Session, req: QuotaListRequest) -> QuotaListReply:
@@ -69,3 +86,6 @@ class AdminOps:
             raise QuotaError("no --quota-file to reload")
         store.quotas.replace_file(load_quota_file(config.quota_file))
         store.enforce_caps()
+        if self.ctx.disk is not None:
+            for salt in list(self.ctx.disk.space.salt_ids):
+                self.ctx.disk.enforce_cap(salt)

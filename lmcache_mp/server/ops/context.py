@@ -24,6 +24,7 @@ from ..observe.metrics import ServerMetrics
 from .slices import SliceRunner
 
 if TYPE_CHECKING:
+    from ..disk.tier import DiskTier
     from ..l2.tier import L2Tier
 
 T = TypeVar("T")
@@ -36,8 +37,8 @@ class OpContext:
 
     `push(client, message)` sends a message the client did not ask for (MLA loads);
     `copier` runs the copies of caches registered on a GPU (None without CUDA); `gpu_pool`
-    is the GPU tier (--gpu-size); `l2` the shared second tier (--l2); `fd_socket` the fd
-    channel's path, told in HELLO replies."""
+    is the GPU tier (--gpu-size); `disk` the disk tier (--disk-dir); `l2` the shared second
+    tier (--l2); `fd_socket` the fd channel's path, told in HELLO replies."""
 
     config: Config
     store: ChunkStore
@@ -51,6 +52,7 @@ class OpContext:
     copier: StreamCopier | None = None
     gpu_pool: DevicePool | None = None
     l2: L2Tier | None = None
+    disk: DiskTier | None = None
     slices: SliceRunner = field(default_factory=SliceRunner)
 
     def sender(self, session: Session, instance_id: int, op: str) -> KVCacheInstance:

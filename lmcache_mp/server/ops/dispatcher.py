@@ -44,6 +44,7 @@ from .store import StoreOp
 if TYPE_CHECKING:
     import zmq
 
+    from ..disk.tier import DiskTier
     from ..l2.tier import L2Tier
 
 
@@ -60,17 +61,19 @@ class Dispatcher:
                  copy_engine: CopyEngine, sessions: Sessions, fd_socket: str,
                  push: Callable[[bytes, Any], None],
                  copier: StreamCopier | None = None, gpu_pool: DevicePool | None = None,
-                 metrics: ServerMetrics | None = None, l2: L2Tier | None = None):
+                 metrics: ServerMetrics | None = None, l2: L2Tier | None = None,
+                 disk: DiskTier | None = None):
         """`sessions`: who said HELLO, and may do what; `fd_socket`: the fd channel's path,
         told in HELLO replies;
         `push(client, message)` sends a message the client did not ask for (MLA loads);
         `copier` runs the copies of caches registered on a GPU (None without CUDA);
         `gpu_pool` is the GPU tier (--gpu-size), whose chunks the store places;
         `metrics` counts bytes and copy times, and keeps what STATS reports of replies;
-        `l2` the shared second tier (--l2), told of STOREs and asked before LOOKUPs."""
+        `disk` the disk tier (--disk-dir) and `l2` the shared second tier (--l2), each
+        told of STOREs and asked before LOOKUPs, the disk first."""
         self.context = OpContext(config, store, pool, registry, copy_engine, sessions,
                                  fd_socket, push, metrics or ServerMetrics(), copier, gpu_pool,
-                                 l2)
+                                 l2, disk)
         self.store, self.registry, self.sessions = store, registry, sessions
         self.slices = self.context.slices
         self.requests_served: Counter[str] = Counter()

@@ -1,4 +1,5 @@
-"""LOOKUP: each item's longest stored prefix, held if asked, after L2's bounded prefetch."""
+"""LOOKUP: each item's longest stored prefix, held if asked, after the lower tiers' bounded
+read-backs (the disk tier's, then L2's)."""
 
 from __future__ import annotations
 
@@ -57,12 +58,17 @@ class LookupOp:
             # Only a hold needs a lease owner: plain lookups, the common case, build none.
             holder = LeaseOwner(session.engine, salt, item.request_id) if item.hold else None
             parsed.append((salt, split_hashes(packed), holder))
-        l2 = self.ctx.l2
-        if l2 is not None:
-            prefetch = l2.before_lookup(req.model, req.kv_world_size,
-                                        [(salt, hashes) for salt, hashes, _ in parsed])
-            if prefetch is not None:
-                return self._after(prefetch, req, parsed, probes)
+        if self.ctx.disk is not None or self.ctx.l2 is not None:
+            items = [(salt, hashes) for salt, hashes, _ in parsed]
+            disk, l2 = self.ctx.disk, self.ctx.l2
+            if disk is not None:
+                read_back = disk.before_lookup(req.model, req.kv_world_size, items)
+                if read_back is not None:
+                    return self._after_disk(read_back, req, parsed, items, probes)
+            if l2 is not None:
+                prefetch = l2.before_lookup(req.model, req.kv_world_size, items)
+                if prefetch is not None:
+                    return self._after(prefetch, req, parsed, probes)
         return self._now(req, parsed, probes)
 
     def _now(self, req: LookupRequest, parsed: Parsed, probes: int
@@ -74,6 +80,18 @@ class LookupOp:
                 phases.add("LOOKUP", "server index", stamp, probes)
             return reply
         return self._sliced(req, parsed)
+
+    async def _after_disk(self, read_back: Awaitable[None], req: LookupRequest, parsed: Parsed,
+                          items: list[tuple[str, tuple[bytes, ...]]], probes: int
+                          ) -> LookupReply:
+        """What the disk had is in memory (or the bounded wait is over): L2 for the rest."""
+        await read_back
+        l2 = self.ctx.l2
+        prefetch = l2.before_lookup(req.model, req.kv_world_size, items) if l2 else None
+        if prefetch is not None:
+            await prefetch
+        reply = self._now(req, parsed, probes)
+        return reply if isinstance(reply, LookupReply) else await reply
 
     async def _after(self, prefetch: Awaitable[None], req: LookupRequest, parsed: Parsed,
                      probes: int) -> LookupReply:

@@ -69,8 +69,10 @@ class StatsOp:
         salts listed now, for any thread to call later (the metrics endpoint's, so that a
         scrape costs the loop a copy of the listing, not a walk of thousands of salts).
         Each tenant's figures are read when it is listed."""
-        store = self.ctx.store
+        store, disk = self.ctx.store, self.ctx.disk
         listed = {**dict.fromkeys(store.quotas.configured()), **store.tenants} if admin else {}
+        if admin and disk is not None:
+            listed = {**dict.fromkeys(disk.space.salt_ids), **listed}
 
         def tenants() -> dict[str, TenantStats]:
             stats = {}
@@ -79,7 +81,8 @@ class StatsOp:
                 stats[salt] = TenantStats(
                     usage.bytes_used if usage else 0, usage.chunks if usage else 0, quota.cap,
                     quota.reserve, usage.hits if usage else 0, usage.misses if usage else 0,
-                    usage.evictions if usage else 0, usage.refused if usage else 0)
+                    usage.evictions if usage else 0, usage.refused if usage else 0,
+                    *(disk.usage(salt) if disk is not None else (0, 0)))
             return stats
         return self._figures(admin, engine), tenants
 
@@ -105,7 +108,14 @@ class StatsOp:
             latency=metrics.latency(), copy_time=metrics.copy_time(),
             bytes_stored=metrics.bytes_stored, bytes_retrieved=metrics.bytes_retrieved,
             evictions_by_cause=dict(store.evictions_by_cause), clients=len(ctx.sessions),
-            loop_lag_seconds=metrics.loop_lag, **self._l2_figures())
+            loop_lag_seconds=metrics.loop_lag, **self._l2_figures(), **self._disk_figures())
+
+    def _disk_figures(self) -> dict[str, Any]:
+        disk = self.ctx.disk
+        if disk is None:
+            return {}
+        return {"disk_enabled": True, "disk_read_time": self.ctx.metrics.disk_read_time(),
+                **{f"disk_{name}": value for name, value in asdict(disk.snapshot()).items()}}
 
     def _l2_figures(self) -> dict[str, Any]:
         l2 = self.ctx.l2

@@ -3,15 +3,13 @@ hits and retrieves byte for byte, with salts apart, through real worker processe
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus
 
 from ...redis_servers import redis_cluster, redis_server
-from ...utils import run_server
+from ...utils import run_server, wait_for
 from ...workers import (
     BLOCKS_PER_CHUNK,
     MODEL,
@@ -27,14 +25,6 @@ from ...workers import (
 NUM_BLOCKS = 8 * BLOCKS_PER_CHUNK
 # Generous: these tests ask whether the chunks arrive, not how fast.
 L2_FLAGS = ("--l2-prefetch-wait", "20", "--l2-timeout", "5")
-
-
-def wait_for(condition, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not (result := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return result
 
 
 def written(server, chunks: int) -> None:

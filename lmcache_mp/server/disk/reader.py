@@ -1,0 +1,242 @@
+"""Read-back: the chunks a LOOKUP misses in memory and finds on disk, read into the CPU pool.
+
+A LOOKUP item whose run of chunks stops short in memory starts a read of the rest that
+the disk holds: in prompt order, a window of chunks at a time, each chunk read straight
+into a pool extent reserved for it (with its parent, so that what memory keeps stays a
+prefix), its checksum verified, and committed in order; the disk chunks are held
+meanwhile (never evicted, their extents never rewritten). The LOOKUP waits for its reads
+at most --disk-prefetch-wait, then counts what has landed as hits (and holds it, as any
+chunk in memory); the read goes on for the next LOOKUP. A chunk that fails its checksum
+or is cut short by a truncated file is dropped from the disk tier: a miss, never an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ...protocol import LOOKUP_SLICE_PROBES, StoreStatus
+from ..cache.chunk import Chunk, ChunkKey
+from ..cache.pool import CpuPool, aligned
+from ..cache.pulls import Pulls
+from ..cache.scan import short_runs
+from ..cache.store import ChunkStore
+from ..l2.offload import Offload
+from ..memory.geometry import Geometry
+from ..memory.registry import Registry
+from .files import DataFile, ShortRead
+from .space import DiskSpace
+
+logger = logging.getLogger("lmcache_mp.server.disk")
+
+WINDOW_BYTES = 64 * 1024**2  # chunk bytes read in one go (at least one chunk)
+MAX_READS = 64  # read-backs in flight at once; LOOKUPs beyond it answer from memory alone
+READ_THREADS = 4  # a disk serves several reads at once faster than one after the other
+
+
+@dataclass
+class _Read:
+    chunk: Chunk  # the pool chunk reserved for it
+    rid: int  # its disk record
+    position: int  # its chunk's place in the window
+    offset: int
+    nbytes: int
+    crc: int
+    outcome: str = ""  # "" (intact), "corrupt" or "error"
+
+
+class DiskReader:
+    def __init__(self, space: DiskSpace, store: ChunkStore, registry: Registry, pool: CpuPool,
+                 data: DataFile, key_of: Callable[[ChunkKey, Geometry], bytes], wait_s: float,
+                 observe_read: Callable[[float], None]):
+        self.space = space
+        self.counters = space.counters
+        self.store = store
+        self.registry = registry
+        self.pool = pool
+        self.data = data
+        self.key_of = key_of
+        self.observe_read = observe_read  # seconds each window's reads took
+        self.offload = Offload("disk-read", 2)
+        self._parallel = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="disk-read-io")
+        self._reads = Pulls(MAX_READS, wait_s, self._timed_out)
+        self.loaded = False
+
+    def before_lookup(self, model: str, kv_world_size: int,
+                      items: Sequence[tuple[str, Sequence[bytes]]]) -> Awaitable[None] | None:
+        """Start (or join) read-backs for the items whose run continues on disk; return what
+        the LOOKUP should await before it looks in memory, or None to look at once."""
+        if not self.loaded or not len(self.space.index):
+            return None
+        geometries = self.registry.geometries(model, kv_world_size)
+        if geometries is None:
+            return None
+        reads: list[asyncio.Task] = []
+        for cache_salt, hashes, stored in short_runs(self.store, model, kv_world_size, items,
+                                                     LOOKUP_SLICE_PROBES):
+            wanted = tuple(hashes[stored:])
+            # Chained hashes: the first and last name the whole run.
+            ident = (model, kv_world_size, cache_salt, wanted[0], wanted[-1])
+            read = self._reads.running(ident)
+            if read is None:
+                if self._on_disk(model, kv_world_size, cache_salt, wanted[0], geometries) is None:
+                    continue  # not even its first chunk: no read to start
+                after = hashes[stored - 1] if stored else None
+                read = self._reads.start(ident, self._read(model, kv_world_size, cache_salt,
+                                                           after, wanted, geometries))
+            if read is not None:
+                reads.append(read)
+        return self._reads.wait(reads)
+
+    def _timed_out(self) -> None:
+        self.counters.prefetch_timeouts += 1
+
+    def _on_disk(self, model: str, kv_world_size: int, cache_salt: str, chunk_hash: bytes,
+                 geometries: list[Geometry]) -> list[tuple[ChunkKey, int]] | None:
+        """Each kv worker's key and disk record of one chunk, or None unless all are there."""
+        found = []
+        for worker, geometry in enumerate(geometries):
+            key = ChunkKey(model, kv_world_size, worker, cache_salt, chunk_hash)
+            rid = self.space.index.find(self.key_of(key, geometry))
+            if rid < 0:
+                return None
+            found.append((key, rid))
+        return found
+
+    async def _read(self, model: str, kv_world_size: int, cache_salt: str,
+                    after: bytes | None, hashes: Sequence[bytes],
+                    geometries: list[Geometry]) -> None:
+        """Bring the disk's run of `hashes` into the pool, the prompt's chunks after the one
+        of hash `after` (None: from its start); never raises."""
+        parents: list[ChunkKey | None] = [
+            None if after is None else ChunkKey(model, kv_world_size, worker, cache_salt, after)
+            for worker in range(kv_world_size)]
+        chunk_bytes = sum(geometry.chunk_bytes for geometry in geometries)
+        per_window = max(1, WINDOW_BYTES // chunk_bytes)
+        counters = self.counters
+        position = 0
+        try:
+            while position < len(hashes):
+                window: list[list[tuple[ChunkKey, int]]] = []
+                while len(window) < per_window and position < len(hashes):
+                    found = self._on_disk(model, kv_world_size, cache_salt, hashes[position],
+                                          geometries)
+                    if found is None:
+                        break
+                    window.append(found)
+                    position += 1
+                if not window:
+                    break
+                landed = await self._land(window, parents, geometries)
+                counters.hits += landed
+                if landed < len(window):
+                    position -= len(window) - landed
+                    break
+                parents = [key for key, _ in window[-1]]
+            counters.misses += len(hashes) - position
+        except Exception:  # nothing of a read-back may reach a LOOKUP
+            logger.exception("disk tier read-back failed")
+
+    def _reserve(self, window: list[list[tuple[ChunkKey, int]]],
+                 parents: list[ChunkKey | None], geometries: list[Geometry]
+                 ) -> tuple[list[_Read], int]:
+        """Pool chunks for the window's chunks, in order, until one cannot be placed; and
+        how many chunks were placed (every kv worker's reserved, or in memory already)."""
+        index = self.space.index
+        reads: list[_Read] = []
+        for position, chunk in enumerate(window):
+            placed: list[_Read] = []
+            for worker, (chunk_key, rid) in enumerate(chunk):
+                parent = window[position - 1][worker][0] if position else parents[worker]
+                nbytes = index.nbytes(rid)
+                reservation = self.store.reserve(chunk_key, nbytes, geometries[worker],
+                                                 parent=parent)
+                if reservation.status == StoreStatus.STORED:
+                    assert reservation.chunk is not None  # a STORED reservation has one
+                    placed.append(_Read(reservation.chunk, rid, position, index.offset(rid),
+                                        nbytes, index.crc(rid)))
+                elif reservation.status != StoreStatus.ALREADY_STORED:
+                    break  # no room, over the salt's cap, or its parent left memory
+            else:
+                reads.extend(placed)
+                continue
+            for read in placed:
+                self.store.abort(read.chunk)
+            return reads, position
+        return reads, len(window)
+
+    async def _land(self, window: list[list[tuple[ChunkKey, int]]],
+                    parents: list[ChunkKey | None], geometries: list[Geometry]) -> int:
+        """Read, verify and commit one window, in order; return how many of its chunks are
+        in memory after it (a chunk that could not be placed or read ends the run)."""
+        reads, ready = self._reserve(window, parents, geometries)
+        index = self.space.index
+        for read in reads:
+            index.hold(read.rid)
+
+        def abort() -> None:
+            for read in reads:
+                self.store.abort(read.chunk)
+                index.unhold(read.rid)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            await self.offload.run(lambda: self._read_in(reads), abort)
+        except asyncio.CancelledError:
+            raise  # aborted when the read threads are done
+        except BaseException:
+            abort()
+            raise
+        if reads:
+            self.observe_read(loop.time() - started)
+        counters = self.counters
+        for read in reads:
+            index.unhold(read.rid)
+            if read.outcome:
+                ready = min(ready, read.position)
+                if read.outcome == "corrupt":
+                    counters.corrupt += 1
+                else:
+                    counters.read_errors += 1
+                self.space.drop(read.rid)
+            else:
+                counters.bytes_read += read.nbytes
+                index.touch(read.rid)
+        # In prompt order, as STORE commits: a chunk whose parent went while it was read (a
+        # CLEAR) is dropped by its commit, and so is every chunk after it.
+        for read in reads:
+            if read.position >= ready:
+                self.store.abort(read.chunk)
+            elif not self.store.commit(read.chunk):
+                ready = min(ready, read.position)
+        return ready
+
+    def _read_in(self, reads: list[_Read]) -> None:
+        """An offload thread: every chunk's bytes into its pool extent, several reads at
+        once, each checked against its checksum."""
+        if reads:
+            list(self._parallel.map(self._read_one, reads))
+
+    def _read_one(self, read: _Read) -> None:
+        target = self.pool.array_view(read.chunk.offset, aligned(read.nbytes)).data
+        try:
+            self.data.read(read.offset, [target])
+        except ShortRead:
+            read.outcome = "corrupt"
+            return
+        except OSError as exc:
+            logger.warning("disk tier read of %d bytes at %d failed: %s", read.nbytes,
+                           read.offset, exc)
+            read.outcome = "error"
+            return
+        if zlib.crc32(target[:read.nbytes]) != read.crc:
+            read.outcome = "corrupt"
+
+    async def close(self) -> None:
+        await self._reads.close()
+        await self.offload.close()
+        self._parallel.shutdown()

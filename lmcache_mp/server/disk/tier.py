@@ -1,0 +1,229 @@
+"""The disk tier's front: what the server builds from --disk-dir and the hooks the ops call.
+
+The STORE op calls after_store() with the chunks it committed (write-through), the LOOKUP
+op calls before_lookup() before it looks in memory (read-back), CLEAR and the quota ops
+call clear() and enforce_cap(), STATS reads snapshot() and usage(). At start() the index
+is rebuilt from the journal on a thread while the server answers (until it is whole the
+disk tier finds nothing and writes nothing: chunks stored meanwhile wait in the queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ...errors import SetupError
+from ..cache.chunk import Chunk, ChunkKey
+from ..cache.pool import ALIGNMENT, CpuPool, ExtentAllocator
+from ..cache.store import ChunkStore
+from ..l2.codec import namespace
+from ..memory.registry import Registry
+from ..private_dir import PrivateDir, UnsafePath
+from .files import READ_ONLY, DataFile
+from .index import DiskIndex
+from .journal import Journal, SaltNames, load_or_create_secret
+from .keys import disk_key
+from .reader import DiskReader
+from .space import DiskCounters, DiskSpace
+from .writer import DiskWriter
+
+logger = logging.getLogger("lmcache_mp.server.disk")
+
+JOURNAL_NAME = "journal"
+SALTS_NAME = "salts"
+MAX_NAMESPACES = 1024  # (model, geometry) digests kept; more are computed again
+CLEAR_SLICE_CHUNKS = 4096  # chunks a CLEAR removes from disk between other requests
+
+
+class DiskTierError(SetupError):
+    """--disk-dir cannot be used: the message names the path and why."""
+
+
+class DiskTier:
+    def __init__(self, directory: Path, size: int, queue_limit: int, prefetch_wait_s: float,
+                 store: ChunkStore, registry: Registry, pool: CpuPool,
+                 gpu_view: Callable[[Chunk], torch.Tensor],
+                 observe_read: Callable[[float], None]):
+        """Opens (or creates) the directory and its files; raises DiskTierError."""
+        self.where = str(directory)
+        self.counters = DiskCounters(capacity_bytes=size - size % 4096)
+        self.space = DiskSpace(size, self.counters, self.where,
+                               lambda salt: store.quotas.get(salt).reserve)
+        try:
+            self._open(directory)
+        except UnsafePath as exc:
+            raise DiskTierError(str(exc)) from None
+        except OSError as exc:
+            raise DiskTierError(f"{directory}: {exc.strerror or exc}") from None
+        self.store = store
+        self._namespaces: dict[tuple[str, Hashable], str] = {}
+        self.writer = DiskWriter(self.space, store, store.quotas, pool, gpu_view, self.data,
+                                 self.journal, self.names,
+                                 lambda chunk: self.key_of(chunk.key, chunk.geometry),
+                                 queue_limit)
+        self.reader = DiskReader(self.space, store, registry, pool, self.data, self.key_of,
+                                 prefetch_wait_s, observe_read)
+        self.loaded = asyncio.Event()
+        self.closed = False
+        self._loading: asyncio.Task | None = None
+
+    def _open(self, directory: Path) -> None:
+        """The directory and its files, for writing; for reading only where the filesystem
+        allows no more (the tier then never writes)."""
+        self.directory = PrivateDir(directory)
+        try:
+            secret = load_or_create_secret(self.directory)
+            self.data = DataFile(self.directory)
+            self.journal = Journal.open(self.directory, JOURNAL_NAME, secret)
+            self.names = SaltNames.open(self.directory, SALTS_NAME, secret)
+        except OSError as exc:
+            if exc.errno not in READ_ONLY:
+                raise
+            logger.error("disk tier %s cannot be written (%s): it serves the chunks it "
+                         "holds and writes none", self.where, exc.strerror)
+            secret = load_or_create_secret(self.directory)  # read back: it is there
+            self.data = DataFile(self.directory, read_only=True)
+            self.journal = Journal.open(self.directory, JOURNAL_NAME, secret, read_only=True)
+            self.names = SaltNames.open(self.directory, SALTS_NAME, secret, read_only=True)
+            self.space.read_only()
+
+    def describe(self) -> str:
+        io = "direct I/O" if self.data.direct else "buffered I/O (the filesystem refuses " \
+                                                   "O_DIRECT)"
+        return f"{self.where} ({io})"
+
+    def key_of(self, key: ChunkKey, geometry: Hashable) -> bytes:
+        space = self._namespaces.get((key.model, geometry))
+        if space is None:
+            if len(self._namespaces) >= MAX_NAMESPACES:
+                self._namespaces.clear()
+            space = self._namespaces[(key.model, geometry)] = namespace(key.model, geometry)
+        return disk_key(space, key)
+
+    def start(self) -> None:
+        self._loading = asyncio.create_task(self._load(), name="disk-rebuild")
+        self.writer.start(self.loaded)
+
+    async def _load(self) -> None:
+        started = time.monotonic()
+        try:
+            index, allocator, names = await asyncio.get_running_loop().run_in_executor(
+                None, self._rebuild)
+        except Exception:
+            logger.exception("disk tier %s: its journal cannot be read: it starts empty",
+                             self.where)
+        else:
+            self.space.install(index, allocator, names)
+        for salt in list(self.space.salt_ids):
+            self.enforce_cap(salt)
+        self.reader.loaded = True
+        self.counters.loaded = True
+        self.loaded.set()
+        logger.info("disk tier %s: %d chunks (%d bytes) found in %.2f s", self.where,
+                    len(self.space.index), self.space.index.total_bytes,
+                    time.monotonic() - started)
+
+    def _rebuild(self) -> tuple[DiskIndex, ExtentAllocator, list[str]]:
+        """A thread: the journal's live records that fit the tier and the file, indexed."""
+        replayed = self.journal.replay()
+        names = self.names.load()
+        digests = [int.from_bytes(digest, "little") for digest in names]
+        known = np.isin(replayed.salts, np.array(digests, dtype=np.uint64))
+        sizes = -(-replayed.nbytes.astype(np.int64) // ALIGNMENT) * ALIGNMENT
+        ends = replayed.offsets + sizes
+        # A record whose bytes the file no longer has (truncated) is a chunk cut short; one
+        # past a --disk-size made smaller is let go.
+        cut = ends > self.data.size()
+        self.counters.corrupt += int(np.count_nonzero(known & cut))
+        keep = known & ~cut & (ends <= self.space.capacity)
+        replayed = replayed.select(keep)
+        sizes = sizes[keep]
+        kept_digests, salt_ids = np.unique(replayed.salts, return_inverse=True)
+        by_digest = {int.from_bytes(digest, "little"): name for digest, name in names.items()}
+        salt_names = [by_digest[int(digest)] for digest in kept_digests]
+        index = DiskIndex()  # load() sizes it; power-of-two growth keeps room to add
+        index.load(replayed, salt_ids.astype(np.int32))
+        allocator = ExtentAllocator(self.space.capacity)
+        order = np.argsort(replayed.offsets, kind="stable")
+        allocator.take_many(replayed.offsets[order], sizes[order])
+        return index, allocator, salt_names
+
+    def after_store(self, chunks: Sequence[Chunk]) -> None:
+        """A STORE committed these chunks, each request's in prompt order (so that a full
+        queue drops a prompt's end, not its start): queue them (loop thread; never waits)."""
+        if chunks and not self.closed:
+            self.writer.offer(chunks)
+
+    def before_lookup(self, model: str, kv_world_size: int,
+                      items: Sequence[tuple[str, Sequence[bytes]]]) -> Awaitable[None] | None:
+        """What a LOOKUP awaits (at most --disk-prefetch-wait) before it looks in memory."""
+        if self.closed:
+            return None
+        return self.reader.before_lookup(model, kv_world_size, items)
+
+    def enforce_cap(self, cache_salt: str) -> int:
+        """Evict the salt's least recent chunks on disk until it is under its cap."""
+        sid = self.space.salt_ids.get(cache_salt)
+        cap = self.store.quotas.get(cache_salt).cap
+        if sid is None or cap is None:
+            return 0
+        evicted = 0
+        index = self.space.index
+        while index.salt_bytes(sid) > cap:
+            victim = index.victim(sid)
+            if victim < 0:
+                break
+            self.space.drop(victim)
+            evicted += 1
+        self.counters.evictions += evicted
+        return evicted
+
+    def clearing(self, cache_salt: str | None, removed: list[int]) -> Callable[[], bool]:
+        """A step for the SliceRunner that removes the salt's (or every) chunks from disk,
+        CLEAR_SLICE_CHUNKS a call, counting them in `removed[0]`; it returns True
+        when only chunks being read (and those leading to them) are left: a prompt's end
+        goes before its start."""
+        sid = None if cache_salt is None else self.space.salt_ids.get(cache_salt)
+
+        def step() -> bool:
+            if cache_salt is not None and sid is None:
+                return True
+            index = self.space.index
+            for _ in range(CLEAR_SLICE_CHUNKS):
+                victim = index.victim(sid)
+                if victim < 0:
+                    return True
+                self.space.drop(victim)
+                removed[0] += 1
+            return False
+        return step
+
+    def usage(self, cache_salt: str) -> tuple[int, int]:
+        """The salt's bytes and chunks on disk."""
+        sid = self.space.salt_ids.get(cache_salt)
+        if sid is None:
+            return 0, 0
+        return self.space.index.salt_bytes(sid), self.space.index.salt_chunks(sid)
+
+    def snapshot(self) -> DiskCounters:
+        return self.space.snapshot()
+
+    async def close(self, drain_s: float) -> None:
+        """Write what is queued (for at most `drain_s`), then stop."""
+        self.closed = True
+        await self.writer.drain(drain_s)
+        if self._loading is not None:
+            self._loading.cancel()
+            await asyncio.gather(self._loading, return_exceptions=True)
+        await self.reader.close()
+        await self.writer.close()
+        self.data.close()
+        self.journal.close()
+        self.names.close()
+        self.directory.close()

@@ -1,0 +1,356 @@
+"""Write-through: chunks a STORE committed reach the disk tier after it is answered, off its path.
+
+A batch (up to BATCH_BYTES) is given extents, written as a few large writes (chunks whose
+extents follow each other go in one pwritev), made durable (fdatasync), and only then
+recorded in the journal (one append, synced) and made visible in the index: a crash at any
+moment leaves each chunk either whole and recorded, or unrecorded. The queue is bounded
+in bytes; past it, or while the disk is failing, a chunk is dropped and counted rather
+than waiting. A queued chunk is not held: the pool evicts as it always does (a STORE never
+waits for the disk, nor fails because chunks wait for it), and a chunk evicted before its
+turn is dropped and counted; a chunk being written is held until its bytes are out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..cache.chunk import CPU_TIER, Chunk
+from ..cache.pool import CpuPool, aligned
+from ..cache.quotas import QuotaBook
+from ..cache.store import ChunkStore
+from ..l2.offload import Offload
+from .files import DataFile, staging_buffer
+from .journal import ChunkRecord, Journal, SaltNames, salt_digest
+from .keys import NO_KEY
+from .space import DiskSpace
+
+logger = logging.getLogger("lmcache_mp.server.disk")
+
+# Bytes written in one go, at most: a batch's chunks are held meanwhile, so a batch is
+# also at most BATCH_SHARE of the pool (at least one chunk), and never keeps a STORE out.
+BATCH_BYTES = 64 * 1024**2
+BATCH_SHARE = 1 / 16
+# Written bytes are synced and recorded (two fdatasyncs) once SYNC_BYTES are written, or
+# when the queue is empty: a sync costs milliseconds, and a small batch's would halve the
+# disk's write bandwidth.
+SYNC_BYTES = 64 * 1024**2
+# A batch's runs of adjacent extents are cut at RUN_BYTES and written (and checksummed)
+# WRITE_THREADS at a time: a disk takes several large writes at once faster than one after
+# the other, and the checksums overlap the I/O.
+RUN_BYTES = 4 * 1024**2
+WRITE_THREADS = 4
+# The journal is rewritten with the live records alone once it holds this many more
+# records than there are chunks (evicted and overwritten ones), and twice as many.
+COMPACT_SLACK = 65536
+
+
+@dataclass
+class _Queued:
+    chunk: Chunk
+    key: bytes
+    parent: bytes | None  # the disk key of the chunk before it in its prompt
+
+
+@dataclass
+class _Placed:
+    queued: _Queued
+    salt: int
+    offset: int
+    crc: int = 0
+
+
+class DiskWriter:
+    def __init__(self, space: DiskSpace, store: ChunkStore, quotas: QuotaBook, pool: CpuPool,
+                 gpu_view: Callable[[Chunk], torch.Tensor], data: DataFile, journal: Journal,
+                 names: SaltNames, key_of: Callable[[Chunk], bytes], queue_limit: int):
+        self.space = space
+        self.counters = space.counters
+        self.store = store
+        self.quotas = quotas
+        self.pool = pool
+        self.gpu_view = gpu_view
+        self.data = data
+        self.journal = journal
+        self.names = names
+        self.key_of = key_of
+        self.queue_limit = queue_limit
+        self.offload = Offload("disk-write", 1)  # one writer: the journal is one sequence
+        self._parallel = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="disk-write-io")
+        self._queue: deque[_Queued] = deque()
+        self._queued: set[bytes] = set()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()  # nothing queued nor being written
+        self._idle.set()
+        self._task: asyncio.Task | None = None
+        self._loaded: asyncio.Event | None = None
+        # Written, not yet synced nor recorded: still in the queue's figures and keys.
+        self._unsynced: list[_Placed] = []
+        self._unsynced_bytes = 0
+
+    def start(self, loaded: asyncio.Event) -> None:
+        self._loaded = loaded
+        self._task = asyncio.create_task(self._run(loaded), name="disk-write-through")
+
+    def offer(self, chunks: Sequence[Chunk]) -> None:
+        """Queue chunks a STORE has just committed, each prompt's in order (loop thread;
+        never waits)."""
+        counters, space = self.counters, self.space
+        for chunk in chunks:
+            if not space.writable():
+                counters.dropped += 1
+                continue
+            key = self.key_of(chunk)
+            if key in self._queued or space.index.find(key) >= 0:
+                counters.chunks_skipped += 1
+                continue
+            if counters.queue_bytes + chunk.nbytes > self.queue_limit:
+                counters.dropped += 1
+                continue
+            parent = self.key_of(chunk.parent) if chunk.parent is not None else None
+            self._queue.append(_Queued(chunk, key, parent))
+            self._queued.add(key)
+            counters.queue_bytes += chunk.nbytes
+            counters.queue_chunks += 1
+        if self._queue:
+            self._idle.clear()
+            self._wake.set()
+
+    def _take(self) -> list[_Queued]:
+        """The next batch, each of its chunks held now; those evicted while they waited are
+        dropped."""
+        batch: list[_Queued] = []
+        size = 0
+        limit = min(BATCH_BYTES, int(self.pool.capacity * BATCH_SHARE))
+        while self._queue and (not batch or size + self._queue[0].chunk.nbytes <= limit):
+            queued = self._queue.popleft()
+            held = self.store.hold_if_stored(queued.chunk.key, queued.chunk.geometry)
+            if held is None:
+                self._forget([queued])
+                self.counters.dropped += 1
+                continue
+            queued.chunk = held
+            batch.append(queued)
+            size += queued.chunk.nbytes
+        return batch
+
+    def _forget(self, queued: Sequence[_Queued]) -> None:
+        for one in queued:
+            self._queued.discard(one.key)
+            self.counters.queue_bytes -= one.chunk.nbytes
+            self.counters.queue_chunks -= 1
+
+    def _settle(self, batch: Sequence[_Queued]) -> None:
+        """These chunks will not be written: let go of them."""
+        self._forget(batch)
+        self.store.unhold([queued.chunk for queued in batch])
+
+    async def _run(self, loaded: asyncio.Event) -> None:
+        await loaded.wait()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                batch = self._take()
+                try:
+                    if batch:
+                        await self._write(batch)
+                    if self._unsynced and (not self._queue
+                                           or self._unsynced_bytes >= SYNC_BYTES):
+                        await self._commit()
+                        await self._compact_if_due()
+                except Exception:  # a bug here must not end write-through, nor reach a STORE
+                    logger.exception("disk tier write-through failed")
+            self._idle.set()
+
+    def _task_done(self) -> bool:
+        return self._task is None or self._task.done()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) until every queued chunk is written or dropped."""
+        if self._loaded is not None and self._loaded.is_set() and not self._task_done():
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                logger.warning("disk tier: %d chunks not written at shutdown",
+                               self.counters.queue_chunks)
+
+    def _place(self, batch: list[_Queued]) -> tuple[list[_Placed], list[_Queued]]:
+        """Extents for the batch's chunks; and the chunks that get none (on disk already,
+        or no room)."""
+        space, counters = self.space, self.counters
+        space.retry_room()
+        placed, left = [], []
+        for queued in batch:
+            if space.index.find(queued.key) >= 0:
+                counters.chunks_skipped += 1
+                left.append(queued)
+                continue
+            salt = queued.chunk.key.cache_salt
+            sid = space.salt_id(salt)
+            offset = None if sid is None else \
+                space.allocate(queued.chunk.nbytes, sid, self.quotas.get(salt).cap)
+            if sid is None or offset is None:
+                counters.dropped += 1
+                left.append(queued)
+                continue
+            placed.append(_Placed(queued, sid, offset))
+        return placed, left
+
+    async def _write(self, batch: list[_Queued]) -> None:
+        """Write the batch's bytes (not yet synced nor recorded: _commit does), then let go
+        of its chunks in the pool."""
+        space = self.space
+        if not space.writable():
+            self.counters.dropped += len(batch)
+            self._settle(batch)
+            return
+        placed, left = self._place(batch)
+        self._settle(left)
+        if not placed:
+            return
+        chunks = [p.queued.chunk for p in placed]
+
+        def forget() -> None:
+            self._unwritten(placed)
+            self.store.unhold(chunks)
+        try:
+            await self.offload.run(lambda: self._write_out(placed), forget)
+        except asyncio.CancelledError:
+            raise  # forgotten when the write thread is done
+        except OSError as exc:
+            forget()
+            space.write_failed(exc)
+            self._drop_unsynced()  # their bytes may be gone with the failure too
+            return
+        except BaseException:
+            forget()
+            raise
+        self.store.unhold(chunks)
+        self._unsynced.extend(placed)
+        self._unsynced_bytes += sum(p.queued.chunk.nbytes for p in placed)
+
+    def _unwritten(self, placed: Sequence[_Placed]) -> None:
+        """Their write failed or will not be recorded: their extents are free, counted."""
+        for p in placed:
+            self.space.not_written(p.salt, p.offset, p.queued.chunk.nbytes)
+        self._forget([p.queued for p in placed])
+        self.counters.dropped += len(placed)
+
+    def _drop_unsynced(self) -> None:
+        self._unwritten(self._unsynced)
+        self._unsynced, self._unsynced_bytes = [], 0
+
+    async def _commit(self) -> None:
+        """Make the written chunks durable and visible: the data file synced, then the new
+        salts' names and the chunks' journal records appended and synced (a thread); then
+        each chunk enters the index."""
+        space = self.space
+        placed, self._unsynced, self._unsynced_bytes = self._unsynced, [], 0
+        names = [(salt_digest(name), name) for name in space.unsaved_salts]
+        space.unsaved_salts = []
+
+        def forget() -> None:
+            space.unsaved_salts.extend(name for _, name in names)
+            self._unwritten(placed)
+        try:
+            await self.offload.run(lambda: self._record(placed, names), forget)
+        except asyncio.CancelledError:
+            raise  # forgotten when the write thread is done
+        except OSError as exc:
+            forget()
+            space.write_failed(exc)
+            return
+        except BaseException:
+            forget()
+            raise
+        counters = self.counters
+        for p in placed:
+            nbytes = p.queued.chunk.nbytes
+            space.written(p.queued.key, p.queued.parent, p.salt, p.offset, nbytes, p.crc)
+            counters.chunks_written += 1
+            counters.bytes_written += nbytes
+        self._forget([p.queued for p in placed])
+
+    def _bytes_of(self, chunk: Chunk) -> memoryview:
+        """The chunk's bytes, padded to its aligned extent, in page-aligned memory."""
+        size = aligned(chunk.nbytes)
+        if chunk.tier == CPU_TIER:
+            return self.pool.array_view(chunk.offset, size).data
+        staging = staging_buffer(size)
+        torch.frombuffer(staging, dtype=torch.uint8, count=chunk.nbytes).copy_(
+            self.gpu_view(chunk))
+        return memoryview(staging)
+
+    def _write_out(self, placed: list[_Placed]) -> None:
+        """The write thread: the bytes, several runs at once, each run's checksums computed
+        by the thread that writes it."""
+        runs: list[list[_Placed]] = []
+        end = size = -1
+        for p in sorted(placed, key=lambda p: p.offset):
+            extent = aligned(p.queued.chunk.nbytes)
+            if p.offset == end and size + extent <= RUN_BYTES:
+                runs[-1].append(p)
+                size += extent
+            else:
+                runs.append([p])
+                size = extent
+            end = p.offset + extent
+        for error in self._parallel.map(self._write_run, runs):
+            if error is not None:
+                raise error
+
+    def _record(self, placed: list[_Placed], names: list[tuple[bytes, str]]) -> None:
+        """The write thread: the data file synced, then the salts' names and the journal
+        records (each synced): a record is never durable before its bytes."""
+        self.data.sync()
+        for digest, name in names:
+            self.names.add(digest, name)
+        self.journal.append([
+            ChunkRecord(p.queued.key, p.queued.parent or NO_KEY,
+                        salt_digest(p.queued.chunk.key.cache_salt), p.offset,
+                        p.queued.chunk.nbytes, p.crc) for p in placed])
+
+    def _write_run(self, run: list[_Placed]) -> OSError | None:
+        """One run of chunks whose extents follow each other, in one pwritev (a write
+        thread); the OSError it met, if any."""
+        buffers = [self._bytes_of(p.queued.chunk) for p in run]
+        for p, buffer in zip(run, buffers):
+            p.crc = zlib.crc32(buffer[:p.queued.chunk.nbytes])
+        try:
+            self.data.write(run[0].offset, buffers)
+        except OSError as exc:
+            return exc
+        return None
+
+    async def _compact_if_due(self) -> None:
+        index = self.space.index
+        if self.journal.records <= 2 * len(index) + COMPACT_SLACK:
+            return
+        digests = np.array([int.from_bytes(salt_digest(name), "little")
+                            for name in self.space.salt_names], dtype=np.uint64)
+        live = index.live(digests)
+        try:
+            await self.offload.run(lambda: self.journal.rewrite(live), lambda: None)
+        except OSError as exc:
+            self.space.write_failed(exc)
+
+    async def close(self) -> None:
+        """Stop writing; what waits is let go (a batch being written, once its thread is
+        done: the tier closes the offload after this)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._forget(list(self._queue))
+        self._queue.clear()
+        await self.offload.close()
+        self._parallel.shutdown()
+
