@@ -3,10 +3,13 @@
 Run first on a GPU machine (benchmarks/gpu_check.sh does), in about 10 seconds:
 
 1. CUDA IPC: a child process (multiprocessing "spawn", a daemon) cudaMallocs 64 MiB on
-   cuda:0, fills it with known bytes and exports its handle (cudaIpcGetMemHandle); this
-   process opens it (cudaIpcOpenMemHandle, cudaIpcMemLazyEnablePeerAccess), reads the
-   child's bytes and compares them, writes other bytes back, and the child compares those.
-   This is what the server does with every worker's KV cache.
+   cuda:0, fills it with known bytes, records an interprocess event after the fill, and
+   exports both handles (cudaIpcGetMemHandle, cudaIpcGetEventHandle); this process opens
+   the event as the server opens a worker's store event (torch.cuda.Event.from_ipc_handle),
+   makes a stream wait on it, opens the memory (cudaIpcOpenMemHandle,
+   cudaIpcMemLazyEnablePeerAccess), reads the child's bytes and compares them, writes other
+   bytes back, and the child compares those. This is what the server does with every
+   worker's KV cache and STORE.
 2. Pinning: 1 GiB of page-aligned host memory is pinned with cudaHostRegister (what the
    server does to its CPU pool), copied from the GPU into it and back, compared on the GPU,
    and unpinned.
@@ -16,9 +19,12 @@ Each step prints one line, "ok" with its time or "FAILED: reason", then a verdic
     PYTHONPATH=. python3 benchmarks/gpu_smoke.py
 
 Exit status: 0 all passed; 1 the smoke test itself broke; 2 no CUDA (or no cupy) here,
-nothing checked; 3 CUDA IPC failed: the GPU path cannot run here; 4 cudaHostRegister was
-refused: the server would run with an unpinned pool (correct, slower); 5 a pinned copy
-returned wrong bytes.
+nothing checked; 3 the IPC handle did not open: the GPU path cannot run here; 4
+cudaHostRegister was refused: the server would run with an unpinned pool (correct,
+slower); 5 a pinned copy returned wrong bytes; 6 the child process did not start
+(spawn); 7 the child started but its CUDA did not (or not within 30 s); 8 the
+interprocess event did not open or complete. 3, 6, 7 and 8 say which part failed: only 3
+and 8 mean CUDA IPC itself is refused here.
 """
 
 from __future__ import annotations
@@ -38,11 +44,17 @@ CHILD_TIMEOUT = 30.0  # seconds for any one answer of the child (its CUDA start 
 SEED_CHILD, SEED_PARENT = 1234, 5678
 
 OK, BROKEN, NO_CUDA, NO_IPC, NO_PIN, WRONG_BYTES = 0, 1, 2, 3, 4, 5
+NO_SPAWN, NO_CHILD_CUDA, NO_IPC_EVENT = 6, 7, 8
 VERDICTS = {
     OK: "this platform does CUDA IPC between processes and pins host memory: "
         "the GPU path can run here",
     BROKEN: "the smoke test itself broke (see above): nothing proven either way",
-    NO_IPC: "this platform cannot do CUDA IPC: the GPU path cannot run here",
+    NO_IPC: "this platform refuses to open a CUDA IPC memory handle: the GPU path cannot "
+            "run here",
+    NO_SPAWN: "the child process did not start (spawn): CUDA IPC was not tried",
+    NO_CHILD_CUDA: "the child process started but its CUDA did not: CUDA IPC was not tried",
+    NO_IPC_EVENT: "this platform refuses CUDA IPC events: STOREs from GPU workers cannot "
+                  "run here",
     NO_PIN: "this platform refuses cudaHostRegister: the server would run with an unpinned "
             "pool (correct, slower), and its bandwidth would not be representative",
     WRONG_BYTES: "copies through pinned host memory returned wrong bytes: "
@@ -51,11 +63,15 @@ VERDICTS = {
 
 
 class StepFailed(Exception):
-    pass
+    """A step failed; `status`: the exit status that says which part."""
+
+    def __init__(self, name: str, status: int = NO_IPC):
+        super().__init__(name)
+        self.status = status
 
 
-def step(name: str, action):
-    """Run `action()`, print one line with its time; re-raise as StepFailed on failure."""
+def step(name: str, action, status: int = NO_IPC):
+    """Run `action()`, print one line with its time; re-raise as StepFailed(status)."""
     start = time.perf_counter()
     try:
         result = action()
@@ -63,7 +79,7 @@ def step(name: str, action):
         elapsed = time.perf_counter() - start
         reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
         print(f"smoke: {name:<48} FAILED: {type(error).__name__}: {reason} ({elapsed:.2f} s)")
-        raise StepFailed(name) from error
+        raise StepFailed(name, status) from error
     print(f"smoke: {name:<48} ok ({time.perf_counter() - start:.2f} s)")
     return result
 
@@ -95,8 +111,12 @@ def child_main(pipe) -> None:
         cupy.cuda.Device(0).use()
         pointer = cupy.cuda.runtime.malloc(IPC_BYTES)  # cudaMalloc: the allocation's base
         copy_to_device(pointer, random.Random(SEED_CHILD).randbytes(IPC_BYTES))
+        # As a worker's StoreEvent: interprocess, recorded after the writes it orders.
+        event = cupy.cuda.Event(block=False, disable_timing=True, interprocess=True)
+        event.record()
         cupy.cuda.runtime.deviceSynchronize()
-        pipe.send(("handle", bytes(cupy.cuda.runtime.ipcGetMemHandle(pointer))))
+        pipe.send(("handle", bytes(cupy.cuda.runtime.ipcGetMemHandle(pointer)),
+                   bytes(cupy.cuda.runtime.ipcGetEventHandle(event.ptr))))
         if not pipe.poll(CHILD_TIMEOUT):
             return
         if pipe.recv() != "check":
@@ -133,15 +153,26 @@ def receive(pipe, child, what: str):
 def check_ipc() -> None:
     """Step 1: a handle exported by a spawned child, opened, read and written here."""
     import cupy
+    import torch
     context = multiprocessing.get_context("spawn")
     mine, theirs = context.Pipe()
     child = context.Process(target=child_main, args=(theirs,), name="gpu-smoke-child",
                             daemon=True)
     opened = None
     try:
-        step("start a child process (spawn)", child.start)
-        handle = step("child: cudaMalloc 64 MiB, fill, export handle",
-                      lambda: receive(mine, child, "its IPC handle")[1])
+        step("start a child process (spawn)", child.start, NO_SPAWN)
+        _, handle, event_handle = step("child: cudaMalloc 64 MiB, fill, export handles",
+                                       lambda: receive(mine, child, "its IPC handles"),
+                                       NO_CHILD_CUDA)
+
+        def wait_for_event():
+            event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), event_handle)
+            stream = torch.cuda.Stream()
+            stream.wait_event(event)
+            stream.synchronize()
+            if not event.query():
+                raise RuntimeError("the opened event never completed")
+        step("open the event (from_ipc_handle), wait on it", wait_for_event, NO_IPC_EVENT)
         opened = step("open the handle (cudaIpcOpenMemHandle)",
                       lambda: cupy.cuda.runtime.ipcOpenMemHandle(
                           handle, cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess))
@@ -256,8 +287,8 @@ def main() -> int:
     status = OK
     try:
         check_ipc()
-    except StepFailed:
-        status = NO_IPC
+    except StepFailed as failed:
+        status = failed.status
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         status = BROKEN

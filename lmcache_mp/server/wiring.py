@@ -18,7 +18,7 @@ from .config import Config
 from .copy.device import CudaDevice
 from .copy.engine import CopyEngine
 from .copy.streams import StreamCopier
-from .memory.cuda_ipc import CudaIpcSupport, SharedAllocations
+from .memory.cuda_ipc import CudaIpcSupport, MappingThread, SharedAllocations
 from .memory.registry import Registry
 from .net.access import Sessions, load_or_create_token, prepare_runtime_dir, read_token_file
 from .net.fd_channel import FdChannel
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .l2.tier import L2Tier
 
 _GPU_COPY_TIMEOUT_S = 60.0  # one request's device work; a GPU that takes longer has failed
+_GPU_MAP_TIMEOUT_S = 60.0  # one registration's IPC opens and set-up, a new GPU's context included
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,9 @@ def wire(config: Config) -> Components:
     copier = cuda_ipc = None
     if has_cuda:
         copier = StreamCopier(CudaDevice(), config.copy_threads, _GPU_COPY_TIMEOUT_S)
-        cuda_ipc = CudaIpcSupport(SharedAllocations(cuda.open_allocation).open,
-                                  cuda.device_index, copier.new_lane)
+        mapping = MappingThread(_GPU_MAP_TIMEOUT_S)
+        cuda_ipc = CudaIpcSupport(SharedAllocations(cuda.open_allocation, mapping.close_later).open,
+                                  cuda.device_index, copier.new_lane, mapping)
     registry = Registry(config.chunk_size, time.monotonic, fd_channel, cuda_ipc,
                         fd_channel.watch)
     copy_engine = CopyEngine(config.copy_threads)

@@ -143,33 +143,78 @@ def test_an_mla_leader_fills_its_follower_on_the_gpu(server):
         assert torch.equal(blocks(follower, chunk_ids([4, 6]), 0), expected)
 
 
-def test_a_gpu_tier_keeps_chunks_in_hbm_and_demotes_under_pressure():
+def test_a_gpu_tier_demotes_its_least_recent_leaf_under_pressure():
+    """A GPU tier and a CPU pool of two chunks each (tests/server/test_gpu_tier.py runs the
+    same on the CPU and counts the copies): prompt A of two chunks, then B, C and D of one.
+    Each takes the GPU bytes of the least recently used leaf there, which is copied to the
+    pool: A's second chunk, then B, then C, which pushes A's second chunk out of the full
+    pool. A server that never demoted would keep all of A and lose B instead; one that
+    demoted without the copy would read B and C back wrong."""
     shape = [2, NUM_BLOCKS, BLOCK, 2, 64]
     source = random_layers(4, shape, torch.float16, 21, one_allocation=False)
     target = random_layers(4, shape, torch.float16, None, one_allocation=False)
     event = StoreEvent(source[0].device)
-    hashes = prompt(800, 4)
-    with run_server("--gpu-size", "1MiB") as server, CacheClient(server.url, timeout=60) as client:
+    prompts = [prompt(800, 2), prompt(801, 1), prompt(802, 1), prompt(803, 1)]
+    with run_server("--gpu-size", "1MiB", "--cpu-size", "1MiB") as server, \
+            CacheClient(server.url, timeout=60) as client:
         mine = client.register_kv_cache(cuda_ipc_handles(source), model=MODEL, layout="mha",
                                         block_size=BLOCK, store_event=event.handle)
         theirs = client.register_kv_cache(cuda_ipc_handles(target), model=MODEL, layout="mha",
                                           block_size=BLOCK)
-        assert mine.chunk_bytes == 512 * 1024  # the tier holds two chunks
+        assert mine.chunk_bytes == 512 * 1024  # each tier holds two chunks
         event.record()
-        client.store(mine, [TransferItem.build("w", hashes[:3], chunk_ids([0, 1, 2]))])
+        for hashes, slots in zip(prompts, ([0, 1], [2], [3], [4])):
+            assert client.store(mine, [TransferItem.build("w", hashes, chunk_ids(slots))]) == [
+                bytes([StoreStatus.STORED] * len(hashes))]
+        assert [client.lookup(MODEL, 1, [LookupItem.build("q", hashes)])[0]
+                for hashes in prompts] == [1, 1, 1, 1]
         stats = client.stats()
-        assert (stats.gpu_capacity_bytes, stats.gpu_bytes_used) == (2 * mine.chunk_bytes,
-                                                                    2 * mine.chunk_bytes)
-        assert stats.bytes_used == 3 * mine.chunk_bytes  # the third went to the CPU pool
-        # The tier is full: the least recently used GPU chunk moves out for the fourth.
-        client.store(mine, [TransferItem.build("w", hashes[:4], chunk_ids([0, 1, 2, 3]))])
-        stats = client.stats()
+        assert stats.evictions == 1
         assert (stats.gpu_bytes_used, stats.bytes_used) == (2 * mine.chunk_bytes,
                                                             4 * mine.chunk_bytes)
-        assert client.retrieve(theirs, [TransferItem.build("r", hashes, chunk_ids([4, 5, 6, 7]))]
-                               ) == [4]
-        assert torch.equal(blocks(target, chunk_ids([4, 5, 6, 7]), 1),
-                           blocks(source, chunk_ids([0, 1, 2, 3]), 1))
+        # B and C were demoted: their bytes reached the pool by the demotion's copy.
+        assert client.retrieve(theirs, [TransferItem.build("b", prompts[1], chunk_ids([5])),
+                                        TransferItem.build("c", prompts[2], chunk_ids([6]))]
+                               ) == [1, 1]
+        assert torch.equal(blocks(target, chunk_ids([5, 6]), 1),
+                           blocks(source, chunk_ids([2, 3]), 1))
+
+
+# About a second of a GPU's clock: the server would long have copied the blocks by then.
+_SLEEP_CYCLES = 2_000_000_000
+
+
+@pytest.mark.parametrize("use_event", [True, False], ids=["event", "no-event-control"])
+def test_a_store_waits_for_blocks_still_being_written(server, use_event):
+    """The worker's stream sleeps, then writes the blocks and records the store event, and
+    STORE goes out at once. With the event the server reads the new bytes; the control
+    registers none, and must read the old ones: else this test could not fail."""
+    shape = [2, NUM_BLOCKS, BLOCK, 2, 64]
+    layers = random_layers(2, shape, torch.float16, None, one_allocation=False)
+    fresh = random_layers(2, shape, torch.float16, 31, one_allocation=False)
+    target = random_layers(2, shape, torch.float16, None, one_allocation=False)
+    event = StoreEvent(layers[0].device)
+    hashes = prompt(900 + use_event, 1)
+    stream = torch.cuda.Stream(device=layers[0].device)
+    with CacheClient(server.url, timeout=60) as client:
+        mine = client.register_kv_cache(cuda_ipc_handles(layers), model=MODEL, layout="mha",
+                                        block_size=BLOCK,
+                                        store_event=event.handle if use_event else b"")
+        theirs = client.register_kv_cache(cuda_ipc_handles(target), model=MODEL, layout="mha",
+                                          block_size=BLOCK)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(_SLEEP_CYCLES)
+            for layer, new in zip(layers, fresh):
+                layer.copy_(new)
+            event.record()
+        client.store(mine, [TransferItem.build("w", hashes, chunk_ids([0]))])
+        assert client.retrieve(theirs, [TransferItem.build("r", hashes, chunk_ids([1]))]) == [1]
+        stream.synchronize()
+        read = blocks(target, chunk_ids([1]), 1)
+        assert torch.equal(read, blocks(fresh, chunk_ids([0]), 1)) == use_event
+        client.unregister(mine)
+        client.unregister(theirs)
 
 
 def _registered_worker(url: str, conn) -> None:

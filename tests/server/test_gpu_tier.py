@@ -22,8 +22,11 @@ from lmcache_mp.protocol import (
 )
 from lmcache_mp.server.cache.chunk import CPU_TIER, GPU_TIER
 from lmcache_mp.server.cache.quotas import Quota
+from lmcache_mp.server.cache.store import ChunkStore
+from lmcache_mp.server.copy.streams import StreamCopier
 
 from ..workers import prompt
+from .test_gpu_ordering import GpuRig
 from .test_streams import CLIENT, PER_CHUNK, Rig, blocks, until
 
 CHUNK_BYTES = 3 * 2 * PER_CHUNK * 16 * 2 * 8 * 2  # the Rig's MHA cache: 48 KiB per chunk
@@ -140,3 +143,60 @@ def test_the_thread_pool_path_reads_chunks_from_the_gpu_tier():
         "r", hashes, list(range(16)))]))
     assert reply.retrieved == [1]
     assert torch.equal(blocks(target, list(range(16)), 1), blocks(source, list(range(16, 32)), 1))
+
+
+class Forgetful(StreamCopier):
+    """Queues a STORE's chunks but not the demotions' copies out of the GPU tier."""
+
+    async def store(self, instance, jobs, moves=(), deadline=None):
+        errors = await super().store(instance, jobs, (), deadline)
+        return [None] * len(moves) + errors
+
+
+def _tier_under_pressure(copier: type = StreamCopier) -> dict:
+    """tests/gpu's tier test, on the CPU: a GPU tier and a pool of two chunks each; prompt
+    A of two chunks, then B, C and D of one. Each of B, C, D takes the GPU bytes of the least
+    recently used leaf there, which moves to the pool: A's second chunk, then B, then C,
+    which pushes A's second chunk out of the full pool. What the client would see, and the
+    copies out of the GPU tier that the device ran."""
+    rig = GpuRig(copier=copier, cpu_bytes=2 * CHUNK_BYTES, gpu_bytes=2 * CHUNK_BYTES)
+    instance_id, source = rig.register_on(0, "mha", 1, seed=8)
+    prompts = [prompt(60, 2), prompt(61, 1), prompt(62, 1), prompt(63, 1)]
+    for hashes, first in zip(prompts, (0, 32, 48, 0)):
+        rig.run(StoreRequest(instance_id, [TransferItem.build(
+            "w", hashes, list(range(first, first + PER_CHUNK * len(hashes))))]))
+    log = rig.device.log
+    demotions = sum(1 for a, b in zip(log, log[1:])
+                    if a.region == "gpu tier" and not a.writes and b.region == "pool"
+                    and b.writes and (a.stream, a.tick) == (b.stream, b.tick))
+    target_id, target = rig.register_on(0, "mha", 2, seed=None)
+    retrieved = rig.run(RetrieveRequest(target_id, [
+        TransferItem.build("b", prompts[1], list(range(16))),
+        TransferItem.build("c", prompts[2], list(range(16, 32)))])).retrieved
+    stats = rig.dispatcher.handle(CLIENT, "STATS", StatsRequest())
+    found = {
+        "hits": [rig.hits(hashes) for hashes in prompts], "evictions": stats.evictions,
+        "gpu bytes": stats.gpu_bytes_used, "cpu bytes": stats.bytes_used - stats.gpu_bytes_used,
+        "retrieved": retrieved, "demotion copies": demotions, "races": rig.device.races(),
+        "demoted bytes intact": torch.equal(blocks(target, list(range(32)), 1),
+                                            blocks(source, list(range(32, 64)), 1))}
+    rig.close()
+    return found
+
+
+DEMOTING = {"hits": [1, 1, 1, 1], "evictions": 1, "gpu bytes": 2 * CHUNK_BYTES,
+            "cpu bytes": 2 * CHUNK_BYTES, "retrieved": [1, 1], "demotion copies": 3,
+            "races": [], "demoted bytes intact": True}
+
+
+def test_a_leaf_in_a_full_gpu_tier_is_demoted_by_a_copy_the_device_runs():
+    assert _tier_under_pressure() == DEMOTING
+
+
+def test_the_tier_check_catches_a_store_that_never_demotes_or_never_copies(monkeypatch):
+    forgetful = _tier_under_pressure(Forgetful)
+    assert forgetful["demotion copies"] == 0 and not forgetful["demoted bytes intact"]
+    monkeypatch.setattr(ChunkStore, "_allocate_gpu",
+                        lambda self, size: (self.allocators[GPU_TIER].allocate(size), None))
+    never = _tier_under_pressure()
+    assert never["hits"] == [2, 0, 1, 1] and never["demotion copies"] == 0

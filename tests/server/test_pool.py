@@ -180,6 +180,41 @@ def test_pieces_fall_on_extent_boundaries(monkeypatch):
     pool.close()
 
 
+def _straddlers(pool: CpuPool, piece: int) -> int:
+    """Churn the pool's allocator with chunks of 1 to 3 pages; count those that cross a
+    multiple of `piece`, and check it still fills up."""
+    rng = random.Random(7)
+    live: list[tuple[int, int]] = []
+    crossing = 0
+    for _ in range(2000):
+        if live and rng.random() < 0.4:
+            pool.allocator.free(*live.pop(rng.randrange(len(live))))
+            continue
+        size = rng.randint(1, 3) * ALIGNMENT
+        offset = pool.allocator.allocate(size)
+        if offset is not None:
+            live.append((offset, size))
+            crossing += offset // piece != (offset + size - 1) // piece
+    for extent in live:
+        pool.allocator.free(*extent)
+    assert pool.allocator.used == 0
+    # Freed, every piece is whole again: it takes one allocation as large as a piece.
+    assert all(pool.allocator.allocate(piece) is not None for _ in range(pool.capacity // piece))
+    return crossing
+
+
+def test_no_chunk_of_a_pinned_pool_straddles_two_pinned_pieces(monkeypatch):
+    piece, pinner = 8 * ALIGNMENT, FakePinner()
+    pinned = _pinned_pool(monkeypatch, 64 * ALIGNMENT, pinner, piece)
+    assert _straddlers(pinned, piece) == 0
+    pinned.start_prefault()
+    assert pinned.prefault_done.wait(10)
+    assert [length for _, length in pinner.registered] == [piece] * 8  # the same pieces
+    pinned.close()
+    # The control: a pool that pins nothing lets chunks lie across those offsets.
+    assert _straddlers(CpuPool(64 * ALIGNMENT), piece) > 0
+
+
 def test_refused_piece_stops_pinning_with_one_warning(monkeypatch, caplog):
     pinner = FakePinner(fail_at=4 * ALIGNMENT)
     pool = _pinned_pool(monkeypatch, 12 * ALIGNMENT, pinner, 2 * ALIGNMENT)

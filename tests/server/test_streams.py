@@ -264,8 +264,8 @@ def test_an_mla_leader_fills_its_followers_device_to_device():
     ((_, notice),) = rig.pushed
     assert isinstance(notice, LoadDone) and notice.instance_id == follower_id
     assert notice.items[0].retrieved == 1
-    # The STORE's DMA waited for its gather; then the leader's scatter for the DMA, and the
-    # follower's copy for the leader's scatter.
+    # The STORE's DMA waited for its gather; then the leader's scatter for the DMA, and so
+    # did the follower's copy (beside the scatter: both only read the staging chunk).
     lanes = {i.instance_id: i.lane for i in rig.registry.instances()}
     assert [stream for stream, _ in rig.device.waits] == [
         lanes[leader_id].copy_stream, lanes[leader_id].stream, lanes[follower_id].stream]
@@ -570,7 +570,7 @@ class Careless(StreamCopier):
     """Double-buffered without the rule: a staging chunk's next use waits for nothing."""
 
     @contextlib.contextmanager
-    def _claim(self, lane, index, stream):
+    def _claim(self, lane, index, stream, writes):
         yield
 
 

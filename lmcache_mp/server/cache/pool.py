@@ -41,18 +41,22 @@ class ExtentAllocator:
     side, as copy runs want.
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, piece: int | None = None):
+        """`piece` (a multiple of ALIGNMENT): no extent crosses a multiple of it, e.g. the
+        boundaries between the CPU pool's pinned pieces, which a DMA should never span."""
         self.capacity = capacity - capacity % ALIGNMENT
         self.used = 0
+        self._piece = piece
         self._starts: list[int] = []
         self._lengths: list[int] = []
         self._sizes: list[int] = []  # the lengths of the free extents, sorted, once each
         self._count: dict[int, int] = {}  # length -> free extents of that length
         self._offsets: dict[int, list[int]] = {}  # length -> heap of their offsets (and stale ones)
-        if self.capacity:
-            self._starts.append(0)
-            self._lengths.append(self.capacity)
-            self._add(0, self.capacity)
+        for start in range(0, self.capacity, piece or max(self.capacity, 1)):
+            length = min(piece or self.capacity, self.capacity - start)
+            self._starts.append(start)
+            self._lengths.append(length)
+            self._add(start, length)
 
     def allocate(self, num_bytes: int) -> int | None:
         """Return the offset of a free extent of `num_bytes` (rounded up), or None if none fits."""
@@ -143,8 +147,11 @@ class ExtentAllocator:
                 i > 0 and starts[i - 1] + lengths[i - 1] > offset):
             raise ValueError(f"double free of extent at {offset}")
         self.used -= size
-        merge_prev = i > 0 and starts[i - 1] + lengths[i - 1] == offset
-        merge_next = i < len(starts) and offset + size == starts[i]
+        piece = self._piece
+        merge_prev = (i > 0 and starts[i - 1] + lengths[i - 1] == offset
+                      and not (piece and offset % piece == 0))
+        merge_next = (i < len(starts) and offset + size == starts[i]
+                      and not (piece and starts[i] % piece == 0))
         if merge_prev:
             self._drop(lengths[i - 1])
             lengths[i - 1] += size
@@ -230,7 +237,10 @@ class CpuPool:
     def __init__(self, capacity: int, pinner: Pinner | None = None, fd: int | None = None):
         """`fd`: a file of the pool's size to map shared (a warm restart's named segment);
         None: anonymous memory."""
-        self.allocator = ExtentAllocator(capacity)
+        self._piece = max(ALIGNMENT, PIN_PIECE_BYTES - PIN_PIECE_BYTES % ALIGNMENT)
+        # A chunk that straddled two pinned pieces would be one DMA across two cudaHostRegister
+        # ranges, which CUDA does not promise to take as pinned: no extent does.
+        self.allocator = ExtentAllocator(capacity, self._piece if pinner is not None else None)
         self._mapping = mmap.mmap(-1 if fd is None else fd, self.allocator.capacity)
         self.buffer = torch.frombuffer(self._mapping, dtype=torch.uint8)
         self.array = self.buffer.numpy()  # the same bytes, for numpy row copies (HostRows)
@@ -266,7 +276,7 @@ class CpuPool:
         # minutes sooner on a large pool, registering pages already faulted in costs only
         # the page-table walk, and STATS pinned_bytes moves steadily. A failed pre-fault
         # (old kernel) does not stop pinning: cudaHostRegister faults pages in itself.
-        piece = max(ALIGNMENT, PIN_PIECE_BYTES - PIN_PIECE_BYTES % ALIGNMENT)
+        piece = self._piece
         stop = self._stop_prefault.is_set
         faulting, pinning = True, self._pinner is not None
         for start in range(0, self.capacity, piece):

@@ -12,6 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
+from ... import cuda
+
 
 class Device(Protocol):
     def new_stream(self, device: torch.device) -> Any:
@@ -41,7 +43,11 @@ class CudaDevice:
     """The Device of a process with CUDA: torch streams and events."""
 
     def new_stream(self, device: torch.device) -> torch.cuda.Stream:
-        return torch.cuda.Stream(device=device)
+        # Not torch.cuda.Stream(): that hands out torch's 32 pooled streams per GPU in turn,
+        # so past 16 registrations on a GPU two lanes would share a stream and each wait
+        # for the other's copies.
+        index = device.index
+        return cuda.new_stream(torch.cuda.current_device() if index is None else index)
 
     def use(self, stream: torch.cuda.Stream) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(stream)

@@ -12,8 +12,13 @@ scatter into the blocks, and for an MLA leader a device-to-device copy into each
 follower's staging chunk and a scatter there, on the follower's stream.
 
 Events order the two streams, and one rule keeps a staging chunk from being overwritten
-while it is still read: whatever touches a staging chunk first waits for the event
-recorded after the last work that touched it (Lane.free), and records a new one. The loop
+while it is still read: work that writes a staging chunk first waits for the events
+recorded after every use of it since its last write, and work that reads it waits for the
+event after that write (Lane.claim); so the scatter into the leader and the copies to each
+follower read one staging chunk side by side, and only its next fill waits for them all.
+A copy between two GPUs runs on the source GPU's current stream, fenced both ways against
+the target's current one (torch's rule): each follower copies from the leader's GPU on a
+stream of its own there (Lane.links), so followers never queue behind one another. The loop
 polls the final events of every stream involved, so the dispatcher commits a STORE, and
 answers a RETRIEVE, only once the device has finished: the loop never blocks, and
 queueing (a few µs per kernel) runs on a thread of its own.
@@ -74,13 +79,18 @@ STAGING_CHUNKS = 2  # per registration: one is filled while the other's DMA runs
 class Lane:
     """One registered worker's streams, its staging chunks, and the event its STOREs wait on."""
 
+    device: torch.device  # the worker's GPU, where its streams and staging chunks are
     stream: Any  # gathers and scatters
     copy_stream: Any  # DMA between the staging chunks and the pool
     staging: list[torch.Tensor]  # chunk-shaped, on the worker's device, as geometry.raw
     store_event: Any | None
-    # Per staging chunk, the event after the last work queued on it (None: never used);
-    # like `turn`, changed only under `lock`.
-    free: list[Any | None] = field(default_factory=lambda: [None] * STAGING_CHUNKS)
+    # Per staging chunk, the event after its last write, and those after the reads since
+    # (None, []: never used); like `turn`, changed only under the lock of the lane that
+    # owns the chunk.
+    written: list[Any | None] = field(default_factory=lambda: [None] * STAGING_CHUNKS)
+    read: list[list[Any]] = field(default_factory=lambda: [[] for _ in range(STAGING_CHUNKS)])
+    # As an MLA follower: per leader GPU, the stream there that copies into this one.
+    links: dict[torch.device, Any] = field(default_factory=dict)
     turn: int = 0  # the staging chunk the next chunk goes through
     lock: threading.Lock = field(default_factory=threading.Lock)  # one request queues at a time
 
@@ -88,6 +98,21 @@ class Lane:
         index = self.turn
         self.turn = (index + 1) % len(self.staging)
         return index
+
+    def waits(self, index: int, writes: bool) -> list[Any]:
+        """The events work on staging chunk `index` must wait for: a write, for every use
+        since the last write (each read waited for that write); a read, for that write."""
+        written = self.written[index]
+        if writes and self.read[index]:
+            return list(self.read[index])
+        return [] if written is None else [written]
+
+    def used(self, index: int, writes: bool, event: Any) -> None:
+        """`event` follows the work just queued on staging chunk `index`."""
+        if writes:
+            self.written[index], self.read[index] = event, []
+        else:
+            self.read[index].append(event)
 
 
 def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -115,8 +140,8 @@ class StreamCopier:
         # Bytes, as integers of the cache's item size: the copies never look at the values.
         staging = [torch.empty(geometry.chunk_shape, dtype=RAW_DTYPES[geometry.itemsize],
                                device=device) for _ in range(STAGING_CHUNKS)]
-        return Lane(self.device.new_stream(device), self.device.new_stream(device), staging,
-                    event)
+        return Lane(device, self.device.new_stream(device), self.device.new_stream(device),
+                    staging, event)
 
     async def store(self, instance: KVCacheInstance, jobs: Sequence[GatherJob],
                     moves: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
@@ -139,7 +164,7 @@ class StreamCopier:
             if lane.store_event is not None:
                 device.wait(lane.stream, lane.store_event)
             errors = [attempt(partial(dst.copy_, src, non_blocking=True)) for dst, src in moves]
-            ids = _to_device([ids for ids, _ in jobs], lane.staging[0].device)
+            ids = _to_device([ids for ids, _ in jobs], lane.device)
             errors += [expired(deadline) or attempt(partial(self._gather, instance, ids, chunk))
                        for ids, (_, chunk) in zip(ids, jobs)]
             return errors, [device.record(lane.stream), device.record(lane.copy_stream)]
@@ -151,22 +176,23 @@ class StreamCopier:
         device, lane = self.device, instance.lane
         index = lane.next_staging()
         staging = lane.staging[index]
-        with self._claim(lane, index, lane.stream):
+        with self._claim(lane, index, lane.stream, writes=True):
             instance.gather(block_ids, staging)
-        with device.use(lane.copy_stream), self._claim(lane, index, lane.copy_stream):
+        with device.use(lane.copy_stream), self._claim(lane, index, lane.copy_stream,
+                                                       writes=False):
             raw(chunk).copy_(staging, non_blocking=True)
 
     @contextlib.contextmanager
-    def _claim(self, lane: Lane, index: int, stream: Any) -> Iterator[None]:
-        """Work queued on `stream` within it, on staging chunk `index`, starts after the last
-        work queued on that chunk, and becomes the last: also when it fails halfway, since
-        part of it may be queued."""
-        if lane.free[index] is not None:
-            self.device.wait(stream, lane.free[index])
+    def _claim(self, lane: Lane, index: int, stream: Any, writes: bool) -> Iterator[None]:
+        """Work queued on `stream` within it, on staging chunk `index` of `lane`, starts
+        once the chunk is free for it (Lane.waits) and is waited for by the next users: also
+        when it fails halfway, since part of it may be queued."""
+        for event in lane.waits(index, writes):
+            self.device.wait(stream, event)
         try:
             yield
         finally:
-            lane.free[index] = self.device.record(stream)
+            lane.used(index, writes, self.device.record(stream))
 
     async def retrieve(self, targets: Sequence[KVCacheInstance], jobs: Sequence[ScatterJob],
                        deadline: float | None = None) -> list[list[BaseException | None]]:
@@ -192,7 +218,7 @@ class StreamCopier:
                    for (ids, _, _), where in zip(jobs, positions)]
         with lane.lock, device.use(lane.stream):
             indices = _to_device(written + [p for p in positions if p is not None],
-                                 lane.staging[0].device)
+                                 lane.device)
             block_ids, found = indices[:len(jobs)], iter(indices[len(jobs):])
             where_on_device = [None if p is None else next(found) for p in positions]
             for (_, chunk, _), ids, where in zip(jobs, block_ids, where_on_device):
@@ -212,23 +238,34 @@ class StreamCopier:
         the compute stream, once that is done, scatter it into the blocks."""
         lane = leader.lane
         staging = lane.staging[index]
-        with self.device.use(lane.copy_stream), self._claim(lane, index, lane.copy_stream):
+        with self.device.use(lane.copy_stream), self._claim(lane, index, lane.copy_stream,
+                                                            writes=True):
             staging.copy_(raw(chunk), non_blocking=True)
-        with self._claim(lane, index, lane.stream):
+        with self._claim(lane, index, lane.stream, writes=False):
             leader.scatter_blocks(block_ids, staging, positions)
 
     def _fan_out(self, leader: KVCacheInstance, index: int, follower: KVCacheInstance,
                  block_ids: torch.Tensor, positions: torch.Tensor | None) -> None:
-        """Device to device, on the follower's stream: the leader's staging chunk `index`
-        into a follower's blocks, ordered after the leader's work on it and before its
-        reuse. A follower's staging chunk is only ever used here, on its stream."""
+        """Device to device: the leader's staging chunk `index` into a follower's blocks,
+        once the leader's DMA has filled it, beside the leader's scatter and the other
+        followers' copies. A follower's staging chunk is only ever used here, in order on
+        its stream."""
         device, mine, theirs = self.device, leader.lane, follower.lane
         mine_staging, their_staging = mine.staging[index], theirs.staging[0]
-        with device.use(theirs.stream), self._claim(mine, index, theirs.stream):
+        # Between two GPUs torch copies on the source GPU's current stream, fenced both
+        # ways against the target's (the scatter then follows the copy): make that a stream
+        # of the follower's own, or every follower's copy would queue on the leader's.
+        link = theirs.stream
+        if mine.device != theirs.device:
+            link = theirs.links.get(mine.device)
+            if link is None:
+                link = theirs.links[mine.device] = device.new_stream(mine.device)
+        with device.use(theirs.stream), device.use(link), \
+                self._claim(mine, index, link, writes=False):
             # Made on the leader's stream: the allocator must not reuse them before this ends.
             for tensor in (block_ids, positions):
                 if tensor is not None:
-                    device.used_on(tensor, theirs.stream)
+                    device.used_on(tensor, link)
             their_staging.copy_(mine_staging, non_blocking=True)
             follower.scatter_blocks(block_ids, their_staging, positions)
 

@@ -25,7 +25,7 @@ from ...protocol import (
     span_bytes,
 )
 from ...protocol.fd_channel import FD_CHANNEL_MAGIC
-from .cuda_ipc import Allocation, CudaIpcSupport, open_allocations
+from .cuda_ipc import Allocation, CudaIpcSupport, CudaMapping, open_allocations
 from .geometry import DTYPES, Geometry
 from .handles import Window, check, memory_of, stack_layers, validate_handles
 from .host_rows import HostRows
@@ -80,10 +80,8 @@ class Registry:
     def __len__(self) -> int:
         return len(self._instances)
 
-    def register(self, owner: bytes, engine: bytes, req: RegisterKVCacheRequest,
-                 uid: int | None = None) -> KVCacheInstance:
-        """Map a worker's cache for connection `owner` of `engine`, whose peer is `uid` (None:
-        unknown) (access.Session). A refusal leaves every ticket it names unspent."""
+    def check_room(self, owner: bytes) -> None:
+        """Refuse a registration past the server's or the connection's count (BadRequest)."""
         # Each mapping holds a descriptor in this process: bounded, so no client can use up
         # the server's descriptors (and with them every other client's connections).
         check(len(self._instances) < MAX_REGISTRATIONS,
@@ -93,7 +91,40 @@ class Registry:
               f"this connection holds {mine} registrations already; the limit is "
               f"{MAX_REGISTRATIONS_PER_CONNECTION} (MAX_REGISTRATIONS_PER_CONNECTION): "
               f"unregister one first")
-        geometry, num_blocks = validate_handles(req, self.chunk_size)
+
+    def map_cuda_ipc(self, req: RegisterKVCacheRequest, geometry: Geometry) -> CudaMapping:
+        """Open a cuda_ipc registration's allocations and set up its lane: the slow part of
+        registering it, which touches nothing of the registry's, so that it can run off the
+        loop (ops/session.py: on the MappingThread). Raises BadRequest, closing what it
+        opened."""
+        if self.cuda_ipc is None:
+            raise BadRequest("`layers[0].kind`: this server has no CUDA, so it cannot "
+                             "map cuda_ipc handles; register memfd handles")
+        allocations = open_allocations(cast(list[CudaIpcHandle], req.layers), self.cuda_ipc)
+        try:
+            device = next(iter(allocations.values())).data.device
+            try:
+                lane = self.cuda_ipc.new_lane(device, geometry, req.store_event)
+            except RuntimeError as exc:  # the event handle does not open, or no memory
+                raise BadRequest(f"`store_event`: cannot set up GPU copies for this cache "
+                                 f"({exc})") from None
+        except BaseException:
+            CudaMapping(allocations, None).close()
+            raise
+        return CudaMapping(allocations, lane)
+
+    def register(self, owner: bytes, engine: bytes, req: RegisterKVCacheRequest,
+                 uid: int | None = None, mapped: CudaMapping | None = None) -> KVCacheInstance:
+        """Map a worker's cache for connection `owner` of `engine`, whose peer is `uid` (None:
+        unknown) (access.Session); `mapped`: its map_cuda_ipc(), done already (None: done
+        here). A refusal leaves every ticket it names unspent, and closes `mapped`."""
+        try:
+            self.check_room(owner)
+            geometry, num_blocks = validate_handles(req, self.chunk_size)
+        except BaseException:
+            if mapped is not None:
+                mapped.close()
+            raise
         dtype = DTYPES[geometry.dtype]
         memfd = req.layers[0].kind == MemfdHandle.KIND
         # validate_handles: every layer is of layers[0]'s kind
@@ -109,11 +140,9 @@ class Registry:
             if memfd:
                 sizes = {ticket: p.size for ticket, p in passed.items()}
             else:
-                if self.cuda_ipc is None:
-                    raise BadRequest("`layers[0].kind`: this server has no CUDA, so it cannot "
-                                     "map cuda_ipc handles; register memfd handles")
-                allocations = open_allocations(cast(list[CudaIpcHandle], req.layers),
-                                               self.cuda_ipc)
+                if mapped is None:
+                    mapped = self.map_cuda_ipc(req, geometry)
+                allocations = mapped.allocations
                 sizes = {key: a.data.numel() for key, a in allocations.items()}
             ends = []
             for i, handle in enumerate(req.layers):
@@ -143,21 +172,14 @@ class Registry:
             layers = [typed[memory_of(h)].as_strided(h.shape, h.strides, h.offset // dtype.itemsize)
                       for h in handles]
             stacked = stack_layers(handles, typed[memory_of(handles[0])])
-            lane = None
-            if allocations:
-                assert self.cuda_ipc is not None  # it opened them
-                try:
-                    lane = self.cuda_ipc.new_lane(layers[0].device, geometry, req.store_event)
-                except RuntimeError as exc:  # the event handle does not open, or no memory
-                    raise BadRequest(f"`store_event`: cannot set up GPU copies for this cache "
-                                     f"({exc})") from None
+            lane = mapped.lane if mapped is not None else None
         except BaseException:  # only cuda_ipc can fail after the views exist: they hold no mmap
             if stop_watching is not None:
                 stop_watching()
             for mapping in mappings.values():
                 mapping.close()
-            for allocation in allocations.values():
-                allocation.close()
+            if mapped is not None:
+                mapped.close()
             raise
         for ticket in passed:  # registered: only now are the tickets used up
             self.tickets.spend(ticket)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 from ... import __version__
 from ...errors import UnsupportedVersion
 from ...protocol import (
     PROTOCOL_VERSION,
+    CudaIpcHandle,
     HelloReply,
     HelloRequest,
     PingReply,
@@ -18,10 +20,15 @@ from ...protocol import (
     UnregisterKVCacheRequest,
 )
 from ...zmq_io import peer_uid
+from ..memory.cuda_ipc import CudaMapping
+from ..memory.handles import validate_handles
+from ..memory.instance import KVCacheInstance
 from ..net.access import Session
 from .context import OpContext
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
     import zmq
 
 
@@ -49,8 +56,31 @@ class SessionOps:
     def ping() -> PingReply:
         return PingReply(time.time())
 
-    def register(self, session: Session, req: RegisterKVCacheRequest) -> RegisterKVCacheReply:
-        instance = self.ctx.registry.register(session.client, session.engine, req, session.uid)
+    def register(self, session: Session, req: RegisterKVCacheRequest
+                 ) -> RegisterKVCacheReply | Awaitable[RegisterKVCacheReply]:
+        cuda_ipc = self.ctx.registry.cuda_ipc
+        if (cuda_ipc is not None and cuda_ipc.thread is not None and req.layers
+                and req.layers[0].kind == CudaIpcHandle.KIND):
+            return self._register_mapped(session, req)
+        return self._reply(self.ctx.registry.register(session.client, session.engine, req,
+                                                      session.uid))
+
+    async def _register_mapped(self, session: Session, req: RegisterKVCacheRequest
+                               ) -> RegisterKVCacheReply:
+        """A cuda_ipc registration: its handles opened and its lane set up on the mapping
+        thread, the rest on the loop, which serves everyone else meanwhile."""
+        registry = self.ctx.registry
+        assert registry.cuda_ipc is not None and registry.cuda_ipc.thread is not None
+        registry.check_room(session.client)  # refused before any CUDA work
+        geometry, _ = validate_handles(req, registry.chunk_size)
+        mapped = await registry.cuda_ipc.thread.run(partial(registry.map_cuda_ipc, req, geometry),
+                                                    CudaMapping.close)
+        # The counts may have changed meanwhile: register() checks them again.
+        return self._reply(registry.register(session.client, session.engine, req, session.uid,
+                                             mapped))
+
+    @staticmethod
+    def _reply(instance: KVCacheInstance) -> RegisterKVCacheReply:
         return RegisterKVCacheReply(instance.instance_id, instance.num_blocks,
                                     instance.geometry.blocks_per_chunk,
                                     instance.geometry.chunk_bytes)

@@ -1,0 +1,109 @@
+"""The GPU check's scripts, on a machine without a GPU: their structure, and what runs on a CPU.
+
+benchmarks/gpu_check.sh is run on a lent GPU, once or twice a session, with no second
+chance inside its budget: a syntax error, a stage without a time limit or a benchmark whose
+client logic has never run would cost that chance. Here: the script parses, every command
+of it that can hang runs under `timeout`, its budget fits one 7-minute call, it says to give
+the machine back; it stops at the imports without CUDA with a summary; gpu_smoke.py says
+in one line that there is no CUDA; gpu_bench.py --cpu runs its whole client logic (both
+workloads, the MLA follower, the repeats, the JSON) on sealed-memfd caches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECK = ROOT / "benchmarks" / "gpu_check.sh"
+# Commands in the script that may hang: the interpreter, nvidia-smi, pip (through python).
+_HANGS = re.compile(r'(^|[\s;(|&])("\$PYTHON"|nvidia-smi)\s')
+
+
+def script_lines() -> list[tuple[int, str]]:
+    """The script's shell lines (not comments, not the Python of its heredocs), with their
+    continuation lines joined."""
+    lines, heredoc, joined, first = [], None, "", 0
+    for number, line in enumerate(CHECK.read_text().splitlines(), 1):
+        if heredoc is not None:
+            if line.strip() == heredoc:
+                heredoc = None
+            continue
+        if not joined:
+            first = number
+        joined += line.rstrip("\\") + " "
+        if line.endswith("\\"):
+            continue
+        found = re.search(r"<<'(\w+)'", joined)
+        if found:
+            heredoc = found.group(1)
+        if not joined.lstrip().startswith("#"):
+            lines.append((first, joined))
+        joined = ""
+    return lines
+
+
+def test_the_check_parses_and_bounds_every_stage():
+    assert subprocess.run(["bash", "-n", str(CHECK)]).returncode == 0
+    unbounded = [(number, line.strip()) for number, line in script_lines()
+                 if _HANGS.search(line) and not re.search(r"\btimeout\b[^|;]*("
+                                                          r'"\$PYTHON"|nvidia-smi)', line)]
+    assert unbounded == []
+    text = CHECK.read_text()
+    budget = int(re.search(r"^BUDGET=(\d+)", text, re.M).group(1))
+    call = int(re.search(r"timeout_s=(\d+)", text).group(1))
+    # The stages' limits are cut to what is left of the budget, each kill grace on top.
+    assert budget + 4 * 10 <= call <= 7 * 60
+    assert "give_back" in text
+    docs = (ROOT / "docs" / "gpu.md").read_text()
+    assert f"timeout_s={call}" in docs and "give_back" in docs
+
+
+def test_the_check_without_cuda_stops_at_the_imports_with_a_summary(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the check would run for real")
+    done = subprocess.run([str(CHECK)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)})
+    assert done.returncode == 2, done.stdout + done.stderr
+    summary = done.stdout[done.stdout.index("gpu_check summary"):]
+    assert re.search(r"^imports\s+failed .*torch", summary, re.M), summary
+    for stage in ("smoke", "tests", "bench"):
+        assert re.search(rf"^{stage}\s+skipped", summary, re.M), summary
+    assert (tmp_path / "environment.txt").exists()
+
+
+def test_the_smoke_test_says_in_one_line_that_there_is_no_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_smoke.py")],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("gpu_smoke: no CUDA here, nothing checked")
+    assert done.stderr.count("\n") == 1
+
+
+def test_the_benchmark_runs_its_clients_on_memfd_caches(tmp_path):
+    """Both workloads, the W3 follower's loads, two repeats; bytes compared on both sides."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), "--cpu", "--chunks", "2",
+         "--layers", "2", "--repeats", "2", "--timeout", "60"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OUT": str(tmp_path)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads((tmp_path / "gpu_bench.json").read_text())
+    w1, w3 = data["results"]
+    assert data["cpu"] and not data["measured"]  # two repeats of a few MiB: samples only
+    assert w1["bytes_match"] and w3["bytes_match"] and w3["follower_bytes_match"]
+    assert [r["workload"] for r in (w1, w3)] == ["W1", "W3"]
+    assert all(len(r["store_wall_s"]) == len(r["retrieve_wall_s"]) == 2 for r in (w1, w3))
+    assert w1["bytes_moved"] == 2 * 2 * w1["chunk_bytes"] and w1["raw"] is None
+    assert w1["server_store_copy_s"] > 0 and w1["server_retrieve_copy_s"] > 0
+    assert "samples, not measurements" in done.stdout
