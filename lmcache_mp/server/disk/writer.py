@@ -228,8 +228,8 @@ class DiskWriter:
             raise  # forgotten when the write thread is done
         except OSError as exc:
             forget()
-            space.write_failed(exc)
             self._drop_unsynced()  # their bytes may be gone with the failure too
+            space.write_failed(exc)
             return
         except BaseException:
             forget()
