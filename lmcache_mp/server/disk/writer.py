@@ -38,7 +38,7 @@ logger = logging.getLogger("lmcache_mp.server.disk")
 # Bytes written in one go, at most: a batch's chunks are held meanwhile, so a batch is
 # also at most BATCH_SHARE of the pool (at least one chunk), and never keeps a STORE out.
 BATCH_BYTES = 64 * 1024**2
-BATCH_SHARE = 1 / 16
+BATCH_SHARE = 1 / 8
 # Written bytes are synced and recorded (two fdatasyncs) once SYNC_BYTES are written, or
 # when the queue is empty: a sync costs milliseconds, and a small batch's would halve the
 # disk's write bandwidth.
@@ -46,7 +46,7 @@ SYNC_BYTES = 64 * 1024**2
 # A batch's runs of adjacent extents are cut at RUN_BYTES and written (and checksummed)
 # WRITE_THREADS at a time: a disk takes several large writes at once faster than one after
 # the other, and the checksums overlap the I/O.
-RUN_BYTES = 4 * 1024**2
+RUN_BYTES = 8 * 1024**2
 WRITE_THREADS = 4
 # The journal is rewritten with the live records alone once it holds this many more
 # records than there are chunks (evicted and overwritten ones), and twice as many.
