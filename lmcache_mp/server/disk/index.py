@@ -471,46 +471,17 @@ class DiskIndex:
         a, used = self._arrays, self._used
         return (a["live"][:used] == 1) & (a["holds"][:used] == 0) & (a["children"][:used] == 0)
 
-    def _ordered(self, links: np.ndarray, members: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray]:
-        """`members` in the order `links` chains them, first to last, and each one's
-        distance to the end of its chain, by pointer jumping: log2(n) numpy passes, not a
-        walk in Python; AssertionError if the links leave the members or go round."""
-        m = len(members)
-        place = np.full(self._capacity, -1, np.int64)
-        place[members] = np.arange(m)
-        after = links[members].astype(np.int64)
-        assert np.all(after < self._used), "a link past the records"
-        successor = np.where(after >= 0, place[after], -1)
-        assert np.all((after < 0) | (successor >= 0)), "a link leaves the list"
-        to_end = (successor >= 0).astype(np.int64)
-        jump = successor
-        for _ in range(m.bit_length() + 1):
-            going = np.flatnonzero(jump >= 0)
-            if not len(going):
-                break
-            to_end[going] += to_end[jump[going]]
-            jump[going] = jump[jump[going]]
-        assert not np.any(jump >= 0), "the links go round"
-        return members[np.argsort(-to_end, kind="stable")], to_end
+    def frozen(self) -> FrozenIndex:
+        """A copy of the columns live() reads: a copy of arrays on the loop thread, so that
+        the ordering live() does (pointer jumping over millions of records) can run on
+        another thread while the index goes on changing."""
+        used = self._used
+        return FrozenIndex({name: self._arrays[name][:used].copy() for name in _LIVE_COLUMNS},
+                           used)
 
     def live(self, salt_digests: np.ndarray) -> Replayed:
-        """The records as journal rows (for Journal.rewrite), oldest first: the evictable
-        ones in their order, then the others; `salt_digests[salt id]`: the salt's digest
-        as a little-endian uint64 (journal.salt_digest's 8 bytes)."""
-        a, used = self._arrays, self._used
-        evictable = self._evictable()
-        listed, _ = self._ordered(a["next"], np.flatnonzero(evictable))
-        others = np.flatnonzero((a["live"][:used] == 1) & ~evictable)
-        rows = np.concatenate((listed, others))
-        keys = a[_KEY_COLUMN]
-        parents = a["parent"][rows]
-        parent_keys = np.take(keys, np.maximum(parents, 0), axis=0)
-        parent_keys[parents < 0] = 0  # none: the all-zero key
-        return Replayed(np.take(keys, rows, axis=0), parent_keys,
-                        np.asarray(salt_digests, np.uint64)[a["salt"][rows]],
-                        np.multiply(a["offset"][rows], ALIGNMENT, dtype=np.int64),
-                        a["nbytes"][rows].astype(np.int64), a["crc"][rows])
+        """frozen().live(): the records as journal rows, oldest first."""
+        return self.frozen().live(salt_digests)
 
     def memory_bytes(self) -> int:
         """Server memory the index's arrays take."""
@@ -533,7 +504,7 @@ class DiskIndex:
         assert np.all(a["holds"][:used][live] >= 0)
 
         evictable = np.flatnonzero(self._evictable())
-        order, to_end = self._ordered(a["next"], evictable)
+        order, to_end = _chain_order(a["next"], evictable, self._used)
         assert np.array_equal(np.sort(to_end), np.arange(len(evictable))), \
             "the evictable list is not one chain"
         assert self._head == (order[0] if len(order) else -1)
@@ -557,7 +528,7 @@ class DiskIndex:
         assert np.array_equal(heads, self._salt_head) and np.array_equal(tails, self._salt_tail)
 
         free = np.flatnonzero(~live)
-        chained, _ = self._ordered(a["next"], free)
+        chained, _ = _chain_order(a["next"], free, self._used)
         assert self._free == (chained[0] if len(chained) else -1), "the free list"
 
         table = self._table_array
@@ -601,3 +572,58 @@ def _fill(table: np.ndarray, homes: np.ndarray, rids: np.ndarray) -> None:
         placed[free] = table[tried[free]] == rids[waiting[free]]
         waiting = waiting[~placed]
         slots[waiting] = (slots[waiting] + 1) & mask
+
+
+_LIVE_COLUMNS = ("live", "holds", "children", "next", _KEY_COLUMN, "parent", "salt", "offset",
+                 "nbytes", "crc")
+
+
+class FrozenIndex:
+    """The columns of a DiskIndex at one moment (DiskIndex.frozen()), for any thread."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], used: int):
+        self.arrays = arrays
+        self.used = used
+
+    def live(self, salt_digests: np.ndarray) -> Replayed:
+        """The records as journal rows (for Journal.rewrite), oldest first: the evictable
+        ones in their order, then the others; `salt_digests[salt id]`: the salt's digest
+        as a little-endian uint64 (journal.salt_digest's 8 bytes)."""
+        a = self.arrays
+        evictable = (a["live"] == 1) & (a["holds"] == 0) & (a["children"] == 0)
+        listed, _ = _chain_order(a["next"], np.flatnonzero(evictable), self.used)
+        others = np.flatnonzero((a["live"] == 1) & ~evictable)
+        rows = np.concatenate((listed, others))
+        keys = a[_KEY_COLUMN]
+        parents = a["parent"][rows]
+        parent_keys = np.take(keys, np.maximum(parents, 0), axis=0)
+        parent_keys[parents < 0] = 0  # none: the all-zero key
+        return Replayed(np.take(keys, rows, axis=0), parent_keys,
+                        np.asarray(salt_digests, np.uint64)[a["salt"][rows]],
+                        np.multiply(a["offset"][rows], ALIGNMENT, dtype=np.int64),
+                        a["nbytes"][rows].astype(np.int64), a["crc"][rows])
+
+
+def _chain_order(links: np.ndarray, members: np.ndarray, used: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """`members` in the order `links` chains them, first to last, and each one's distance
+    to the end of its chain, by pointer jumping: log2(n) numpy passes, not a walk in
+    Python; AssertionError if the links leave the members or go round. `used`: records
+    0..used-1 exist."""
+    m = len(members)
+    place = np.full(max(len(links), used), -1, np.int64)
+    place[members] = np.arange(m)
+    after = links[members].astype(np.int64)
+    assert np.all(after < used), "a link past the records"
+    successor = np.where(after >= 0, place[after], -1)
+    assert np.all((after < 0) | (successor >= 0)), "a link leaves the list"
+    to_end = (successor >= 0).astype(np.int64)
+    jump = successor
+    for _ in range(m.bit_length() + 1):
+        going = np.flatnonzero(jump >= 0)
+        if not len(going):
+            break
+        to_end[going] += to_end[jump[going]]
+        jump[going] = jump[jump[going]]
+    assert not np.any(jump >= 0), "the links go round"
+    return members[np.argsort(-to_end, kind="stable")], to_end

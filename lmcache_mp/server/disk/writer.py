@@ -337,9 +337,10 @@ class DiskWriter:
             return
         digests = np.array([int.from_bytes(salt_digest(name), "little")
                             for name in self.space.salt_names], dtype=np.uint64)
-        live = index.live(digests)
+        frozen = index.frozen()  # a copy here; its ordering on the write thread
         try:
-            await self.offload.run(lambda: self.journal.rewrite(live), lambda: None)
+            await self.offload.run(lambda: self.journal.rewrite(frozen.live(digests)),
+                                   lambda: None)
         except OSError as exc:
             self.space.write_failed(exc)
 
