@@ -10,13 +10,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from . import runtime
 from .client import CacheClient
 from .errors import TransportError
+from .protocol import StatsReply
 
 
 class ServerProcess:
@@ -93,6 +94,29 @@ class ServerProcess:
                 raise RuntimeError("the server did not finish pre-faulting its pool")
             time.sleep(0.05)
         return time.monotonic() - started
+
+    def wait_stats(self, client: CacheClient, done: Callable[[StatsReply], bool], what: str,
+                   timeout: float, poll_s: float = 0.005) -> StatsReply:
+        """Poll STATS (through `client`) until `done(reply)`; that reply. RuntimeError if
+        the server exits meanwhile, TimeoutError naming `what` after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while not done(stats := client.stats()):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: not after {timeout:g} s")
+            time.sleep(poll_s)
+        return stats
+
+    def stop_cleanly(self, timeout: float) -> float:
+        """stop(), and the seconds it took; RuntimeError (with the end of its log) unless
+        the server exited 0, as it must on SIGTERM."""
+        started = time.monotonic()
+        code = self.stop(timeout)
+        seconds = time.monotonic() - started
+        if code != 0:
+            raise RuntimeError(f"the server exited with {code} on SIGTERM:\n"
+                               f"{self.output()[-2000:]}")
+        return seconds
 
     def check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:

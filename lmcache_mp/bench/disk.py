@@ -38,8 +38,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..client import CacheClient
-from ..protocol import StatsReply
 from ..server.disk.reader import READ_THREADS
 from ..sizes import format_size, parse_size
 from ..spawn import ServerProcess
@@ -56,7 +54,6 @@ TARGET_SHARE = 0.80  # tier bandwidth / raw bound, each way
 MODEL = "bench-disk"
 SALT = "bench-disk"
 PACE_SHARE = 4  # the next step waits while the write-through queue holds pool / PACE_SHARE
-POLL_S = 0.005
 _IO = re.compile(r"disk tier: .*\((direct I/O|buffered I/O[^)]*)\)")
 
 
@@ -129,23 +126,6 @@ class DiskFigures:
                 and restart.byte_exact and restart.served_base == restart.completed_base)
 
 
-def _stats(client: CacheClient) -> StatsReply:
-    return client.stats()
-
-
-def wait_until(client: CacheClient, done: Callable[[StatsReply], bool], what: str,
-               timeout: float, server: ServerProcess | None = None) -> StatsReply:
-    """Poll STATS until `done`; the last reply. TimeoutError after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not done(stats := _stats(client)):
-        if server is not None:
-            server.check_alive()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not after {timeout:g} s")
-        time.sleep(POLL_S)
-    return stats
-
-
 def server_io(server: ServerProcess) -> str:
     """The tier's I/O as its start-up line says it."""
     found = _IO.search(server.output())
@@ -199,19 +179,20 @@ def _tier(run_dir: Path, shape: KVShape, prompts: list[list[int]], batch: int, p
         server.start(timeout)
         with server.client(admin=True, timeout=timeout) as client:
             server.wait_prefault(client, timeout)
-            wait_until(client, lambda s: s.disk_loaded, "the disk index", timeout, server)
+            server.wait_stats(client, lambda s: s.disk_loaded, "the disk index", timeout)
             io = server_io(server)
             log(f"tier writes: {total} chunks of {format_size(shape.chunk_bytes)} "
                 f"({format_size(total * shape.chunk_bytes)}) through a "
                 f"{format_size(pool)} pool, {io}")
-            before = _stats(client)
+            before = client.stats()
             computed: set[bytes] = set()
             started = None
             store_seconds = 0.0
             with _Engines(server, shape, prompt_blocks, batch, timeout, verify, seed) as engines:
                 for first in range(0, len(prompts), batch):
-                    wait_until(client, lambda s: s.disk_queue_bytes <= pool // PACE_SHARE,
-                               "the write-through queue", timeout, server)
+                    server.wait_stats(client,
+                                      lambda s: s.disk_queue_bytes <= pool // PACE_SHARE,
+                                      "the write-through queue", timeout)
                     requests = [Request(f"w{n}", prompts[n], SALT)
                                 for n in range(first, min(first + batch, len(prompts)))]
                     _, outcomes, reports = engines.step(requests, computed)
@@ -220,22 +201,17 @@ def _tier(run_dir: Path, shape: KVShape, prompts: list[list[int]], batch: int, p
                         started = min(start for start, _ in spans)
                     store_seconds += sum(end - start for start, end in spans)
             assert started is not None, "the engine stored nothing"
-            last_store, queued = time.monotonic(), _stats(client)
-            done = wait_until(
+            last_store, queued = time.monotonic(), client.stats()
+            done = server.wait_stats(
                 client, lambda s: s.disk_chunks_written + s.disk_dropped
                 - before.disk_chunks_written - before.disk_dropped >= total
-                and not s.disk_queue_chunks, "write-through", timeout, server)
+                and not s.disk_queue_chunks, "write-through", timeout)
             write_seconds = time.monotonic() - started
             drain = (done.disk_bytes_written - queued.disk_bytes_written,
                      time.monotonic() - last_store)
         log(f"tier writes: {done.disk_chunks_written} chunks in {write_seconds:.2f} s; "
             f"SIGTERM and start again")
-        stopped = time.monotonic()
-        code = server.stop(timeout)
-        stop_seconds = time.monotonic() - stopped
-        if code != 0:
-            raise RuntimeError(f"the server exited with {code} on SIGTERM:\n"
-                               f"{server.output()[-2000:]}")
+        stop_seconds = server.stop_cleanly(timeout)
         between()
         server.start(timeout)
         figures = TierFigures(
@@ -255,8 +231,8 @@ def _read_back(server: ServerProcess, shape: KVShape, prompts: list[list[int]], 
                figures: TierFigures) -> None:
     with server.client(admin=True, timeout=timeout) as client:
         server.wait_prefault(client, timeout)
-        wait_until(client, lambda s: s.disk_loaded, "the disk index", timeout, server)
-        before = _stats(client)
+        server.wait_stats(client, lambda s: s.disk_loaded, "the disk index", timeout)
+        before = client.stats()
         computed: set[bytes] = set()
         with _Engines(server, shape, prompt_blocks, batch, timeout, verify, seed) as engines:
             for first in range(0, len(prompts), batch):
@@ -270,7 +246,7 @@ def _read_back(server: ServerProcess, shape: KVShape, prompts: list[list[int]], 
                     figures.verified_chunks += report.verified_chunks
                     figures.corrupt_chunks += report.corrupt_chunks
                     figures.failed_load_blocks += report.failed_load_blocks
-        after = _stats(client)
+        after = client.stats()
     figures.bytes_read = after.disk_bytes_read - before.disk_bytes_read
     figures.prefetch_timeouts = after.disk_prefetch_timeouts - before.disk_prefetch_timeouts
     figures.disk_corrupt = (after.disk_corrupt + after.disk_read_errors

@@ -38,6 +38,7 @@ MODEL = "bench-disk-restart"
 SALT = "bench-disk-restart"
 POOL = 128 * MiB  # what the STOREs pass through; the tier holds everything
 TARGET_INDEX_BYTES = 128
+POLL_S = 0.002  # STATS polls: the start-to-whole-index figure is no finer than this
 _FOUND = re.compile(r"disk tier .*: (\d+) chunks \(\d+ bytes\) found in ([\d.]+) s")
 
 
@@ -105,17 +106,6 @@ class _Bytes:
 def _blocks(slot: int) -> list[int]:
     per_prompt = PROMPT_CHUNKS * SHAPE.blocks_per_chunk
     return list(range(slot * per_prompt, (slot + 1) * per_prompt))
-
-
-def _stats_wait(client: CacheClient, server: ServerProcess, done: Callable, what: str,
-                timeout: float):
-    deadline = time.monotonic() + timeout
-    while not done(stats := client.stats()):
-        server.check_alive()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not after {timeout:g} s")
-        time.sleep(0.002)
-    return stats
 
 
 def _first_lookup(server: ServerProcess, hashes: list[bytes], timeout: float
@@ -197,7 +187,8 @@ def measure(run_dir: Path, chunks: int, seed: int, timeout: float,
         server.start(timeout)
         with server.client(timeout=timeout) as client:
             server.wait_prefault(client, timeout)
-            _stats_wait(client, server, lambda s: s.disk_loaded, "the disk index", timeout)
+            server.wait_stats(client, lambda s: s.disk_loaded, "the disk index", timeout,
+                              POLL_S)
             log(f"restart: filling {prompts * PROMPT_CHUNKS} chunks of "
                 f"{format_size(SHAPE.chunk_bytes)} "
                 f"({format_size(prompts * PROMPT_CHUNKS * SHAPE.chunk_bytes)})")
@@ -213,17 +204,17 @@ def measure(run_dir: Path, chunks: int, seed: int, timeout: float,
                 if any(status != StoreStatus.STORED for item in statuses for status in item):
                     raise RuntimeError("the server did not store every chunk")
             for number in range(len(groups) - 1):
-                _stats_wait(client, server, lambda s: s.disk_queue_bytes <= POOL // 4,
-                            "the write-through queue", timeout)
+                server.wait_stats(client, lambda s: s.disk_queue_bytes <= POOL // 4,
+                                  "the write-through queue", timeout, POLL_S)
                 store(number)
-            settled = _stats_wait(client, server, lambda s: not s.disk_queue_chunks,
-                                  "write-through", timeout)
+            settled = server.wait_stats(client, lambda s: not s.disk_queue_chunks,
+                                        "write-through", timeout, POLL_S)
             fill_seconds = time.monotonic() - started
             store(len(groups) - 1)
             # Killed once some of the burst is on disk: in the middle of its writes.
-            at_kill = _stats_wait(
-                client, server, lambda s: s.disk_chunks_written > settled.disk_chunks_written
-                or not s.disk_queue_chunks, "the burst's first write", timeout
+            at_kill = server.wait_stats(
+                client, lambda s: s.disk_chunks_written > settled.disk_chunks_written
+                or not s.disk_queue_chunks, "the burst's first write", timeout, POLL_S
             ).disk_chunks_written
             assert server.proc is not None
             server.proc.kill()
@@ -233,8 +224,8 @@ def measure(run_dir: Path, chunks: int, seed: int, timeout: float,
             f"killed; starting again")
         started, first_lookup = _first_lookup(server, hashes[0], timeout)
         with server.client(timeout=timeout) as client:
-            loaded = _stats_wait(client, server, lambda s: s.disk_loaded, "the disk index",
-                                 timeout)
+            loaded = server.wait_stats(client, lambda s: s.disk_loaded, "the disk index",
+                                       timeout, POLL_S)
             loaded_seconds = time.monotonic() - started
             log(f"restart: first LOOKUP answered {first_lookup:.2f} s after the start, "
                 f"{loaded.disk_loaded_chunks} chunks indexed after {loaded_seconds:.2f} s; "

@@ -162,13 +162,6 @@ def measure_from_disk(python: str, root: Path, rounds: int, rng: random.Random,
                                   chunk_size=CHUNK_SIZE, max_model_len=PROMPT_TOKENS + 64)
         return EngineProcess(python, settings, root / f"{name}.log")
 
-    def until(condition: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what}: not within {timeout} s")
-            time.sleep(0.01)
-
     cold_tokens = []
     with ServerProcess(None, server_args) as server, engine_on(server, "disk-writer") as writer, \
             server.client(admin=True, timeout=timeout) as admin:
@@ -177,12 +170,14 @@ def measure_from_disk(python: str, root: Path, rounds: int, rng: random.Random,
             (cold,) = writer.generate([request], max_tokens=1, timeout=timeout).completions
             cold_tokens.append(cold.tokens)
         chunks = len(prompts) * (PROMPT_TOKENS // CHUNK_SIZE)
-        until(lambda: admin.stats().disk_chunks_written >= chunks, f"{chunks} chunks on disk")
+        server.wait_stats(admin, lambda stats: stats.disk_chunks_written >= chunks,
+                          f"{chunks} chunks on disk", timeout)
     seconds, mismatches = [], 0
     with ServerProcess(None, server_args) as server, engine_on(server, "disk-reader") as reader, \
             server.client(admin=True, timeout=timeout) as admin:
         reader.wait_ready(timeout)
-        until(lambda: admin.stats().disk_loaded, "the disk tier's index")
+        server.wait_stats(admin, lambda stats: stats.disk_loaded, "the disk tier's index",
+                          timeout)
         for number, request in enumerate(prompts):
             loaded = reader.generate([request], max_tokens=1, timeout=timeout)
             mismatches += loaded.completions[0].tokens != cold_tokens[number]

@@ -112,12 +112,7 @@ def measure(shape: KVShape, chunks: int, seed: int, timeout: float,
             stored = client.stats().chunks
             stored_index = (_rss_anon(_server_pid(server)) - baseline) / max(stored, 1)
         log(f"stored {stored} chunks in {fill_seconds:.1f} s; SIGTERM")
-        started = time.monotonic()
-        code = server.stop(timeout)
-        stop_seconds = time.monotonic() - started
-        if code != 0:
-            raise RuntimeError(f"the server exited with {code} on SIGTERM:\n"
-                               f"{server.output()[-2000:]}")
+        stop_seconds = server.stop_cleanly(timeout)
         server.args += ["--adopt", "require"]
         start_seconds = server.start(timeout)
         with server.client(timeout=timeout) as client:
