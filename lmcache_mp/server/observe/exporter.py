@@ -151,13 +151,20 @@ def stats_metrics(stats: StatsReply, labels: TenantLabels) -> Iterator[Metric]:
     yield from _tenant_metrics(fold_tenants(stats.tenants, labels))
 
 
-def _l2_metrics(stats: StatsReply) -> Iterator[Metric]:
-    """The L2 tier's figures (a server with --l2 only)."""
+def _tier_families(prefix: str) -> tuple[Callable[[str, str, int], CounterMetricFamily],
+                                         Callable[[str, str, float], GaugeMetricFamily]]:
+    """A lower tier's counter and gauge makers, their names under PREFIX + `prefix`."""
     def counter(name: str, doc: str, value: int) -> CounterMetricFamily:
-        return CounterMetricFamily(PREFIX + "l2_" + name, doc, value=value)
+        return CounterMetricFamily(PREFIX + prefix + name, doc, value=value)
 
     def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-        return GaugeMetricFamily(PREFIX + "l2_" + name, doc, value=value)
+        return GaugeMetricFamily(PREFIX + prefix + name, doc, value=value)
+    return counter, gauge
+
+
+def _l2_metrics(stats: StatsReply) -> Iterator[Metric]:
+    """The L2 tier's figures (a server with --l2 only)."""
+    counter, gauge = _tier_families("l2_")
 
     yield gauge("up", "1 unless the last L2 operation failed", int(stats.l2_up))
     yield counter("hits", "Chunks a LOOKUP's prefetch found in L2", stats.l2_hits)
@@ -183,11 +190,7 @@ def _l2_metrics(stats: StatsReply) -> Iterator[Metric]:
 
 def _disk_metrics(stats: StatsReply) -> Iterator[Metric]:
     """The disk tier's figures (a server with --disk-dir only)."""
-    def counter(name: str, doc: str, value: int) -> CounterMetricFamily:
-        return CounterMetricFamily(PREFIX + "disk_" + name, doc, value=value)
-
-    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-        return GaugeMetricFamily(PREFIX + "disk_" + name, doc, value=value)
+    counter, gauge = _tier_families("disk_")
 
     yield gauge("capacity_bytes", "Bytes the disk tier may fill (less after the disk ran out "
                 "of room)", stats.disk_capacity_bytes)
