@@ -64,13 +64,12 @@ class DiskReader:
         self.offload = Offload("disk-read", 2)
         self._parallel = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="disk-read-io")
         self._reads = Pulls(MAX_READS, wait_s, self._timed_out)
-        self.loaded = False
 
     def before_lookup(self, model: str, kv_world_size: int,
                       items: Sequence[tuple[str, Sequence[bytes]]]) -> Awaitable[None] | None:
         """Start (or join) read-backs for the items whose run continues on disk; return what
         the LOOKUP should await before it looks in memory, or None to look at once."""
-        if not self.loaded or not len(self.space.index):
+        if not self.counters.loaded or not len(self.space.index):
             return None
         geometries = self.registry.geometries(model, kv_world_size)
         if geometries is None:

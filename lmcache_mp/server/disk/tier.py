@@ -122,8 +122,7 @@ class DiskTier:
             self.space.install(index, allocator, names)
         for salt in list(self.space.salt_ids):
             self.enforce_cap(salt)
-        self.reader.loaded = True
-        self.counters.loaded = True
+        self.counters.loaded = True  # the reader reads from now on
         self.loaded.set()
         logger.info("disk tier %s: %d chunks (%d bytes) found in %.2f s", self.where,
                     len(self.space.index), self.space.index.total_bytes,
@@ -132,9 +131,10 @@ class DiskTier:
     def _rebuild(self) -> tuple[DiskIndex, ExtentAllocator, list[str]]:
         """A thread: the journal's live records that fit the tier and the file, indexed."""
         replayed = self.journal.replay()
-        names = self.names.load()
-        digests = [int.from_bytes(digest, "little") for digest in names]
-        known = np.isin(replayed.salts, np.array(digests, dtype=np.uint64))
+        # The salts' names by digest, as the journal's column holds it (a little-endian u64).
+        by_digest = {int.from_bytes(digest, "little"): name
+                     for digest, name in self.names.load().items()}
+        known = np.isin(replayed.salts, np.fromiter(by_digest, np.uint64, len(by_digest)))
         sizes = -(-replayed.nbytes.astype(np.int64) // ALIGNMENT) * ALIGNMENT
         ends = replayed.offsets + sizes
         # A record whose bytes the file no longer has (truncated) is a chunk cut short; one
@@ -145,7 +145,6 @@ class DiskTier:
         replayed = replayed.select(keep)
         sizes = sizes[keep]
         kept_digests, salt_ids = np.unique(replayed.salts, return_inverse=True)
-        by_digest = {int.from_bytes(digest, "little"): name for digest, name in names.items()}
         salt_names = [by_digest[int(digest)] for digest in kept_digests]
         index = DiskIndex()  # load() sizes it; power-of-two growth keeps room to add
         index.load(replayed, salt_ids.astype(np.int32))
