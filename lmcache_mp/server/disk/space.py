@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..cache.pool import ExtentAllocator, aligned
+from ..cache.pool import ALIGNMENT, ExtentAllocator, aligned
 from .files import NO_ROOM
 from .index import MAX_SALTS, DiskIndex
 
@@ -58,9 +58,10 @@ class DiskSpace:
                  clock: Callable[[], float] = time.monotonic):
         """`reserve(cache_salt)`: the bytes its quota reserves; room for others is never
         made from a salt's chunks while they take no more than that."""
-        self.capacity = capacity - capacity % 4096
+        self.capacity = capacity - capacity % ALIGNMENT
         self.reserve = reserve
         self.counters = counters
+        counters.capacity_bytes = self.capacity
         self.where = where
         self.clock = clock
         self.index = DiskIndex()
@@ -194,7 +195,7 @@ class DiskSpace:
         self._retry_at = self.clock() + RETRY_S
         full = exc.errno in NO_ROOM
         if full:
-            self.room = max(4096, self.index.total_bytes + self._pending_total)
+            self.room = max(ALIGNMENT, self.index.total_bytes + self._pending_total)
             counters.capacity_bytes = self.room
         counters.writing = False
         what = f"{errno.errorcode.get(exc.errno or 0, 'error')}: {exc.strerror or exc}"
@@ -226,6 +227,4 @@ class DiskSpace:
         counters.bytes_used = self.index.total_bytes
         counters.chunks = len(self.index)
         counters.index_bytes = self.index.memory_bytes()
-        if not counters.capacity_bytes:
-            counters.capacity_bytes = self.room
         return counters

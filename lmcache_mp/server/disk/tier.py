@@ -52,7 +52,7 @@ class DiskTier:
                  observe_read: Callable[[float], None]):
         """Opens (or creates) the directory and its files; raises DiskTierError."""
         self.where = str(directory)
-        self.counters = DiskCounters(capacity_bytes=size - size % 4096)
+        self.counters = DiskCounters()
         self.space = DiskSpace(size, self.counters, self.where,
                                lambda salt: store.quotas.get(salt).reserve)
         try:
