@@ -1,9 +1,10 @@
 """Write-through: chunks a STORE committed reach the disk tier after it is answered, off its path.
 
-A batch (up to BATCH_BYTES) is given extents, written as a few large writes (chunks whose
-extents follow each other go in one pwritev), made durable (fdatasync), and only then
-recorded in the journal (one append, synced) and made visible in the index: a crash at any
-moment leaves each chunk either whole and recorded, or unrecorded. The queue is bounded
+A batch (up to BATCH_BYTES) is given extents and written as a few large writes (chunks whose
+extents follow each other go in one pwritev); once SYNC_BYTES are written (or the queue is
+empty) they are made durable (fdatasync), and only then recorded in the journal (one
+append, synced) and made visible in the index: a crash at any moment leaves each chunk
+either whole and recorded, or unrecorded. The queue is bounded
 in bytes; past it, or while the disk is failing, a chunk is dropped and counted rather
 than waiting. A queued chunk is not held: the pool evicts as it always does (a STORE never
 waits for the disk, nor fails because chunks wait for it), and a chunk evicted before its
