@@ -117,7 +117,7 @@ class WarmStart:
                                 max_snapshot_bytes(self.capacity))
         except FileNotFoundError:
             return None, "no snapshot (a first start, or the last server did not stop cleanly)"
-        except UnsafePath as exc:
+        except (UnsafePath, OSError) as exc:  # not a file of ours, or one the system refuses
             logger.warning("refusing the snapshot: %s", exc)
             return None, f"the snapshot was refused ({exc})"
         try:
@@ -154,7 +154,7 @@ class WarmStart:
             stale = self._opened.open(self.name, os.O_RDONLY)
         except FileNotFoundError:
             pass
-        except UnsafePath as exc:  # not a segment of ours: it goes all the same
+        except (UnsafePath, OSError) as exc:  # not a segment we can use: it goes all the same
             logger.warning("removing what is not a pool segment: %s", exc)
             self._opened.unlink(self.name)
         else:
