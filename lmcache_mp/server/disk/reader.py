@@ -25,7 +25,7 @@ from ..cache.pool import CpuPool, aligned
 from ..cache.pulls import Pulls
 from ..cache.scan import short_runs
 from ..cache.store import ChunkStore
-from ..l2.offload import Offload
+from ..copy.offload import Offload
 from ..memory.geometry import Geometry
 from ..memory.registry import Registry
 from .files import DataFile, ShortRead

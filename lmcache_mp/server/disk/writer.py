@@ -28,7 +28,7 @@ from ..cache.chunk import CPU_TIER, Chunk
 from ..cache.pool import CpuPool, aligned
 from ..cache.quotas import QuotaBook
 from ..cache.store import ChunkStore
-from ..l2.offload import Offload
+from ..copy.offload import Offload
 from .files import DataFile, staging_buffer
 from .journal import ChunkRecord, Journal, SaltNames, salt_digest
 from .keys import NO_KEY

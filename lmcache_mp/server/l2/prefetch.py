@@ -26,13 +26,13 @@ from ..cache.pool import CpuPool
 from ..cache.pulls import Pulls
 from ..cache.scan import short_runs
 from ..cache.store import ChunkStore
+from ..copy.offload import Offload
 from ..memory.geometry import Geometry
 from ..memory.registry import Registry
 from .base import L2, L2Counters, L2Error
 from .codec import ValueFormat, l2_key, namespace
 from .health import Health
 from .ledger import Ledger
-from .offload import Offload
 
 logger = logging.getLogger("lmcache_mp.server.l2")
 

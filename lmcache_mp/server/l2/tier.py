@@ -13,13 +13,13 @@ import torch
 from ..cache.chunk import Chunk
 from ..cache.pool import CpuPool
 from ..cache.store import ChunkStore
+from ..copy.offload import Offload
 from ..memory.registry import Registry
 from .base import L2, L2Counters, L2Error
 from .codec import ValueFormat, value_format
 from .health import Health
 from .keyfile import read_key_file
 from .ledger import Ledger
-from .offload import Offload
 from .prefetch import Prefetcher
 from .redis import RedisL2
 from .urls import read_password_file

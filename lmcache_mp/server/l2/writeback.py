@@ -19,11 +19,11 @@ import torch
 from ..cache.chunk import Chunk
 from ..cache.quotas import QuotaBook
 from ..cache.store import ChunkStore
+from ..copy.offload import Offload
 from .base import L2, L2Counters, L2Error
 from .codec import ValueFormat, l2_key, namespace
 from .health import Health
 from .ledger import Ledger
-from .offload import Offload
 
 logger = logging.getLogger("lmcache_mp.server.l2")
 
