@@ -287,9 +287,7 @@ def _serve(settings: EngineSettings) -> None:
                                 ignore_eos=True, detokenize=False)
         prompts = []
         for prompt in batch["prompts"]:
-            # vLLM imports NotRequired from typing (3.11 on): for python_version 3.10 mypy
-            # takes TokensPrompt's optional keys for required ones.
-            entry = TokensPrompt(prompt_token_ids=prompt["tokens"])  # type: ignore[typeddict-item]
+            entry = TokensPrompt(prompt_token_ids=prompt["tokens"])
             if prompt["salt"] is not None:
                 entry["cache_salt"] = prompt["salt"]
             prompts.append(entry)

@@ -77,7 +77,7 @@ class LMCacheMPServerConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: KVCacheConfig | None = None):
         """Both processes, once, when vLLM builds the connector for its role."""
         # vLLM's base only keeps kv_cache_config; the tests build connectors without one.
-        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        super().__init__(vllm_config, role, kv_cache_config)
         follow_vllm_logging()
         config = ConnectorConfig.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config)
