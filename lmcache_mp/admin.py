@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from .client import CacheClient
 from .errors import LMCacheMPError
 from .protocol import QuotaInfo
-from .quota_spec import QuotaError, parse_quota
+from .quota_spec import Quota, QuotaError, parse_quota
 from .sizes import format_size
 
 
@@ -39,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "lowering a cap evicts down to it at once")
     set_.add_argument("salt", help="the cache_salt ('' for requests without one)")
     set_.add_argument("quota", help="CAP[:RESERVE], e.g. 2GiB, 2GiB:512MiB, unlimited:1GiB")
+    set_.add_argument("reserve", nargs="?", help="RESERVE, as a second word instead of after "
+                                                 "a colon: `set team-a 2GiB 512MiB`")
     for name, text in (("get", "show the quota that applies to SALT and its usage"),
                        ("delete", "drop SALT's run-time quota: the file's, the flags' or "
                                   "the default applies again")):
@@ -48,13 +51,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quota_of(args: argparse.Namespace) -> Quota:
+    """`set`'s quota: CAP[:RESERVE] in one word, or CAP and RESERVE in two."""
+    if args.reserve is None:
+        return parse_quota(args.quota)
+    if ":" in args.quota:
+        raise QuotaError(f"give the reservation once: {args.quota} {args.reserve} names it "
+                         f"twice; write CAP:RESERVE or CAP RESERVE")
+    return parse_quota(f"{args.quota}:{args.reserve}")
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    # This command prints each error once, itself: the client's log lines (a refused HELLO
+    # is logged as it happens, and again when the call is retried) would repeat it.
+    logging.getLogger("lmcache_mp.client").setLevel(logging.CRITICAL)
     try:
+        quota = _quota_of(args) if args.action == "set" else None
         with CacheClient(args.url, timeout=args.timeout, client_name="lmcache-mp-admin",
                          admin=True) as client:
-            if args.action == "set":
-                quota = parse_quota(args.quota)
+            if quota is not None:
                 print(_line(client.quota_set(args.salt, quota.cap, quota.reserve)))
             elif args.action == "get":
                 print(_line(client.quota_get(args.salt)))

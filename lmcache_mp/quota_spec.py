@@ -26,7 +26,8 @@ class Quota:
         if self.reserve < 0:
             raise QuotaError(f"reservation must not be negative, got {self.reserve}")
         if self.cap is not None and self.reserve > self.cap:
-            raise QuotaError(f"reservation {self.reserve} exceeds cap {self.cap}")
+            raise QuotaError(f"reservation {exact_size(self.reserve)} exceeds cap "
+                             f"{exact_size(self.cap)}")
 
 
 def parse_cap(text: str) -> int | None:

@@ -32,9 +32,10 @@ def format_size(num_bytes: int) -> str:
 
 
 def exact_size(num_bytes: int) -> str:
-    """A size in the largest unit that divides it, so that parse_size reads it back exactly."""
+    """A size in the largest unit that divides it (bytes: `B`), so that parse_size reads it
+    back exactly."""
     for unit in ("TiB", "GiB", "MiB", "KiB"):
         scale = _SIZE_UNITS[unit.lower()]
         if num_bytes and num_bytes % scale == 0:
             return f"{num_bytes // scale}{unit}"
-    return str(num_bytes)
+    return f"{num_bytes}B"

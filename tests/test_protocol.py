@@ -247,6 +247,11 @@ def test_only_messages_whose_bounds_keep_the_limits_take_the_fast_path():
     assert codec._exact_decoder(Leases) is not None
 
 
+# A salt too long is refused as one with a wrong character: its first 40 characters quoted.
+SALT_257 = ("cache_salt must be at most 256 printable ASCII characters without spaces, got "
+            f"{'s' * 40!r}")
+
+
 def test_each_field_is_held_to_its_declared_bounds_on_both_paths():
     """A bound declared on a field refuses a value, whether our client sent it (msgspec's
     fast path) or another encoder did (the general decoder), with one message that names
@@ -264,7 +269,7 @@ def test_each_field_is_held_to_its_declared_bounds_on_both_paths():
         (protocol.LookupRequest("m", 1, [protocol.LookupItem("r" * 513, b"")]),
          "`items[0].request_id`: at most 512 characters, got 513"),
         (protocol.LookupRequest("m", 1, [protocol.LookupItem("r", b"", "s" * 257)]),
-         "`items[0].cache_salt`: at most 256 characters, got 257"),
+         f"`items[0].cache_salt`: {SALT_257}"),
         (protocol.StoreRequest(1, [item], budget_ms=protocol.MAX_BUDGET_MS + 1),
          "`budget_ms`: must be in [0, 3600000], got 3600001"),
         (protocol.RetrieveRequest(1, [item], budget_ms=-1),
@@ -275,10 +280,10 @@ def test_each_field_is_held_to_its_declared_bounds_on_both_paths():
          "`progress_tag`: must be in [0, 9007199254740991], got 9007199254740992"),
         (protocol.ReleaseRequest([protocol.LeaseRef("r" * 513)]),
          "`items[0].request_id`: at most 512 characters, got 513"),
-        (protocol.EndSessionRequest("r", "s" * 257), "`cache_salt`: at most 256 characters"),
+        (protocol.EndSessionRequest("r", "s" * 257), f"`cache_salt`: {SALT_257}"),
         (protocol.HelloRequest(2, engine="e" * 257), "`engine`: at most 256 characters, got 257"),
-        (protocol.ClearRequest("s" * 257), "`cache_salt`: at most 256 characters, got 257"),
-        (protocol.QuotaSetRequest("s" * 257, None), "`cache_salt`: at most 256 characters"),
+        (protocol.ClearRequest("s" * 257), f"`cache_salt`: {SALT_257}"),
+        (protocol.QuotaSetRequest("s" * 257, None), f"`cache_salt`: {SALT_257}"),
         (dataclasses.replace(register, layers=[]), "`layers`: expected 1..1024 handles, got 0"),
         (dataclasses.replace(register, tp_rank=1024), "`tp_rank`: must be in [0, 1023], got 1024"),
         (dataclasses.replace(register, tp_group="g" * 257), "`tp_group`: at most 256 characters"),

@@ -16,7 +16,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 TEXT = README.read_text()
 
 
-def test_readme_worker_example_runs():
+def test_readme_worker_example_runs_again_and_again_against_one_server():
     blocks = re.findall(r"```python\n(.*?)```", TEXT, re.S)
     assert blocks, "README.md lost its Python example"
     example = blocks[0]
@@ -28,11 +28,35 @@ def test_readme_worker_example_runs():
     # directory, which stands in for the default one (it is what the default resolves to).
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_MP_")}
     with run_server() as server:
-        result = subprocess.run([sys.executable, "-c", example], capture_output=True,
-                                text=True, timeout=60,
-                                env={**env, runtime.RUNTIME_DIR_ENV: str(server.runtime_dir)})
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "hit 3 chunks, retrieved 3; server holds 3 chunks"
+        for run in (1, 2):  # a newcomer runs it twice: each run stores a prompt of its own
+            result = subprocess.run(
+                [sys.executable, "-c", example], capture_output=True, text=True, timeout=60,
+                env={**env, runtime.RUNTIME_DIR_ENV: str(server.runtime_dir)})
+            assert result.returncode == 0, (run, result.stderr)
+            assert result.stdout.strip() == \
+                f"hit 3 chunks, retrieved 3; server holds {3 * run} chunks"
+
+
+def test_readme_synopsis_names_every_server_flag():
+    """The synopsis under "The server" lists exactly the parser's flags."""
+    server = TEXT[TEXT.index("## The server"):]
+    (usage,) = re.findall(r"```\n(lmcache-mp-server .*?)```", server, re.S)
+    flags = set(re.findall(r"--[a-z0-9-]+", usage))
+    known = {option for action in build_parser()._actions for option in action.option_strings}
+    assert flags == known - {"-h", "--help"}
+
+
+def test_readme_commands_name_the_programs_scripts_serve_installs():
+    """Every command README gives to type runs as typed after `scripts/serve`: the console
+    scripts are in .venv/bin/, which is on no one's PATH."""
+    bare = re.compile(r"(?:^|[|&;] *|`)(lmcache-mp-(?:server|bench)|pytest|pip) ")
+    commands = [line for block in re.findall(r"```bash\n(.*?)```", TEXT, re.S)
+                for line in block.splitlines()]
+    commands += re.findall(r"^\| `([^`]*)` \|", TEXT, re.M)  # the bench's table
+    assert len(commands) > 20
+    for command in commands:
+        assert not bare.search(command), command
+    assert all(c.startswith(".venv/bin/") for c in commands if "lmcache-mp-" in c.split()[0])
 
 
 def test_readme_names_real_server_flags_and_files():

@@ -354,13 +354,16 @@ def _bounded_decoder(tp: Any, bounds: msgspec.Meta) -> Decoder:
                 return value
             raise _Invalid(lambda where: f"{where}: must be in [{lo}, {hi}], got {value}")
         return decode_in_range
-    unit = (bounds.extra or {})["unit"]
+    extra = bounds.extra or {}  # messages.length_in fills it
+    unit, refusal = extra["unit"], extra["refusal"]
     expected = f"expected {lo}..{hi} {unit}" if lo else f"at most {hi} {unit}"
 
     def decode_in_length(value: Any) -> Any:
         value = decode(value)
         if lo <= len(value) <= hi:
             return value
+        if refusal is not None:
+            raise _Invalid(lambda where: f"{where}: {refusal(value)}")
         raise _Invalid(lambda where: f"{where}: {expected}, got {len(value)}")
     return decode_in_length
 

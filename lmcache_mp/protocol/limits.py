@@ -43,8 +43,8 @@ LIMITS: dict[str, Limit] = {
     "MAX_REQUEST_ID_CHARS": Limit(512, "characters of a request_id"),
     "MAX_SALT_CHARS": Limit(256, "characters of a cache_salt (printable ASCII, no spaces)"),
     "MAX_MODEL_CHARS": Limit(512, "characters of a model name"),
-    "MAX_NAME_CHARS": Limit(256, "characters of client_name, engine, tp_group, token and a "
-                            "memfd handle's name"),
+    "MAX_NAME_CHARS": Limit(256, "characters of client_name, engine, tp_group, token (so of "
+                            "the token files too) and a memfd handle's name"),
     "MAX_LAYERS": Limit(1024, "layer handles in one REGISTER_KV_CACHE"),
     "MAX_KV_WORLD_SIZE": Limit(1024, "kv_world_size"),
     "MAX_INSTANCE_ID": Limit(2**53 - 1, "instance ids (exact in every msgpack implementation, "

@@ -12,6 +12,7 @@ HELLO carries PROTOCOL_VERSION.
 # No `from __future__ import annotations`: the field types are objects at class creation,
 # which the decoders read, and which typing.get_type_hints() returns from any namespace.
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, TypeVar
 
@@ -43,9 +44,11 @@ ROLE_ADMIN = "admin"
 # ---------------------------------------------------------------------------
 # Field bounds: declared on a field by its type, checked by both decoders (codec.py).
 
-def length_in(lo: int, hi: int, unit: str = "characters") -> msgspec.Meta:
-    """A str's or an array's length, lo to hi; `unit` is what errors say it counts."""
-    return msgspec.Meta(min_length=lo, max_length=hi, extra={"unit": unit})
+def length_in(lo: int, hi: int, unit: str = "characters",
+              refusal: Callable[[str], str] | None = None) -> msgspec.Meta:
+    """A str's or an array's length, lo to hi; `unit` is what errors say it counts, and
+    `refusal`, if given, writes the whole error for a value out of bounds instead."""
+    return msgspec.Meta(min_length=lo, max_length=hi, extra={"unit": unit, "refusal": refusal})
 
 
 def value_in(lo: int, hi: int) -> msgspec.Meta:
@@ -57,9 +60,6 @@ T = TypeVar("T")
 Name = Annotated[str, length_in(0, MAX_NAME_CHARS)]  # client_name, token, engine, tp_group, labels
 RequestId = Annotated[str, length_in(0, MAX_REQUEST_ID_CHARS)]
 Model = Annotated[str, length_in(1, MAX_MODEL_CHARS)]
-# A cache_salt's length. Its characters are is_valid_salt()'s, which the server checks: a
-# regular expression per item would cost LOOKUP's fast path more than the rest of it.
-Salt = Annotated[str, length_in(0, MAX_SALT_CHARS)]
 KvWorldSize = Annotated[int, value_in(1, MAX_KV_WORLD_SIZE)]
 TpRank = Annotated[int, value_in(0, MAX_KV_WORLD_SIZE - 1)]
 BudgetMs = Annotated[int, value_in(0, MAX_BUDGET_MS)]  # 0: no deadline
@@ -76,12 +76,23 @@ def is_valid_salt(salt: str) -> bool:
     return _CACHE_SALT.fullmatch(salt) is not None
 
 
+def salt_refusal(salt: str) -> str:
+    """Why a salt is refused, quoting its first 40 characters (what the sender sent)."""
+    return (f"cache_salt must be at most {MAX_SALT_CHARS} printable ASCII characters without "
+            f"spaces, got {salt[:40]!r}")
+
+
 def validate_salt(salt: str, path: str = "cache_salt") -> str:
     """The salt, or BadRequest (the server's refusal) naming the field."""
     if not is_valid_salt(salt):
-        raise BadRequest(f"`{path}`: cache_salt must be at most {MAX_SALT_CHARS} printable "
-                         f"ASCII characters without spaces, got {salt[:40]!r}")
+        raise BadRequest(f"`{path}`: {salt_refusal(salt)}")
     return salt
+
+
+# A cache_salt's length, refused as validate_salt() refuses the rest. Its characters are
+# is_valid_salt()'s, which the server checks: a regular expression per item would cost
+# LOOKUP's fast path more than the rest of it.
+Salt = Annotated[str, length_in(0, MAX_SALT_CHARS, refusal=salt_refusal)]
 
 
 # ---------------------------------------------------------------------------

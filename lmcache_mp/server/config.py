@@ -19,7 +19,7 @@ from ..errors import BadRequest
 from ..protocol import MAX_CHUNKS_PER_MESSAGE, MAX_MESSAGE_BYTES, validate_salt
 from ..quota_spec import Quota, format_quota_flag, parse_cap, parse_quota_flag
 from ..runtime import default_runtime_dir, ipc_url
-from ..sizes import exact_size, format_size, parse_size
+from ..sizes import exact_size, parse_size
 from .cache.quotas import QuotaBook, load_quota_file, tomllib
 from .l2.keyfile import read_key_file
 from .l2.urls import check_url, read_password_file
@@ -38,12 +38,12 @@ def _cuda_available() -> bool:
 
 
 def default_cpu_size() -> int:
-    """A fifth of physical memory, capped at 32 GiB, floored at 256 MiB."""
+    """A fifth of physical memory in whole MiB, capped at 32 GiB, floored at 256 MiB."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         total = 4 * 1024**3
-    return max(256 * 1024**2, min(total // 5, 32 * 1024**3))
+    return max(256 * 1024**2, min(total // 5 // 1024**2 * 1024**2, 32 * 1024**3))
 
 
 def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -143,11 +143,13 @@ class Config:
     url: str | None = option(None, "ZeroMQ endpoint to bind, e.g. ipc:///run/lmcache-mp/"
                              "server.sock or tcp://127.0.0.1:5555; overrides --host and "
                              "--port", str, "URL", shown="ipc://RUNTIME_DIR/server.sock")
-    host: str | None = option(None, "TCP address to bind (with --port, default 5555); an "
-                              "address beyond loopback needs --token-file", str, "ADDR",
-                              shown="none: the ipc:// socket")
-    port: int | None = option(None, "TCP port to bind (on --host, default 127.0.0.1)",
-                              _positive(int), "PORT", shown="none: the ipc:// socket")
+    host: str | None = option(None, "TCP address to serve on instead of the ipc:// socket; "
+                              "an address beyond loopback needs --token-file", str, "ADDR",
+                              shown="none: the ipc:// socket; 127.0.0.1 when only --port is "
+                                    "given")
+    port: int | None = option(None, "TCP port to serve on instead of the ipc:// socket",
+                              _positive(int), "PORT",
+                              shown="none: the ipc:// socket; 5555 when only --host is given")
     runtime_dir: str = option(None, "private directory for the ipc:// socket, the fd channel "
                               "(fd.sock) and the token files (token, admin.token); created "
                               "0700 (0750 with --socket-group)", str, "DIR",
@@ -281,11 +283,12 @@ class Config:
     l2_budget: int | None = option(None, "bytes this server may keep in L2: past it, its "
                                    "oldest values there are deleted; a size, or unlimited; "
                                    "each salt's quota cap applies to its L2 bytes too",
-                                   parse_cap, "SIZE", shown="unlimited")
+                                   parse_cap, "SIZE", shown="unlimited", text=exact_size)
     l2_ttl: int = option(86400, "seconds each value lives in L2", _positive(int), "SEC")
     l2_queue_size: int = option(256 * 1024**2, "chunk bytes waiting to be written to L2; "
                                 "past it, and while L2 is down, chunks are not written "
-                                "(STATS l2_dropped counts them)", parse_size, "SIZE")
+                                "(STATS l2_dropped counts them)", parse_size, "SIZE",
+                                text=exact_size)
     l2_prefetch_wait: float = option(0.05, "seconds a LOOKUP that misses in this server waits "
                                      "for chunks from L2 before it answers with what it has "
                                      "(the pull goes on for the next LOOKUP); 0: never wait",
@@ -420,8 +423,7 @@ class Config:
             elif isinstance(value, (int, float)) and text is str:
                 shown.append((f.name, value))
             else:
-                written = text(value)
-                shown.append((f.name, int(written) if written.isdigit() else written))
+                shown.append((f.name, text(value)))
         return shown
 
     def to_toml(self) -> str:
@@ -507,7 +509,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             else:
                 assert f.default_factory is not dataclasses.MISSING  # every option has a default
                 default = f.default_factory()
-            shown = format_size(default) if f.metadata["parse"] is parse_size else default
+            shown = "none" if default is None else f.metadata["text"](default)
         parser.add_argument(
             _flag(f.name), dest=f.name, default=argparse.SUPPRESS, metavar=f.metadata["metavar"],
             type=_argparse_type(f.metadata["parse"]),

@@ -88,6 +88,27 @@ def test_every_option_is_a_flag_an_env_var_and_a_config_key():
         assert f"{name} = " in printed or f"# {name} is unset" in printed, name
 
 
+def test_print_config_writes_every_size_one_way_and_help_says_none_the_same_way():
+    printed = run_cli("--print-config", "--l2-budget", "1GiB", "--disk-dir", "/tmp/x",
+                      "--disk-size", "1048577", "--default-quota", "3MiB")
+    assert printed.returncode == 0, printed.stderr
+    written = dict(line.split(" = ", 1) for line in printed.stdout.splitlines() if " = " in line)
+    assert {name: written[name] for name in ("cpu_size", "gpu_size", "l2_queue_size",
+                                             "disk_queue_size", "max_message_bytes",
+                                             "l2_budget", "disk_size", "default_quota")} == {
+        "cpu_size": f'"{Config.from_args([], env={}).cpu_size // 1024**2}MiB"',
+        "gpu_size": '"0B"', "l2_queue_size": '"256MiB"', "disk_queue_size": '"256MiB"',
+        "max_message_bytes": '"64MiB"', "l2_budget": '"1GiB"', "disk_size": '"1048577B"',
+        "default_quota": '"3MiB"'}
+    help_text = " ".join(run_cli("--help").stdout.split())
+    assert "None" not in help_text and "(default: none;" in help_text
+    assert ("--host ADDR TCP address to serve on instead of the ipc:// socket; an address "
+            "beyond loopback needs --token-file (default: none: the ipc:// socket; 127.0.0.1 "
+            "when only --port is given;") in help_text
+    assert ("--port PORT TCP port to serve on instead of the ipc:// socket (default: none: "
+            "the ipc:// socket; 5555 when only --host is given;") in help_text
+
+
 def test_log_line_leaves_salts_out():
     config = Config.from_args(["--quota", "secret-salt=1GiB", "--tenant-label",
                                "other-secret=beta"], env={})

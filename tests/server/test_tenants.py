@@ -1,5 +1,6 @@
 """Tenants (cache_salt) against a real server: isolation, caps, reservations, quota changes."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -134,6 +135,35 @@ def test_quotas_change_at_run_time_through_the_admin_command(cache):
         with pytest.raises(BadRequest, match="must not be negative"):
             client.quota_set("t", -1)
         assert client.quota_get("t").own is False
+
+
+def test_the_admin_command_takes_both_quota_forms_and_says_each_error_once():
+    with run_server("--cpu-size", "8MiB") as server:
+        for words in (["2MiB", "1MiB"], ["2MiB:1MiB"]):
+            result = admin(server.url, "set", "t", *words)
+            assert result.returncode == 0, result.stderr
+            assert result.stdout == "'t': cap 2.0MiB, reserve 1.0MiB, using 0B (own quota)\n"
+        refusals = {
+            ("2MiB:1MiB", "1MiB"): "give the reservation once: 2MiB:1MiB 1MiB names it twice; "
+                                   "write CAP:RESERVE or CAP RESERVE",
+            ("1MiB", "2MiB"): "reservation 2MiB exceeds cap 1MiB",
+            ("unlimited", "9MiB"): "quota for 't' refused: reservations add up to 9MiB, more "
+                                   "than the 8MiB pool",
+        }
+        for words, why in refusals.items():
+            result = admin(server.url, "set", "t", *words)
+            assert (result.returncode, result.stdout) == (1, ""), words
+            assert result.stderr == f"lmcache-mp-server quota: error: {why}\n"
+        assert "cap 2.0MiB, reserve 1.0MiB" in admin(server.url, "get", "t").stdout
+        # A wrong admin token: the refused HELLO is said once, not once per try.
+        wrong = subprocess.run(
+            [sys.executable, "-m", "lmcache_mp", "quota", "--url", server.url, "list"],
+            capture_output=True, text=True, timeout=30,
+            env={**os.environ, "LMCACHE_MP_ADMIN_TOKEN": "not-the-admin-token"})
+        assert wrong.returncode == 1 and wrong.stdout == ""
+        assert wrong.stderr.startswith("lmcache-mp-server quota: error: HELLO: the token is "
+                                       "wrong; ")
+        assert wrong.stderr.count("\n") == 1 and wrong.stderr.endswith("\n")
 
 
 def test_the_quota_file_is_reloaded_on_sighup(cache, tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 from ...errors import BadRequest
 from ...protocol import validate_salt
 from ...quota_spec import UNLIMITED, Quota, QuotaError, parse_cap, parse_quota
-from ...sizes import parse_size
+from ...sizes import exact_size, parse_size
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -98,5 +98,5 @@ class QuotaBook:
     def _check(self, table: dict[str, Quota]) -> None:
         reserved = sum(q.reserve for q in table.values())
         if reserved > self.capacity:
-            raise QuotaError(f"reservations add up to {reserved} bytes, more than the "
-                             f"{self.capacity}-byte pool")
+            raise QuotaError(f"reservations add up to {exact_size(reserved)}, more than the "
+                             f"{exact_size(self.capacity)} pool")
