@@ -61,19 +61,27 @@ def default_url() -> str:
     return os.environ.get(URL_ENV) or ipc_url(default_runtime_dir())
 
 
+def ipc_socket_path(url: str) -> Path | None:
+    """The socket file of an ipc:// endpoint; None for tcp:// and for an abstract ipc://@
+    socket, which have no file, so no file permissions to decide who may connect."""
+    if url.startswith("ipc://") and not url.startswith("ipc://@"):
+        return Path(url.removeprefix("ipc://"))
+    return None
+
+
 def runtime_dir_of(url: str) -> Path:
     """The runtime directory a client looks in for tokens: the folder of an ipc:// socket,
     else the default one."""
-    if url.startswith("ipc://") and not url.startswith("ipc://@"):
-        return Path(url.removeprefix("ipc://")).parent
-    return default_runtime_dir()
+    socket_path = ipc_socket_path(url)
+    return socket_path.parent if socket_path is not None else default_runtime_dir()
 
 
 def unlink_ipc_endpoint(url: str) -> None:
     """Remove the socket file of an ipc:// endpoint: at shutdown, or after its process was
     killed (a killed process never unbinds, and leaves the file behind)."""
-    if url.startswith("ipc://") and not url.startswith("ipc://@"):  # @: abstract, no file
-        Path(url.removeprefix("ipc://")).unlink(missing_ok=True)
+    socket_path = ipc_socket_path(url)
+    if socket_path is not None:
+        socket_path.unlink(missing_ok=True)
 
 
 def _read_token(path: Path) -> str:

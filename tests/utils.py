@@ -1,5 +1,6 @@
-"""Test helpers: a real server in a subprocess that must exit 0, unique endpoints and free
-ports, a clock the test moves, a count of work."""
+"""Test helpers: a real server in a subprocess that must exit 0, unique endpoints, salts and
+free ports, a clock the test moves, a wait bounded by what the server counts, raw request ids,
+a count of work."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import os
 import random
 import socket
+import struct
 import sys
 import time
 import uuid
@@ -88,6 +90,17 @@ def wait_for(condition: Callable[[], T], what: str, timeout: float = 60.0) -> T:
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
     return result
+
+
+def fresh_salt(prefix: str) -> str:
+    """A cache_salt no other test uses: a tenant of its own on a shared server."""
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def rid(n: int) -> bytes:
+    """Request id `n` as the frame a raw client sends: 8 bytes little-endian, packed as
+    docs/protocol.md says, not by the package's encoder that the tests check."""
+    return struct.pack("<Q", n)
 
 
 def lines_run(call: Callable[[], T]) -> tuple[T, int]:

@@ -176,11 +176,10 @@ class CacheClient:
         it, which a container mounting the runtime directory elsewhere does not; then it is
         the fd.sock beside the ipc:// socket this client reached the server through."""
         named = self._server_info().fd_socket
-        if os.path.exists(named) or not self.rpc.url.startswith("ipc://") \
-                or self.rpc.url.startswith("ipc://@"):
+        socket_path = runtime.ipc_socket_path(self.rpc.url)
+        if os.path.exists(named) or socket_path is None:
             return named
-        beside = os.path.join(os.path.dirname(self.rpc.url.removeprefix("ipc://")),
-                              runtime.FD_SOCKET_NAME)
+        beside = str(socket_path.parent / runtime.FD_SOCKET_NAME)
         return beside if os.path.exists(beside) else named
 
     def _server_info(self) -> HelloReply:

@@ -28,6 +28,7 @@ from ..errors import (
     error_from_reply,
 )
 from ..zmq_io import POLLIN, readable, recv_frames, send_frames
+from .calls import Call, ReplySlot, SettledFuture
 
 logger = logging.getLogger(__name__)
 
@@ -48,74 +49,6 @@ _MONITOR_FRESH_S = 0.02
 # Per request type: its op's name, its op frame, its reply's type.
 _ROUTES: dict[type, tuple[str, bytes, type]] = {
     spec.request: (name, name.encode("ascii"), spec.reply) for name, spec in protocol.OPS.items()}
-
-
-class _Future(Future):
-    """A Future that also keeps a plain flag of having a result or an exception: the thread
-    waiting for a call tests it after each read of the socket, where done() takes the
-    future's lock (three Python calls a test)."""
-
-    settled = False
-
-    def set_result(self, result: Any) -> None:
-        super().set_result(result)
-        self.settled = True
-
-    def set_exception(self, exception: BaseException | None) -> None:
-        super().set_exception(exception)
-        self.settled = True
-
-    def is_settled(self) -> bool:
-        return self.settled
-
-
-class _Reply:
-    """What call() waits for, in place of a Future: set once, under the client's lock, by the
-    thread that reads the reply, and read by the caller only after that. Nobody else sees
-    it, so it needs none of a Future's Condition, which takes a lock at each step: a Future
-    created, set and read costs ~3 µs, this ~0.3. Its fields start as class defaults: no
-    __init__ to run per call."""
-
-    settled = False
-    _value: Any = None
-    _error: BaseException | None = None
-
-    def done(self) -> bool:
-        return self.settled
-
-    def is_settled(self) -> bool:
-        return self.settled
-
-    def set_result(self, value: Any) -> None:
-        self._value = value
-        self.settled = True
-
-    def set_exception(self, error: BaseException) -> None:
-        self._error = error
-        self.settled = True
-
-    def result(self) -> Any:
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-class _Call:
-    """A request from its queueing to its reply. What is mostly left as it was is a class
-    default, not set in __init__: a call is built per request, and each assignment there
-    is a line of Python on every round trip."""
-
-    retried = False  # sent again after HELLO, once, when the server had no session
-    wait_for_connection = True  # False: fail at once when it cannot be sent now
-    sent = 0  # phases.now() when it was queued (lmcache-mp-bench --profile)
-
-    def __init__(self, request_id: int, reply_type: type, frames: list[bytes],
-                 future: Future | _Reply, attended: bool):
-        self.request_id = request_id
-        self.reply_type = reply_type
-        self.frames = frames
-        self.future = future
-        self.attended = attended  # a thread in call() waits on it
 
 
 class RpcClient:
@@ -193,8 +126,8 @@ class RpcClient:
         self._followers = 0  # threads in call() waiting for the leader
         self._kicked = False  # a byte waits in the kick pipe
         self._unattended_ids: set[int] = set()  # submitted calls that no call() waits on
-        self._waiting: dict[int, _Call] = {}  # sent; reply not in yet
-        self._unsent: deque[_Call] = deque()
+        self._waiting: dict[int, Call] = {}  # sent; reply not in yet
+        self._unsent: deque[Call] = deque()
         self._deadlines: list[tuple[float, int]] = []
         self._ids = itertools.count(1)
         self._last_sent = time.monotonic()
@@ -322,20 +255,20 @@ class RpcClient:
 
     @overload
     def _submit(self, request: Any, timeout: float | None, attended: Literal[True],
-                wait_for_connection: bool = ..., lead: bool = ...) -> _Reply: ...
+                wait_for_connection: bool = ..., lead: bool = ...) -> ReplySlot: ...
     @overload
     def _submit(self, request: Any, timeout: float | None, attended: Literal[False],
-                wait_for_connection: bool = ..., lead: bool = ...) -> _Future: ...
+                wait_for_connection: bool = ..., lead: bool = ...) -> SettledFuture: ...
 
     def _submit(self, request: Any, timeout: float | None, attended: bool,
-                wait_for_connection: bool = True, lead: bool = False) -> _Future | _Reply:
-        """Queue and send the request; `attended`: call() waits for it, and gets a _Reply."""
+                wait_for_connection: bool = True, lead: bool = False) -> SettledFuture | ReplySlot:
+        """Queue and send the request; `attended`: call() waits for it, and gets a ReplySlot."""
         op, op_frame, reply_type = _ROUTES[type(request)]
         stamp = phases.now() if phases.enabled else 0  # a stamp is a call: only if profiling
         payload = protocol.pack(request)
         if phases.enabled:
             stamp = phases.add(op, "client encode", stamp)
-        future = _Reply() if attended else _Future()
+        future = ReplySlot() if attended else SettledFuture()
         with self._lock:
             if self._closed:
                 raise ServerUnavailable("the client is closed")
@@ -362,13 +295,13 @@ class RpcClient:
         return future
 
     def _new_call(self, op_frame: bytes, reply_type: type, payload: bytes,
-                  timeout: float | None, future: Future | _Reply, attended: bool) -> _Call:
+                  timeout: float | None, future: Future | ReplySlot, attended: bool) -> Call:
         """A call with its id and deadline (lock held); the caller queues it."""
         request_id = next(self._ids)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         heapq.heappush(self._deadlines, (deadline, request_id))
         frames = [protocol.REQUEST_ID.pack(request_id), op_frame, payload]
-        return _Call(request_id, reply_type, frames, future, attended)
+        return Call(request_id, reply_type, frames, future, attended)
 
     def _queue_hello(self) -> None:
         """Put HELLO at the front of what goes out next (lock held); nobody waits on it."""
@@ -507,7 +440,7 @@ class RpcClient:
         if time.monotonic() - self._monitor_read_at >= _MONITOR_FRESH_S:
             self._watch_connection()
 
-    def _try_send(self, call: _Call) -> bool:
+    def _try_send(self, call: Call) -> bool:
         """Send a call (lock held); False: not connected, nothing sent."""
         try:
             send_frames(self._dealer, call.frames)
@@ -559,7 +492,7 @@ class RpcClient:
                 continue  # a late reply to a call that timed out, or a heartbeat's reply
             self._resolve(call, frames[1], frames[2])
 
-    def _resolve(self, call: _Call, status: bytes, payload: bytes) -> None:
+    def _resolve(self, call: Call, status: bytes, payload: bytes) -> None:
         if call.future.done():  # cancelled by its caller
             return
         try:

@@ -57,6 +57,14 @@ LIMITS: dict[str, Limit] = {
     "MAX_PENDING_TICKETS_PER_UID": Limit(1024, "fd channel tickets pending at once for the "
                                          "descriptors of one uid (the sender's)"),
     "TICKET_TTL_S": Limit(60, "seconds a ticket stays valid"),
+    # A worker sends its request right after connect(), usually before the server accepts:
+    # a connection still silent after this is not a worker's.
+    "FD_REQUEST_TIMEOUT_MS": Limit(
+        500, "milliseconds an fd channel connection may wait before its request arrives"),
+    "MAX_WAITING_FD_CONNECTIONS": Limit(
+        64, "fd channel connections waiting for their request at once, server-wide"),
+    "MAX_WAITING_FD_CONNECTIONS_PER_UID": Limit(
+        16, "fd channel connections waiting for their request at once from one uid"),
     "MAX_SESSIONS": Limit(65536, "connections that said HELLO and are remembered"),
     "MAX_REGISTRATIONS_PER_CONNECTION": Limit(
         64, "KV caches one connection may have registered at once"),
@@ -107,6 +115,9 @@ MAX_FDS_PER_MESSAGE = LIMITS["MAX_FDS_PER_MESSAGE"].value
 MAX_PENDING_TICKETS = LIMITS["MAX_PENDING_TICKETS"].value
 MAX_PENDING_TICKETS_PER_UID = LIMITS["MAX_PENDING_TICKETS_PER_UID"].value
 TICKET_TTL_S = LIMITS["TICKET_TTL_S"].value
+FD_REQUEST_TIMEOUT_MS = LIMITS["FD_REQUEST_TIMEOUT_MS"].value
+MAX_WAITING_FD_CONNECTIONS = LIMITS["MAX_WAITING_FD_CONNECTIONS"].value
+MAX_WAITING_FD_CONNECTIONS_PER_UID = LIMITS["MAX_WAITING_FD_CONNECTIONS_PER_UID"].value
 MAX_SESSIONS = LIMITS["MAX_SESSIONS"].value
 MAX_REGISTRATIONS_PER_CONNECTION = LIMITS["MAX_REGISTRATIONS_PER_CONNECTION"].value
 MAX_REGISTRATIONS = LIMITS["MAX_REGISTRATIONS"].value

@@ -116,12 +116,6 @@ def _segment_name(text: str) -> str:
     return text
 
 
-def _log_level(text: str) -> str:
-    if text.lower() not in LOG_LEVELS:
-        raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
-    return text.lower()
-
-
 def option(default: Any, help: str, parse: Callable[[str], Any], metavar: str | None = None,
            default_factory: Callable[[], Any] | None = None, repeat: bool = False,
            shown: str | None = None, text: Callable[[Any], str] = str,
@@ -192,7 +186,8 @@ class Config:
     shutdown_timeout: float = option(10.0, "seconds the first SIGTERM/SIGINT waits for "
                                      "in-flight requests before failing them",
                                      _positive(float), "SEC")
-    log_level: str = option("info", f"one of {', '.join(LOG_LEVELS)}", _log_level, "LEVEL")
+    log_level: str = option("info", f"one of {', '.join(LOG_LEVELS)}", _choice(*LOG_LEVELS),
+                            "LEVEL")
     log_format: str = option("text", "text: one readable line per event; json: one JSON object "
                              "per line (time, level, logger, message, and request_id, op, "
                              "client, outcome where a request is concerned)",

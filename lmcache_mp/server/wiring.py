@@ -131,8 +131,7 @@ def _access(config: Config) -> tuple[Sessions, str, FdChannel]:
                    load_or_create_token(directory / runtime.ADMIN_TOKEN_NAME, 0o600, None))
     # Only a socket file has permissions to decide who connects: tcp:// and abstract
     # ipc://@ sockets need the token.
-    path_socket = (config.bind_url.startswith("ipc://")
-                   and not config.bind_url.startswith("ipc://@"))
+    path_socket = runtime.ipc_socket_path(config.bind_url) is not None
     sessions = Sessions(engine_token, admin_token, token_required=not path_socket)
     channel = FdChannel(str(directory / runtime.FD_SOCKET_NAME),
                         0o660 if gid is not None else 0o600, gid, bindings=sessions.bound)

@@ -30,6 +30,23 @@ def test_tokens_come_from_the_environment_or_the_sockets_directory(tmp_path, mon
     assert runtime.default_url() == "tcp://127.0.0.1:7777"
 
 
+def test_only_an_ipc_path_socket_has_a_file(tmp_path, monkeypatch):
+    """The one test client and server share: a path socket has a file (its permissions
+    decide who connects, its folder holds the tokens); tcp:// and abstract ipc://@ do not."""
+    socket = tmp_path / runtime.SOCKET_NAME
+    assert runtime.ipc_socket_path(runtime.ipc_url(tmp_path)) == socket
+    assert runtime.ipc_socket_path("ipc://@lmcache-mp") is None
+    assert runtime.ipc_socket_path("tcp://127.0.0.1:7777") is None
+    monkeypatch.setenv(runtime.RUNTIME_DIR_ENV, str(tmp_path / "default"))
+    assert runtime.runtime_dir_of(f"ipc://{socket}") == tmp_path
+    assert runtime.runtime_dir_of("ipc://@lmcache-mp") == tmp_path / "default"
+    socket.write_bytes(b"")
+    runtime.unlink_ipc_endpoint("ipc://@lmcache-mp")
+    assert socket.exists()
+    runtime.unlink_ipc_endpoint(f"ipc://{socket}")
+    assert not socket.exists()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as two users")
 def test_a_client_refuses_a_tmp_runtime_directory_another_user_made():
     squatted = f"/tmp/lmcache-mp-{NOBODY}"

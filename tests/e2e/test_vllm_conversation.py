@@ -9,8 +9,9 @@ import pytest
 
 from lmcache_mp.bench.vllm_engine import Prompt
 
+from ..utils import fresh_salt
 from .conftest import CHUNK_SIZE
-from .test_vllm_engine import cold, fresh_salt, retrieves, run, tenant_hits, tokens, wait_stored
+from .test_vllm_engine import cold, retrieves, run, tenant_hits, tokens, wait_stored
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -18,7 +19,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 def test_turn_two_on_another_engine_loads_the_answer_and_gives_the_cold_output(engines, admin):
     rng = random.Random(21)
     question = tokens(2 * CHUNK_SIZE + 20, rng)
-    salt = fresh_salt()
+    salt = fresh_salt("e2e")
     # 148 prompt tokens and a 120-token answer: chunks 2 and 3 hold generated tokens
     (answer,) = engines.writer.generate([Prompt(question, salt)], max_tokens=120).completions
     assert len(answer.tokens) == 120

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import random
 import time
-import uuid
 
 import pytest
 
 from lmcache_mp.bench.vllm_engine import BatchResult, Completion, EngineProcess, Prompt
 
+from ..utils import fresh_salt
 from .conftest import CHUNK_SIZE, SYNC_LOAD_MAX_CHUNKS
 
 # the first test also waits for the module's engines to start
@@ -28,17 +28,13 @@ def tokens(count: int, rng: random.Random) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(count)]
 
 
-def fresh_salt() -> str:
-    return f"e2e-{uuid.uuid4().hex[:12]}"
-
-
 def run(engine: EngineProcess, *prompts: Prompt) -> list[Completion]:
     result: BatchResult = engine.generate(list(prompts), max_tokens=MAX_TOKENS)
     return result.completions
 
 
 def cold(engine: EngineProcess, prompt: list[int]) -> Completion:
-    return run(engine, Prompt(prompt, fresh_salt()))[0]
+    return run(engine, Prompt(prompt, fresh_salt("e2e")))[0]
 
 
 def wait_stored(admin, salt: str, chunks: int, timeout: float = 30.0) -> None:
@@ -74,7 +70,7 @@ def test_loaded_prefix_gives_the_cold_output(engines, admin, chunks):
     it) or asynchronously (the request waits outside the batch): the cold run's output."""
     rng = random.Random(11 if chunks == SYNC_LOAD_MAX_CHUNKS else 16)
     prompt = tokens(chunks * CHUNK_SIZE + 17, rng)
-    salt = fresh_salt()
+    salt = fresh_salt("e2e")
     store_prefix(engines.writer, admin, prompt, salt)
     expected = cold(engines.reader, prompt)
     before = retrieves(admin)
@@ -83,13 +79,13 @@ def test_loaded_prefix_gives_the_cold_output(engines, admin, chunks):
     assert tenant_hits(admin, salt) >= chunks
     assert loaded == expected
     # the writer computed the same, in another process
-    assert run(engines.writer, Prompt(prompt, fresh_salt()))[0] == expected
+    assert run(engines.writer, Prompt(prompt, fresh_salt("e2e")))[0] == expected
 
 
 def test_another_salt_loads_nothing(engines, admin):
     rng = random.Random(12)
     prompt = tokens(4 * CHUNK_SIZE + 5, rng)
-    alice, bob = fresh_salt(), fresh_salt()
+    alice, bob = fresh_salt("e2e"), fresh_salt("e2e")
     store_prefix(engines.writer, admin, prompt, alice)
     before = retrieves(admin)
     as_bob = run(engines.reader, Prompt(prompt, bob))[0]
@@ -105,7 +101,7 @@ def test_partial_prefix_loads_the_shared_chunks(engines, admin):
     stored = tokens(6 * CHUNK_SIZE + 9, rng)
     shared = 3 * CHUNK_SIZE
     prompt = stored[:shared] + tokens(2 * CHUNK_SIZE + 30, rng)
-    salt = fresh_salt()
+    salt = fresh_salt("e2e")
     store_prefix(engines.writer, admin, stored, salt)
     expected = cold(engines.reader, prompt)
     hits, before = tenant_hits(admin, salt), retrieves(admin)
@@ -117,7 +113,7 @@ def test_partial_prefix_loads_the_shared_chunks(engines, admin):
 
 def test_batch_mixing_sync_and_async_hits_partial_hits_and_misses(engines, admin):
     rng = random.Random(14)
-    salt = fresh_salt()
+    salt = fresh_salt("e2e")
     whole, partial_source = tokens(4 * CHUNK_SIZE + 3, rng), tokens(4 * CHUNK_SIZE + 40, rng)
     long = tokens((SYNC_LOAD_MAX_CHUNKS + 2) * CHUNK_SIZE + 5, rng)  # loaded async
     for stored in (whole, partial_source, long):
@@ -137,7 +133,7 @@ def test_kv_of_other_weights_changes_the_output(engines, admin):
     if loads were not used, or were recomputed, the reader's output would be the cold one."""
     rng = random.Random(15)
     prompt = tokens(5 * CHUNK_SIZE + 21, rng)
-    salt = fresh_salt()
+    salt = fresh_salt("e2e")
     store_prefix(engines.impostor, admin, prompt, salt)
     expected = cold(engines.reader, prompt)
     before = retrieves(admin)

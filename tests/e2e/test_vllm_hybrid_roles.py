@@ -22,9 +22,9 @@ from lmcache_mp.bench.vllm_engine import (
 )
 from lmcache_mp.client import CacheClient
 
-from ..utils import run_server
+from ..utils import fresh_salt, run_server
 from .conftest import CHUNK_SIZE
-from .test_vllm_engine import cold, fresh_salt, retrieves, run, tenant_hits, tokens, wait_stored
+from .test_vllm_engine import cold, retrieves, run, tenant_hits, tokens, wait_stored
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -63,7 +63,7 @@ def test_a_decode_engine_loads_the_prefill_engines_prompt_and_gives_the_cold_out
         assert engine.kv_cache["groups"] == ["SlidingWindowSpec", "FullAttentionSpec"]
     rng = random.Random(31)
     prompt = tokens(3 * CHUNK_SIZE + 20, rng)
-    salt = fresh_salt()
+    salt = fresh_salt("e2e")
     split.prefill.generate([Prompt(prompt, salt)], max_tokens=1)
     wait_stored(split.admin, salt, 3 * 2)  # 3 chunks, each of both groups
 

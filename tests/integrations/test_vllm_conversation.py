@@ -3,8 +3,8 @@ computed (or at the latest when the request finishes), so that the next turn's p
 (prompt, answer, new message) loads the answer on another engine; store_generated false
 stores prompts only."""
 
-import uuid
 
+from ..utils import fresh_salt
 from .test_vllm import (  # vLLM's names too: test_vllm imports them for the CPU
     CachedRequestData,
     Request,
@@ -22,10 +22,6 @@ from .test_vllm import (  # vLLM's names too: test_vllm imports them for the CPU
 )
 
 
-def fresh_salt() -> str:
-    return f"turns-{uuid.uuid4().hex[:12]}"
-
-
 def tenant_chunks(server, salt: str) -> int:
     tenant = stats(server).tenants.get(salt)
     return tenant.chunks if tenant else 0
@@ -35,7 +31,7 @@ def test_the_next_turn_on_another_engine_loads_the_prompt_and_the_answer(engines
     """Turn 1: 868 prompt tokens and a 200-token answer, whose tokens 768-1023 (100 of the
     prompt, 156 generated) make the 4th chunk. Turn 2 on a fresh engine loads all 4 and
     computes only what follows: the bytes are those the first engine's passes wrote."""
-    salt = fresh_salt()
+    salt = fresh_salt("turns")
     first_prompt = prompt(91, 3 * 256 + 100)
     first = engines()
     turn1 = first.add("turn-1", first_prompt, salt, max_tokens=200)
@@ -54,7 +50,7 @@ def test_the_next_turn_on_another_engine_loads_the_prompt_and_the_answer(engines
 
 
 def test_store_generated_false_stores_the_prompt_only(engines, server):
-    salt = fresh_salt()
+    salt = fresh_salt("turns")
     first_prompt = prompt(93, 3 * 256 + 100)
     first = engines(store_generated=False)
     turn1 = first.add("turn-1", first_prompt, salt, max_tokens=200)
@@ -85,7 +81,7 @@ def test_a_chunk_whose_last_tokens_came_after_its_step_is_stored_when_the_reques
     is not known yet). request_finished stores it, and vLLM keeps the blocks until then."""
     scheduler, worker = one_rank_connectors(server.url)
     try:
-        salt = fresh_salt()
+        salt = fresh_salt("turns")
         tokens = prompt(95, 250)
         request = Request("async", tokens, SamplingParams(max_tokens=7), None, cache_salt=salt)
         blocks = list(range(17))

@@ -14,6 +14,8 @@ from vllm.config import KVEventsConfig
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+from ..utils import fresh_salt
+
 CHUNK, BLOCK = 256, 16
 PER_CHUNK = CHUNK // BLOCK
 
@@ -61,7 +63,7 @@ def chunk_hashes(request, index: int) -> list:
 
 
 def test_stored_and_looked_up_chunks_are_announced_and_gone_ones_withdrawn(engines, server):
-    salt = f"events-{uuid.uuid4().hex[:12]}"
+    salt = fresh_salt("events")
     tokens = prompt(101, 3 * CHUNK + 40)
     feed = Subscriber()
     writer = engines(kv_events=feed.config)

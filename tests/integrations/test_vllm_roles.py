@@ -2,13 +2,9 @@
 never looks up or retrieves, a kv_consumer looks up and loads and never stores, and a
 prefill engine hands a prompt to a decode engine through the server."""
 
-import uuid
 
+from ..utils import fresh_salt
 from .test_vllm import prompt, stats
-
-
-def fresh_salt() -> str:
-    return f"roles-{uuid.uuid4().hex[:12]}"
 
 
 def counts(server, engine) -> tuple[int, int]:
@@ -28,7 +24,7 @@ def lookups(server) -> int:
 
 
 def test_a_producer_stores_and_never_looks_up_or_loads(engines, server):
-    salt = fresh_salt()
+    salt = fresh_salt("roles")
     tokens = prompt(81, 3 * 256 + 40)
     first = engines(kv_role="kv_producer")
     before = lookups(server)
@@ -46,7 +42,7 @@ def test_a_producer_stores_and_never_looks_up_or_loads(engines, server):
 
 
 def test_a_consumer_loads_and_never_stores(engines, server):
-    salt = fresh_salt()
+    salt = fresh_salt("roles")
     tokens = prompt(82, 3 * 256 + 40)
     writer = engines()
     writer.add("w", tokens, salt)
@@ -54,7 +50,7 @@ def test_a_consumer_loads_and_never_stores(engines, server):
     consumer = engines(kv_role="kv_consumer")
     before = lookups(server)
     consumer.add("hit", tokens, salt)
-    miss_salt = fresh_salt()
+    miss_salt = fresh_salt("roles")
     consumer.add("miss", prompt(83, 2 * 256 + 9), miss_salt)
     consumer.run_until_idle()
     assert lookups(server) - before == 2
@@ -68,7 +64,7 @@ def test_a_consumer_loads_and_never_stores(engines, server):
 def test_a_prefill_engine_hands_the_prompt_to_a_decode_engine(engines, server):
     """P/D on one node: the producer computes the prompt (one token), the consumer loads
     every full chunk of it, computes the rest and decodes."""
-    salt = fresh_salt()
+    salt = fresh_salt("roles")
     tokens = prompt(84, 4 * 256 + 17)
     prefill, decode = engines(kv_role="kv_producer"), engines(kv_role="kv_consumer")
     prefill.add("r", tokens, salt, max_tokens=1)

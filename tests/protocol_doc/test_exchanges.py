@@ -19,6 +19,7 @@ from lmcache_mp.client import SharedKVCache, chunk_hashes
 from lmcache_mp.protocol import MAX_KV_WORLD_SIZE, MAX_REQUEST_ID_CHARS
 from lmcache_mp.spawn import ServerProcess
 
+from ..utils import rid
 from .document import (
     Placeholder,
     fenced_blocks,
@@ -33,7 +34,6 @@ from .wire import (
     exchange,
     fd_socket,
     refused,
-    rid,
     running_server,
     session,
     ticket_for,

@@ -22,6 +22,7 @@ import zmq
 
 from lmcache_mp import protocol
 
+from ..utils import rid
 from ..workers import MLA, chunk_blocks, expected_blocks, make_cache, prompt
 from .document import (
     DOC,
@@ -42,7 +43,6 @@ from .wire import (
     fixed_identity_dealer,
     hello,
     refused,
-    rid,
     running_server,
     session,
     ticket_for,

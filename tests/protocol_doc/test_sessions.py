@@ -21,6 +21,7 @@ from lmcache_mp.client import SharedKVCache, chunk_hashes
 from lmcache_mp.protocol import MAX_KV_WORLD_SIZE
 from lmcache_mp.spawn import ServerProcess
 
+from ..utils import rid
 from .document import (
     quoted_message,
     section,
@@ -33,7 +34,6 @@ from .wire import (
     fixed_identity_dealer,
     hello,
     refused,
-    rid,
     session,
     wire_handles,
 )

@@ -120,7 +120,8 @@ def test_the_limits_table_is_protocol_LIMITS_row_by_row() -> None:
         assert f"`{name}` ({LIMITS[name].value})" in encoding, name
     channel = re.sub(r"\s+", " ", " ".join(section("## The fd channel")))
     for name in ("MAX_FDS_PER_MESSAGE", "TICKET_TTL_S", "MAX_PENDING_TICKETS",
-                 "MAX_PENDING_TICKETS_PER_UID", "MAX_WATCHES_PER_UID"):
+                 "MAX_PENDING_TICKETS_PER_UID", "MAX_WATCHES_PER_UID", "FD_REQUEST_TIMEOUT_MS",
+                 "MAX_WAITING_FD_CONNECTIONS", "MAX_WAITING_FD_CONNECTIONS_PER_UID"):
         assert f"`{name}` ({LIMITS[name].value}" in channel, name
     lookup = re.sub(r"\s+", " ", " ".join(doc_operations()["LOOKUP"]))
     for name in ("MAX_LOOKUP_PROBES", "LOOKUP_SLICE_PROBES"):

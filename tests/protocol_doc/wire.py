@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +16,7 @@ from lmcache_mp.client import SharedKVCache
 from lmcache_mp.fdpass import send_fds
 from lmcache_mp.spawn import ServerProcess
 
-from ..utils import run_server
+from ..utils import rid, run_server
 from .document import (
     bind,
 )
@@ -66,10 +65,6 @@ def exchange(sock: zmq.Socket, frames: list[bytes]) -> tuple[bytes, bytes, Any]:
     reply = sock.recv_multipart()
     assert len(reply) == 3, reply
     return reply[0], reply[1], msgpack.unpackb(reply[2], raw=False)
-
-
-def rid(n: int) -> bytes:
-    return struct.pack("<Q", n)
 
 
 def call(sock: zmq.Socket, n: int, op: str, payload: dict[str, Any]) -> Any:

@@ -28,24 +28,12 @@ from lmcache_mp import protocol
 from lmcache_mp.client import CacheClient, SharedKVCache
 
 from .. import workers
-from ..utils import run_server
+from ..utils import rid, run_server
 
 NOBODY = 65534  # uid of `nobody` and gid of `nogroup`: the other user of these tests
 CALL_TIMEOUT_S = 60.0  # an agent step that takes longer is a hang
 W1 = dict(layout="mha", num_layers=32, block_size=16, heads=8, head_dim=128,
           dtype=torch.float16)  # 32 MiB chunks
-
-
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05, what: str = "condition"):
-    """Poll until predicate() is truthy; return its value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout} s")
-        time.sleep(interval)
 
 
 def open_fds(pid: int) -> int:
@@ -235,10 +223,6 @@ def group_server(*args: str) -> Iterator:
     """A server that members of `nogroup` (the nobody agents) may connect to."""
     with run_server("--socket-group", str(NOBODY), *args) as server:
         yield server
-
-
-def rid(n: int) -> bytes:
-    return struct.pack("<Q", n)
 
 
 class RawClient:

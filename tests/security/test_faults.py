@@ -21,7 +21,7 @@ from lmcache_mp.client import LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.protocol import RetrieveRequest, StoreRequest
 
-from ..utils import run_server, server_process
+from ..utils import run_server, server_process, wait_for
 from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, prompt
 from .agents import (
     Agent,
@@ -32,7 +32,6 @@ from .agents import (
     open_fds,
     raw_bytes,
     register,
-    wait_for,
 )
 
 pytestmark = pytest.mark.slow

@@ -57,7 +57,7 @@ from lmcache_mp.protocol import (
     RetrieveRequest,
 )
 
-from ..utils import run_server
+from ..utils import rid, run_server
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache
 
 # Hypothesis keeps caches (unicode tables, constants) even without an example database: in
@@ -88,10 +88,6 @@ FUZZ_BLOCKS_PER_CHUNK = 256 // FUZZ_BLOCK_SIZE
 HASH_POOL = [bytes([i]) * 16 for i in range(1, 9)]  # shared by the fuzzer's stores and lookups
 
 ZERO_ID = struct.pack("<Q", 0)
-
-
-def rid(n: int) -> bytes:
-    return struct.pack("<Q", n)
 
 
 def fuzz_settings(share: float) -> settings:

@@ -17,9 +17,9 @@ import pytest
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
 from lmcache_mp.protocol import MAX_ITEMS_PER_MESSAGE, MAX_LEASES, MAX_LEASES_PER_ENGINE
 
-from ..utils import run_server
+from ..utils import run_server, wait_for
 from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, prompt
-from .agents import Agent, new_cache, raw_bytes, wait_for
+from .agents import Agent, new_cache, raw_bytes
 
 LEASE_TIMEOUT_S = 8.0
 PING_BOUND_S = 0.150  # p99 of the bystander's round trips while the leases expire

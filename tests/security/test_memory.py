@@ -31,6 +31,7 @@ from lmcache_mp.protocol import (
     StoreRequest,
 )
 
+from ..utils import wait_for
 from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, prompt
 from .agents import (
     W1,
@@ -43,7 +44,6 @@ from .agents import (
     open_fds,
     raw_bytes,
     register,
-    wait_for,
 )
 
 # The attackers run as nobody, and the server gives nogroup access: both need root.

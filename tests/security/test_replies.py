@@ -21,9 +21,9 @@ from lmcache_mp.protocol import (
     UnregisterKVCacheRequest,
 )
 
-from ..utils import run_server, server_process
+from ..utils import rid, run_server, server_process, wait_for
 from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, prompt
-from .agents import RawClient, new_cache, raw_bytes, rid, wait_for
+from .agents import RawClient, new_cache, raw_bytes
 
 PIPELINED = 20_000
 

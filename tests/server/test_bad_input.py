@@ -2,7 +2,6 @@
 serving."""
 
 import re
-import struct
 
 import msgpack
 import pytest
@@ -15,7 +14,7 @@ from lmcache_mp.errors import BadRequest, TransportError, UnknownInstance
 from lmcache_mp.protocol import MAX_REGISTRATIONS_PER_CONNECTION, CudaIpcHandle, MemfdHandle
 from lmcache_mp.server.ops.lookup import MAX_VALID_SALTS_KEPT
 
-from ..utils import run_server
+from ..utils import rid, run_server
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
 
 
@@ -33,10 +32,6 @@ def raw(server):
     yield socket
     socket.close()
     context.term()
-
-
-def rid(n: int) -> bytes:
-    return struct.pack("<Q", n)
 
 
 def exchange(socket, frames):

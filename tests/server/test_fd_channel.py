@@ -23,14 +23,16 @@ from lmcache_mp.errors import BadRequest, RequestTimeout, ServerUnavailable
 from lmcache_mp.fdpass import BOUND_FD_CHANNEL_MAGIC, FD_CHANNEL_MAGIC, open_watch, send_fds
 from lmcache_mp.protocol import (
     BINDING_BYTES,
+    FD_REQUEST_TIMEOUT_MS,
     MAX_FDS_PER_MESSAGE,
     MAX_PENDING_TICKETS_PER_UID,
+    MAX_WAITING_FD_CONNECTIONS_PER_UID,
     MAX_WATCHES_PER_UID,
     TICKET_BYTES,
     TICKET_TTL_S,
 )
 from lmcache_mp.server.net.access import Sessions
-from lmcache_mp.server.net.fd_channel import MAX_CONNECTIONS_PER_UID, REQUEST_TIMEOUT_S, FdChannel
+from lmcache_mp.server.net.fd_channel import FdChannel
 
 from ..utils import FakeClock, run_server
 from ..workers import (
@@ -221,22 +223,24 @@ def test_a_silent_connection_is_closed_after_the_request_timeout(served):
         with SharedSegment(4096) as segment:  # served meanwhile
             (ticket,) = send_fds(served.channel.path, [segment.fd], timeout=5.0)
             served.call(served.channel.spend, ticket)
-        silent.settimeout(REQUEST_TIMEOUT_S + 5.0)
+        silent.settimeout(FD_REQUEST_TIMEOUT_MS / 1000 + 5.0)
         assert silent.recv(16) == b""
-        assert time.monotonic() - started > REQUEST_TIMEOUT_S - 0.1
+        assert time.monotonic() - started > FD_REQUEST_TIMEOUT_MS / 1000 - 0.1
     finally:
         silent.close()
     assert served.open_fds() == before
 
 
 def test_a_uid_keeps_only_its_newest_silent_connections_and_its_worker_gets_in(tmp_path):
-    """Past MAX_CONNECTIONS_PER_UID waiting connections, a uid's newest drops its oldest (a
-    timeout that never comes here shows it is not that); a worker of it is still served."""
+    """Past MAX_WAITING_FD_CONNECTIONS_PER_UID waiting connections, a uid's newest drops its
+    oldest (a timeout that never comes here shows it is not that); a worker of it is still
+    served."""
     served = Served(str(tmp_path / "fd.sock"), uvloop.new_event_loop, FakeClock(),
                     request_timeout=600.0)
     before = served.open_fds()
     evicted = [_connect_silently(served.channel.path) for _ in range(3)]
-    silent = [_connect_silently(served.channel.path) for _ in range(MAX_CONNECTIONS_PER_UID)]
+    silent = [_connect_silently(served.channel.path)
+              for _ in range(MAX_WAITING_FD_CONNECTIONS_PER_UID)]
     try:
         for sock in evicted:
             sock.settimeout(5.0)

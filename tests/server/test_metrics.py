@@ -11,11 +11,10 @@ from lmcache_mp.errors import BadRequest
 from lmcache_mp.server.observe.exporter import OTHER, TenantLabels
 
 from ..redis_servers import redis_server
-from ..utils import free_port, lines_run, run_server
+from ..utils import free_port, lines_run, run_server, wait_for
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
 from .http_probe import get, samples, scrape, value
 from .l2.test_failures import l2_keys
-from .l2.test_shared_tier import wait_for
 
 CHUNK = 512 * 1024  # a W2 chunk
 

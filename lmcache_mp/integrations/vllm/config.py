@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+import typing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any
 
+import msgspec
 import torch
 
 from ...client.parallel import ParallelStrategy
@@ -19,6 +21,16 @@ logger = logging.getLogger(__name__)
 
 MIN_ENGINE_SECRET_CHARS = 16  # a shorter engine_secret could be guessed by other engines
 
+# The options' types: msgspec.convert checks a value against one, and a refusal quotes its
+# description.
+Text = Annotated[str, msgspec.Meta(description="a string")]
+OptionalText = Annotated[str | None, msgspec.Meta(description="a string")]
+Switch = Annotated[bool, msgspec.Meta(description="true or false")]
+PositiveNumber = Annotated[float, msgspec.Meta(gt=0, description="a positive number")]
+NumberOrZero = Annotated[float, msgspec.Meta(ge=0, description="a number, 0 or more")]
+PositiveInteger = Annotated[int, msgspec.Meta(gt=0, description="a positive integer")]
+IntegerOrZero = Annotated[int, msgspec.Meta(ge=0, description="an integer, 0 or more")]
+
 
 @dataclass(frozen=True)
 class ConnectorConfig:
@@ -26,71 +38,52 @@ class ConnectorConfig:
 
     # the server, as given to lmcache-mp-server --url; None: $LMCACHE_MP_URL, else this
     # user's ipc:// socket in the runtime directory (the server's default endpoint)
-    url: str | None = None
-    timeout: float = 5.0  # seconds a worker's registration or other call may take
-    lookup_timeout: float = 1.0  # seconds a new request may wait for its lookup: then a miss
+    url: OptionalText = None
+    timeout: PositiveNumber = 5.0  # seconds a worker's registration or other call may take
+    # seconds a new request may wait for its lookup: then a miss
+    lookup_timeout: PositiveNumber = 1.0
     # seconds the scheduler waits for a new request's LOOKUP reply within the step that
     # sent it, so that the request is admitted in that step (a LOOKUP takes ~0.2 ms);
     # 0: never wait (the request is tried again in the next step)
-    lookup_wait: float = 0.002
+    lookup_wait: NumberOrZero = 0.002
     # a load of at most this many bytes (per rank) is synchronous: vLLM schedules the
     # request in the step that looks it up, and each worker waits for the load before that
     # step's forward pass (at most load_timeout and a 1 s margin); a larger load is async
     # (the request waits for it outside the batch, and is scheduled a step after it
     # landed); 0: every load is async
-    sync_load_max_bytes: int = 16 * 1024 * 1024
+    sync_load_max_bytes: IntegerOrZero = 16 * 1024 * 1024
     # a sync load into a KV cache in CPU memory is written layer by layer, and each
     # attention layer of the forward pass waits only for its own layer (vLLM's
     # wait_for_layer_load), so that the pass starts once the first layer has landed;
     # false: the pass waits for the whole load (always so for a cache on a GPU)
-    load_by_layer: bool = True
+    load_by_layer: Switch = True
     # seconds the server may take to start a store's or load's copies; past it (and a
     # 1 s margin) the blocks are vLLM's again: a store is skipped, a load recomputed
-    load_timeout: float = 5.0
-    chunk_size: int = 256  # tokens per chunk: must equal the server's --chunk-size
-    model: str = ""  # the model's name in cache keys; "" takes vLLM's model (path or name)
+    load_timeout: PositiveNumber = 5.0
+    chunk_size: PositiveInteger = 256  # tokens per chunk: must equal the server's --chunk-size
+    model: Text = ""  # the model's name in cache keys; "" takes vLLM's model (path or name)
     # the secret this engine's scheduler and workers share on the server (holds, MLA
     # groups); "" derives one from vLLM's per-engine random values (engine_secret)
-    engine_secret: str = ""
+    engine_secret: Text = ""
     # store the KV of generated tokens too, each full chunk once computed, so that the next
     # turn of a conversation (prompt, answer, new message) loads the answer on any engine;
     # false: prompts only (answers that never come back as a prompt take no pool space)
-    store_generated: bool = True
+    store_generated: Switch = True
     # with vLLM's KV events on (--kv-events-config): chunks announced at most; past it the
     # oldest is withdrawn (BlockRemoved). Bounds the scheduler's memory (~1 KiB a chunk of
     # 16 blocks); a router then misses only chunks this engine announced long ago
-    kv_events_max_chunks: int = 8192
+    kv_events_max_chunks: PositiveInteger = 8192
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
         """Typed and checked options; an unknown key is an error (a typo would be silent)."""
         extra = dict(extra or {})
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(extra) - set(known))
+        types = typing.get_type_hints(cls, include_extras=True)
+        unknown = sorted(set(extra) - set(types))
         if unknown:
             raise ValueError(f"kv_connector_extra_config: unknown key(s) {unknown}; "
-                             f"known: {sorted(known)}")
-        values: dict[str, Any] = {}
-        for name, value in extra.items():
-            default = known[name].default
-            if default is None and value is None:  # an optional value, left unset
-                continue
-            kind: type = str if default is None else type(default)  # every field has a default
-            if kind is str:
-                ok, expected = isinstance(value, str), "a string"
-            elif kind is bool:
-                ok, expected = isinstance(value, bool), "true or false"
-            else:
-                zero_ok = name in _MAY_BE_ZERO
-                ok = (isinstance(value, (int, float) if kind is float else int)
-                      and not isinstance(value, bool) and (value > 0 or zero_ok and value == 0))
-                expected = (("a number, 0 or more" if zero_ok else "a positive number")
-                            if kind is float else
-                            "an integer, 0 or more" if zero_ok else "a positive integer")
-            if not ok:
-                raise ValueError(f"kv_connector_extra_config[{name!r}]: expected {expected}, "
-                                 f"got {value!r}")
-            values[name] = kind(value)
+                             f"known: {sorted(types)}")
+        values = {name: _checked(name, value, types[name]) for name, value in extra.items()}
         secret = values.get("engine_secret", "")
         if secret and len(secret) < MIN_ENGINE_SECRET_CHARS:
             raise ValueError(f"kv_connector_extra_config['engine_secret']: at least "
@@ -99,7 +92,15 @@ class ConnectorConfig:
         return cls(**values)
 
 
-_MAY_BE_ZERO = frozenset({"lookup_wait", "sync_load_max_bytes"})
+def _checked(name: str, value: Any, option_type: Any) -> Any:
+    """`value` as the option's type (an int for a number is made a float), or ValueError
+    quoting what the type expects."""
+    try:
+        return msgspec.convert(value, option_type)
+    except msgspec.ValidationError:
+        expected = option_type.__metadata__[0].description
+        raise ValueError(f"kv_connector_extra_config[{name!r}]: expected {expected}, "
+                         f"got {value!r}") from None
 
 
 @dataclass(frozen=True)

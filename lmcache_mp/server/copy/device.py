@@ -1,6 +1,6 @@
 """The device layer under GPU copies: streams, events and their completion, behind one interface.
 
-CudaDevice runs on torch.cuda. The copy code (server/streams.py) only ever talks to a
+CudaDevice runs on torch.cuda. The copy code (server/copy/streams.py) only ever talks to a
 Device, so tests drive the same state machine on the CPU with a fake whose events
 complete when the test says so.
 """

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..cache.pool import ALIGNMENT  # data-file offsets are multiples of it (O_DIRECT)
 from ..private_dir import PrivateDir
 
 logger = logging.getLogger("lmcache_mp.server.disk")
@@ -48,7 +49,6 @@ KIND_CHUNK = 1
 SECRET_BYTES = 32
 SALT_DIGEST_BYTES = 8
 MAX_SALT_NAME = 256
-ALIGNMENT = 4096  # data-file offsets are multiples of it (O_DIRECT)
 
 _RECORD = np.dtype([
     ("magic", "S4"), ("version", "<u2"), ("kind", "<u2"), ("key", "<u8", (2,)),

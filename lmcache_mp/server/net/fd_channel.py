@@ -13,10 +13,10 @@ huge-page memfd whose pool is empty is a SIGBUS in whoever touches it next. A re
 names the session it is for by the binding HELLO gave that session (lmcache_mp.fdpass):
 its tickets then serve only that session's engine and the uid that sent the descriptors.
 
-Every uid gets its share: a uid may have at most MAX_CONNECTIONS_PER_UID connections
-waiting for their request (its oldest goes when it opens another), a full channel drops
-the oldest waiting connection of the uid that has the most, so a newcomer is never turned
-away, and tickets and watches are capped per uid as well as in all.
+Every uid gets its share: a uid may have at most MAX_WAITING_FD_CONNECTIONS_PER_UID
+connections waiting for their request (its oldest goes when it opens another), a full
+channel drops the oldest waiting connection of the uid that has the most, so a newcomer is
+never turned away, and tickets and watches are capped per uid as well as in all.
 
 A connection may instead ask for a watch and stay open: the registry watch()es it, and is
 told when the worker at the other end hangs up (the kernel closes it when the process
@@ -50,10 +50,13 @@ import msgpack
 from ...errors import ServerCondition
 from ...protocol import (
     BINDING_BYTES,
+    FD_REQUEST_TIMEOUT_MS,
     MAX_FDS_PER_MESSAGE,
     MAX_PENDING_TICKETS,
     MAX_PENDING_TICKETS_PER_UID,
     MAX_REGISTRATIONS,
+    MAX_WAITING_FD_CONNECTIONS,
+    MAX_WAITING_FD_CONNECTIONS_PER_UID,
     MAX_WATCHES_PER_UID,
     TICKET_BYTES,
     TICKET_TTL_S,
@@ -69,11 +72,6 @@ F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # Linux 5.1; 
 # The server writes retrieved blocks into the segment, so it must stay writable.
 _WRITE_SEALS = fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE
 
-# A worker sends its request right after connect(), usually before the server accepts:
-# a connection still silent after this is not a worker's.
-REQUEST_TIMEOUT_S = 0.5
-MAX_CONNECTIONS = 64  # waiting for their request at once; a newcomer drops the oldest
-MAX_CONNECTIONS_PER_UID = 16  # of them from one uid; its newcomer drops its own oldest
 _ACCEPTS_PER_WAKE = 16  # a flood of connections is drained in turn with other work
 _REQUEST_BYTES = 64  # room for a request's data; a longer message arrives with MSG_TRUNC
 _ACCEPT_RETRY_S = 0.1  # pause after accept() ran out of descriptors
@@ -130,7 +128,7 @@ class FdChannel:
     def __init__(self, path: str, mode: int = 0o600, gid: int | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  bindings: Callable[[bytes], Session | None] = lambda binding: None,
-                 request_timeout: float = REQUEST_TIMEOUT_S):
+                 request_timeout: float = FD_REQUEST_TIMEOUT_MS / 1000):
         """`bindings(binding)`: the session HELLO gave that fd binding to, or None
         (access.Sessions.bound);
         `request_timeout`: how long a connection may wait before it sends its request."""
@@ -167,7 +165,7 @@ class FdChannel:
             os.chmod(self.path, self._mode)
             if self._gid is not None:
                 os.chown(self.path, -1, self._gid)
-            listener.listen(MAX_CONNECTIONS)
+            listener.listen(MAX_WAITING_FD_CONNECTIONS)
         except BaseException:
             listener.close()
             self._unlink_own_socket()
@@ -287,14 +285,15 @@ class FdChannel:
             self._make_room(uid)
 
     def _make_room(self, uid: int) -> None:
-        """A connection of `uid` waits for its request now: past MAX_CONNECTIONS_PER_UID,
-        drop that uid's oldest waiting one; past MAX_CONNECTIONS, the oldest of the uid
-        that has the most. A newcomer is never refused, and a uid that floods the channel
-        makes none of another uid's connections give way."""
+        """A connection of `uid` waits for its request now: past
+        MAX_WAITING_FD_CONNECTIONS_PER_UID, drop that uid's oldest waiting one; past
+        MAX_WAITING_FD_CONNECTIONS, the oldest of the uid that has the most. A newcomer is
+        never refused, and a uid that floods the channel makes none of another uid's
+        connections give way."""
         mine = self._waiting[uid]
-        if len(mine) > MAX_CONNECTIONS_PER_UID:
+        if len(mine) > MAX_WAITING_FD_CONNECTIONS_PER_UID:
             crowd = mine
-        elif len(self._connections) > MAX_CONNECTIONS:
+        elif len(self._connections) > MAX_WAITING_FD_CONNECTIONS:
             crowd = max(self._waiting.values(), key=len)
         else:
             return

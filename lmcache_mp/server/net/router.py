@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from ... import phases, protocol
+from ... import phases, protocol, runtime
 from ...errors import InternalError, ServerError, ShuttingDown
 from ...zmq_io import readable, recv_message, send_frames
 from ..config import Config
@@ -87,10 +87,9 @@ class Router:
             self._socket.bind(config.bind_url)
         finally:
             os.umask(umask)
-        path_socket = (config.bind_url.startswith("ipc://")
-                       and not config.bind_url.startswith("ipc://@"))
-        if path_socket and config.socket_gid is not None:
-            os.chown(config.bind_url.removeprefix("ipc://"), -1, config.socket_gid)
+        socket_path = runtime.ipc_socket_path(config.bind_url)
+        if socket_path is not None and config.socket_gid is not None:
+            os.chown(socket_path, -1, config.socket_gid)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         loop.add_reader(self._socket.FD, self._read_socket)

@@ -4,7 +4,7 @@ With --pool-segment NAME the pool is the file NAME in /dev/shm/lmcache-mp-EUID, 
 directory only the server's user controls (server/private_dir.py), mapped shared. A
 server that stops on SIGTERM or SIGINT writes NAME.snapshot there once every copy has
 finished: per committed chunk its key, offset, geometry, parent, recency and CRC-32, in
-the format of server/snapshot.py, signed with the snapshot key kept in the runtime
+the format of server/warm/snapshot.py, signed with the snapshot key kept in the runtime
 directory. The next server with the same name reads the snapshot and deletes it at once
 (a crash from then on leaves none); if its signature, format, pool size and chunk size
 are right, it adopts every chunk whose bytes still match their checksum, where it lies,

@@ -12,7 +12,7 @@ import torch
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
 
 from ...redis_servers import redis_server
-from ...utils import run_server
+from ...utils import run_server, wait_for
 from ...workers import (
     MODEL,
     Job,
@@ -23,7 +23,7 @@ from ...workers import (
     retrieve_worker,
     run,
 )
-from .test_shared_tier import L2_FLAGS, NUM_BLOCKS, store_through, wait_for, written
+from .test_shared_tier import L2_FLAGS, NUM_BLOCKS, store_through, written
 
 
 @contextlib.contextmanager
