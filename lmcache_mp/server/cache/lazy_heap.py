@@ -37,13 +37,12 @@ class LazyHeap(Generic[K]):
         earlier = self.live.get(key)
         self.live[key] = priority
         if earlier is None or priority < earlier:  # a greater one keeps the entry it has
-            self.push(priority, key)
+            self._push(priority, key)
 
     def discard(self, key: K) -> None:
         self.live.pop(key, None)
 
-    def push(self, priority: int, key: K) -> None:
-        """An entry for `key`, whose priority the caller has written in `live`."""
+    def _push(self, priority: int, key: K) -> None:
         heapq.heappush(self.heap, (priority, next(self.entries), key))
         if len(self.heap) > 2 * len(self.live) + 32:
             self.heap = [(when, next(self.entries), each) for each, when in self.live.items()]
