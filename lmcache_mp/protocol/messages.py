@@ -462,6 +462,9 @@ class StatsReply:
     disk_loaded: bool = False
     disk_loaded_chunks: int = 0
     disk_index_bytes: int = 0
+    disk_salts: int = 0
+    disk_salts_reclaimed: int = 0
+    disk_salts_examined: int = 0
     disk_read_time: Histogram | None = None
 
 

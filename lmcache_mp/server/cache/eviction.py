@@ -7,43 +7,23 @@ import itertools
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
+from .lazy_heap import LazyHeap
+
 K = TypeVar("K", bound=Hashable)  # a policy's keys: the store's are ChunkKeys
 
 
-class _Order(Generic[K]):
-    """One tenant's keys by stamp: a heap in which each key has an entry no later than its
-    stamp. Re-stamping a key later (a hit, the common change) writes its stamp only; the
-    heap catches up when the stale entry comes up. Entries of removed keys are dropped
-    then, or once they outnumber the live keys."""
+class _Order(LazyHeap[K]):
+    """One tenant's keys by stamp: re-stamping a key later (a hit, the common change) writes
+    its stamp only (LazyHeap)."""
 
-    __slots__ = ("heap", "live", "entries", "mark", "floor")
+    __slots__ = ("mark", "floor")
 
     def __init__(self) -> None:
-        self.heap: list[tuple[int, int, K]] = []  # (stamp, entry number, key)
-        self.live: dict[K, int] = {}  # key -> its stamp
-        self.entries = itertools.count()  # ties go by entry, never to comparing keys
+        super().__init__()
         # The tenant's one current entry among all tenants' (TenantLRUPolicy._tenants):
         # its number, and its stamp, never later than the tenant's oldest key's.
         self.mark = -1
         self.floor = 0
-
-    def push(self, stamp: int, key: K) -> None:
-        heapq.heappush(self.heap, (stamp, next(self.entries), key))
-        if len(self.heap) > 2 * len(self.live) + 32:
-            self.heap = [(when, next(self.entries), each) for each, when in self.live.items()]
-            heapq.heapify(self.heap)
-
-    def first(self) -> tuple[int, K]:
-        heap, live = self.heap, self.live
-        while True:
-            stamp, entry, key = heap[0]
-            current = live.get(key)
-            if current == stamp:
-                return stamp, key
-            if current is None or current < stamp:  # removed, or a key's surplus entry
-                heapq.heappop(heap)
-            else:  # re-stamped later since this entry went in: it moves to its place now
-                heapq.heapreplace(heap, (current, entry, key))
 
 
 class TenantLRUPolicy(Generic[K]):
@@ -78,12 +58,9 @@ class TenantLRUPolicy(Generic[K]):
         order = self._orders.get(tenant)
         if order is None:
             order = self._orders[tenant] = _Order()
-        earlier = order.live.get(key)
-        order.live[key] = stamp
-        if earlier is None or stamp < earlier:  # a later stamp keeps the entry it has
-            order.push(stamp, key)
-            if order.mark < 0 or stamp < order.floor:
-                self._mark(tenant, order, stamp)
+        order.set(key, stamp)
+        if order.mark < 0 or stamp < order.floor:  # the floor is never later than any stamp
+            self._mark(tenant, order, stamp)
 
     def _mark(self, tenant: str, order: _Order[K], stamp: int) -> None:
         """A new current entry for the tenant, at `stamp`: its earlier ones go stale."""
@@ -116,7 +93,9 @@ class TenantLRUPolicy(Generic[K]):
             if order is None or order.mark != mark:  # gone, or a floor it since lowered
                 heapq.heappop(heap)
                 continue
-            stamp, key = order.first()
+            found = order.first()
+            assert found is not None  # a tenant listed has keys
+            stamp, key = found
             if stamp != floor:  # its oldest key went or was used since: catch up
                 order.floor = stamp
                 heapq.heapreplace(heap, (stamp, mark, tenant))

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .frozen import KEY_COLUMN, LIVE_COLUMNS, FrozenIndex, chain_order
 from .journal import Replayed
 
 MAX_SALTS = 1 << 16  # salt ids are uint16
@@ -33,9 +34,8 @@ ALIGNMENT = 4096  # offsets are stored in these units, and chunks take whole one
 _KEY = struct.Struct("<QQ")
 _MIX = 0x9E3779B97F4A7C15  # odd: multiplying by it mod 2**64 permutes, and mixes high bits
 _M64 = (1 << 64) - 1
-_KEY_COLUMN = "keys"  # (capacity, 2) uint64: a key's halves side by side, one cache line
 _COLUMNS = {
-    _KEY_COLUMN: np.uint64,
+    KEY_COLUMN: np.uint64,
     "parent": np.int32,  # record id of the chunk before it, -1 for none
     "children": np.int32,  # records whose parent it is
     "salt": np.uint16,
@@ -92,7 +92,7 @@ class DiskIndex:
         # .data is a memoryview: indexing it gives a Python int, at a fraction of the cost
         # of a numpy scalar. Rebuilt whenever an array is replaced.
         a = self._arrays
-        self._keys = a[_KEY_COLUMN].reshape(-1).data  # a record's halves at 2 rid, 2 rid + 1
+        self._keys = a[KEY_COLUMN].reshape(-1).data  # a record's halves at 2 rid, 2 rid + 1
         self._parent, self._children = a["parent"].data, a["children"].data
         self._salt, self._offset = a["salt"].data, a["offset"].data
         self._nbytes, self._crc = a["nbytes"].data, a["crc"].data
@@ -380,13 +380,13 @@ class DiskIndex:
         table = self._table_array if len(self._table_array) == size else \
             np.empty(size, np.int32)
         table.fill(-1)
-        _fill(table, self._homes(self._arrays[_KEY_COLUMN][rids, 0], size), rids)
+        _fill(table, self._homes(self._arrays[KEY_COLUMN][rids, 0], size), rids)
         self._table_array = table
         self._views()
 
     def _find_many(self, wanted: np.ndarray) -> np.ndarray:
         """find() for an (n, 2) array of keys, probing all of them a step at a time."""
-        table, keys = self._table_array, self._arrays[_KEY_COLUMN]
+        table, keys = self._table_array, self._arrays[KEY_COLUMN]
         firsts, seconds = keys[:, 0], keys[:, 1]
         found = np.full(len(wanted), -1, np.int64)
         active = np.arange(len(wanted))
@@ -426,7 +426,7 @@ class DiskIndex:
             capacity *= 2
         self._reset(capacity)
         a = self._arrays
-        a[_KEY_COLUMN][:n] = replayed.keys
+        a[KEY_COLUMN][:n] = replayed.keys
         a["salt"][:n] = salt_ids
         a["offset"][:n] = offsets // ALIGNMENT
         a["nbytes"][:n], a["crc"][:n] = nbytes, replayed.crcs
@@ -476,7 +476,7 @@ class DiskIndex:
         the ordering live() does (pointer jumping over millions of records) can run on
         another thread while the index goes on changing."""
         used = self._used
-        return FrozenIndex({name: self._arrays[name][:used].copy() for name in _LIVE_COLUMNS},
+        return FrozenIndex({name: self._arrays[name][:used].copy() for name in LIVE_COLUMNS},
                            used)
 
     def live(self, salt_digests: np.ndarray) -> Replayed:
@@ -504,7 +504,7 @@ class DiskIndex:
         assert np.all(a["holds"][:used][live] >= 0)
 
         evictable = np.flatnonzero(self._evictable())
-        order, to_end = _chain_order(a["next"], evictable, self._used)
+        order, to_end = chain_order(a["next"], evictable, self._used)
         assert np.array_equal(np.sort(to_end), np.arange(len(evictable))), \
             "the evictable list is not one chain"
         assert self._head == (order[0] if len(order) else -1)
@@ -528,13 +528,13 @@ class DiskIndex:
         assert np.array_equal(heads, self._salt_head) and np.array_equal(tails, self._salt_tail)
 
         free = np.flatnonzero(~live)
-        chained, _ = _chain_order(a["next"], free, self._used)
+        chained, _ = chain_order(a["next"], free, self._used)
         assert self._free == (chained[0] if len(chained) else -1), "the free list"
 
         table = self._table_array
         assert np.count_nonzero(table >= 0) == self._count
         assert np.all(live[table[table >= 0]]), "the table names a removed record"
-        found = self._find_many(a[_KEY_COLUMN][rids])
+        found = self._find_many(a[KEY_COLUMN][rids])
         assert np.array_equal(found, rids), "the table misses a record"
 
         extents = -(-a["nbytes"][rids].astype(np.int64) // ALIGNMENT) * ALIGNMENT
@@ -553,7 +553,7 @@ def _table_size(records: int) -> int:
 
 
 def _shape(name: str, capacity: int) -> tuple[int, ...]:
-    return (capacity, 2) if name == _KEY_COLUMN else (capacity,)
+    return (capacity, 2) if name == KEY_COLUMN else (capacity,)
 
 
 def _fill(table: np.ndarray, homes: np.ndarray, rids: np.ndarray) -> None:
@@ -572,58 +572,3 @@ def _fill(table: np.ndarray, homes: np.ndarray, rids: np.ndarray) -> None:
         placed[free] = table[tried[free]] == rids[waiting[free]]
         waiting = waiting[~placed]
         slots[waiting] = (slots[waiting] + 1) & mask
-
-
-_LIVE_COLUMNS = ("live", "holds", "children", "next", _KEY_COLUMN, "parent", "salt", "offset",
-                 "nbytes", "crc")
-
-
-class FrozenIndex:
-    """The columns of a DiskIndex at one moment (DiskIndex.frozen()), for any thread."""
-
-    def __init__(self, arrays: dict[str, np.ndarray], used: int):
-        self.arrays = arrays
-        self.used = used
-
-    def live(self, salt_digests: np.ndarray) -> Replayed:
-        """The records as journal rows (for Journal.rewrite), oldest first: the evictable
-        ones in their order, then the others; `salt_digests[salt id]`: the salt's digest
-        as a little-endian uint64 (journal.salt_digest's 8 bytes)."""
-        a = self.arrays
-        evictable = (a["live"] == 1) & (a["holds"] == 0) & (a["children"] == 0)
-        listed, _ = _chain_order(a["next"], np.flatnonzero(evictable), self.used)
-        others = np.flatnonzero((a["live"] == 1) & ~evictable)
-        rows = np.concatenate((listed, others))
-        keys = a[_KEY_COLUMN]
-        parents = a["parent"][rows]
-        parent_keys = np.take(keys, np.maximum(parents, 0), axis=0)
-        parent_keys[parents < 0] = 0  # none: the all-zero key
-        return Replayed(np.take(keys, rows, axis=0), parent_keys,
-                        np.asarray(salt_digests, np.uint64)[a["salt"][rows]],
-                        np.multiply(a["offset"][rows], ALIGNMENT, dtype=np.int64),
-                        a["nbytes"][rows].astype(np.int64), a["crc"][rows])
-
-
-def _chain_order(links: np.ndarray, members: np.ndarray, used: int
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """`members` in the order `links` chains them, first to last, and each one's distance
-    to the end of its chain, by pointer jumping: log2(n) numpy passes, not a walk in
-    Python; AssertionError if the links leave the members or go round. `used`: records
-    0..used-1 exist."""
-    m = len(members)
-    place = np.full(max(len(links), used), -1, np.int64)
-    place[members] = np.arange(m)
-    after = links[members].astype(np.int64)
-    assert np.all(after < used), "a link past the records"
-    successor = np.where(after >= 0, place[after], -1)
-    assert np.all((after < 0) | (successor >= 0)), "a link leaves the list"
-    to_end = (successor >= 0).astype(np.int64)
-    jump = successor
-    for _ in range(m.bit_length() + 1):
-        going = np.flatnonzero(jump >= 0)
-        if not len(going):
-            break
-        to_end[going] += to_end[jump[going]]
-        jump[going] = jump[jump[going]]
-    assert not np.any(jump >= 0), "the links go round"
-    return members[np.argsort(-to_end, kind="stable")], to_end

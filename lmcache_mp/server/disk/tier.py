@@ -167,7 +167,9 @@ class DiskTier:
         return self.reader.before_lookup(model, kv_world_size, items)
 
     def enforce_cap(self, cache_salt: str) -> int:
-        """Evict the salt's least recent chunks on disk until it is under its cap."""
+        """The salt's quota changed: evict its least recent chunks on disk until it is
+        under its cap."""
+        self.space.quota_changed(cache_salt)
         sid = self.space.salt_ids.get(cache_salt)
         cap = self.store.quotas.get(cache_salt).cap
         if sid is None or cap is None:
@@ -188,9 +190,9 @@ class DiskTier:
         CLEAR_SLICE_CHUNKS a call, counting them in `removed[0]`; it returns True
         when only chunks being read (and those leading to them) are left: a prompt's end
         goes before its start."""
-        sid = None if cache_salt is None else self.space.salt_ids.get(cache_salt)
-
         def step() -> bool:
+            # Looked up at each step: a salt left with nothing gives its id back.
+            sid = None if cache_salt is None else self.space.salt_ids.get(cache_salt)
             if cache_salt is not None and sid is None:
                 return True
             index = self.space.index
@@ -205,10 +207,7 @@ class DiskTier:
 
     def usage(self, cache_salt: str) -> tuple[int, int]:
         """The salt's bytes and chunks on disk."""
-        sid = self.space.salt_ids.get(cache_salt)
-        if sid is None:
-            return 0, 0
-        return self.space.index.salt_bytes(sid), self.space.index.salt_chunks(sid)
+        return self.space.usage(cache_salt)
 
     def snapshot(self) -> DiskCounters:
         return self.space.snapshot()

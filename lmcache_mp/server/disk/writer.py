@@ -196,14 +196,12 @@ class DiskWriter:
                 left.append(queued)
                 continue
             salt = queued.chunk.key.cache_salt
-            sid = space.salt_id(salt)
-            offset = None if sid is None else \
-                space.allocate(queued.chunk.nbytes, sid, self.quotas.get(salt).cap)
-            if sid is None or offset is None:
+            extent = space.allocate(salt, queued.chunk.nbytes, self.quotas.get(salt).cap)
+            if extent is None:
                 counters.dropped += 1
                 left.append(queued)
                 continue
-            placed.append(_Placed(queued, sid, offset))
+            placed.append(_Placed(queued, *extent))
         return placed, left
 
     async def _write(self, batch: list[_Queued]) -> None:
