@@ -26,11 +26,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..cache.pool import ALIGNMENT
 from .frozen import KEY_COLUMN, LIVE_COLUMNS, FrozenIndex, chain_order
 from .journal import Replayed
 
 MAX_SALTS = 1 << 16  # salt ids are uint16
-ALIGNMENT = 4096  # offsets are stored in these units, and chunks take whole ones
 _KEY = struct.Struct("<QQ")
 _MIX = 0x9E3779B97F4A7C15  # odd: multiplying by it mod 2**64 permutes, and mixes high bits
 _M64 = (1 << 64) - 1
