@@ -366,7 +366,7 @@ def process_gpu_mib(pid: int) -> int | str:
     return sum(used) if used else "unavailable (process not listed)"
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=48, help="chunks per phase")
     parser.add_argument("--repeats", type=int, default=MIN_REPEATS,
@@ -383,7 +383,11 @@ def main() -> int:
                              "refused)")
     parser.add_argument("--timeout", type=float, default=150.0,
                         help="seconds the workers have for all their phases")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     if not args.cpu and not torch.cuda.is_available():
         print("no CUDA device: nothing to measure (--cpu runs the clients on memfd caches)",
               file=sys.stderr)
