@@ -62,15 +62,15 @@ def positive_float(text: str) -> float:
 
 @dataclass(frozen=True)
 class Flag:
-    """How a field is given on the command line: argparse's keyword arguments, the flag's
-    name when it is not --field-name, the mutually exclusive group it belongs to, and for
-    a boolean that has both, the --no- flag and its help."""
+    """How a field is given on the command line: its help, the flag's name when it is not
+    --field-name, the mutually exclusive group it belongs to, for a boolean that has both
+    the --no- flag and its help, and the rest of add_argument's keyword arguments."""
 
     help: str
     name: str | None = None
     group: str | None = None
     off: tuple[str, str] | None = None
-    argparse: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def flag(default: Any, help: str, *, name: str | None = None, group: str | None = None,
@@ -218,7 +218,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
             target = groups[spec.group]
         name = spec.name or "--" + option.name.replace("_", "-")
         target.add_argument(name, dest=option.name, default=option.default, help=spec.help,
-                            **spec.argparse)
+                            **spec.kwargs)
         if spec.off is not None:
             target.add_argument(spec.off[0], dest=option.name, action="store_false",
                                 help=spec.off[1])
