@@ -12,7 +12,7 @@ beside the wall time of each phase stands the server's own copy time (STATS copy
 and the pool's pinned_bytes. Target: W1 at 85% of the raw bandwidth or more.
 
     PYTHONPATH=. python3 benchmarks/gpu_bench.py [--chunks 48] [--repeats 5]
-    PYTHONPATH=. python3 benchmarks/gpu_bench.py --cpu --chunks 2 --layers 2 --repeats 1
+    PYTHONPATH=. python3 benchmarks/gpu_bench.py --cpu --chunks 48 --layers 2 --repeats 2
 
 --cpu runs the same clients on sealed-memfd caches against a server without CUDA (no raw
 bound, no target): CI runs the benchmark's logic that way (tests/test_gpu_scripts.py).
@@ -191,12 +191,15 @@ def slots(chunk_slots: range) -> list[int]:
 
 def timed_batches(client: CacheClient, request_type: type, instance_id: int,
                   hashes: list[bytes], block_ids: list[int], tag: str) -> tuple[float, list]:
-    """Send every batch at once; the wall time until the last reply, and the replies."""
+    """Send every batch at once; the wall time until the last reply, and the replies.
+    Each batch names the blocks of its own chunks: the first PER_CHUNK ids of `block_ids`
+    a chunk, in order, however many chunks `hashes` holds (the warm-up's two, or a phase's)."""
     futures = []
     start = time.perf_counter()
     for b in range(0, len(hashes), BATCH):
-        item = TransferItem.build(f"{tag}-{b}", hashes[b:b + BATCH],
-                                  block_ids[b * PER_CHUNK:(b + BATCH) * PER_CHUNK])
+        batch = hashes[b:b + BATCH]
+        item = TransferItem.build(f"{tag}-{b}", batch,
+                                  block_ids[b * PER_CHUNK:(b + len(batch)) * PER_CHUNK])
         futures.append(client.rpc.submit(request_type(instance_id, [item]), timeout=120))
     replies = [f.result(timeout=120) for f in futures]
     return time.perf_counter() - start, replies
@@ -363,7 +366,7 @@ def process_gpu_mib(pid: int) -> int | str:
     return sum(used) if used else "unavailable (process not listed)"
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=48, help="chunks per phase")
     parser.add_argument("--repeats", type=int, default=MIN_REPEATS,
@@ -380,7 +383,11 @@ def main() -> int:
                              "refused)")
     parser.add_argument("--timeout", type=float, default=150.0,
                         help="seconds the workers have for all their phases")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     if not args.cpu and not torch.cuda.is_available():
         print("no CUDA device: nothing to measure (--cpu runs the clients on memfd caches)",
               file=sys.stderr)

@@ -6,7 +6,8 @@ client logic has never run would cost that chance. Here: the script parses, ever
 of it that can hang runs under `timeout`, its budget fits one 7-minute call, it says to give
 the machine back; it stops at the imports without CUDA with a summary; gpu_smoke.py says
 in one line that there is no CUDA; gpu_bench.py --cpu runs its whole client logic (both
-workloads, the MLA follower, the repeats, the JSON) on sealed-memfd caches.
+workloads, the MLA follower, the repeats, the JSON) on sealed-memfd caches, at the chunk
+count and repeats gpu_check.sh gives it.
 """
 
 from __future__ import annotations
@@ -90,20 +91,48 @@ def test_the_smoke_test_says_in_one_line_that_there_is_no_cuda():
     assert done.stderr.count("\n") == 1
 
 
-def test_the_benchmark_runs_its_clients_on_memfd_caches(tmp_path):
-    """Both workloads, the W3 follower's loads, two repeats; bytes compared on both sides."""
+def gpu_check_bench_sizes() -> tuple[int, int]:
+    """The --chunks and --repeats gpu_check.sh runs gpu_bench.py with on a GPU."""
+    found = re.search(r"gpu_bench\.py --chunks (\d+) --repeats (\d+)", CHECK.read_text())
+    assert found, "gpu_check.sh no longer runs gpu_bench.py --chunks N --repeats N"
+    return int(found.group(1)), int(found.group(2))
+
+
+@pytest.mark.timeout(360)
+def test_the_benchmark_runs_its_clients_on_memfd_caches_at_the_gpu_checks_sizes(tmp_path):
+    """Both workloads, the W3 follower's loads, every repeat; bytes compared on both sides;
+    at the chunk count and repeats gpu_check.sh runs on a GPU (two layers a cache instead of
+    32, so that it fits a CPU test): the warm-up and every batch of a phase go through the
+    same client logic a GPU run's do, so a first GPU run cannot lose its figures to it."""
+    chunks, repeats = gpu_check_bench_sizes()
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), "--cpu", "--chunks", "2",
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), "--cpu", "--chunks",
+         str(chunks), "--layers", "2", "--repeats", str(repeats), "--timeout", "300"],
+        capture_output=True, text=True, timeout=330, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OUT": str(tmp_path)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads((tmp_path / "gpu_bench.json").read_text())
+    w1, w3 = data["results"]
+    assert data["cpu"] and data["measured"] == (repeats >= 5)
+    assert w1["bytes_match"] and w3["bytes_match"] and w3["follower_bytes_match"]
+    assert [r["workload"] for r in (w1, w3)] == ["W1", "W3"]
+    assert all(r["chunks"] == chunks for r in (w1, w3))
+    assert all(len(r["store_wall_s"]) == len(r["retrieve_wall_s"]) == repeats
+               for r in (w1, w3))
+    assert w1["bytes_moved"] == repeats * chunks * w1["chunk_bytes"] and w1["raw"] is None
+    assert w1["chunk_bytes"] == 2 * 2 * 256 * 8 * 128 * 2  # K and V, 2 layers, float16
+    assert w1["server_store_copy_s"] > 0 and w1["server_retrieve_copy_s"] > 0
+    assert "--cpu: memfd caches, no GPU" in done.stdout
+
+
+def test_a_few_repeats_are_reported_as_samples(tmp_path):
+    """Under five repeats and 10 GB the figures are called samples, not measurements."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), "--cpu", "--chunks", "3",
          "--layers", "2", "--repeats", "2", "--timeout", "60"],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "OUT": str(tmp_path)})
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads((tmp_path / "gpu_bench.json").read_text())
-    w1, w3 = data["results"]
-    assert data["cpu"] and not data["measured"]  # two repeats of a few MiB: samples only
-    assert w1["bytes_match"] and w3["bytes_match"] and w3["follower_bytes_match"]
-    assert [r["workload"] for r in (w1, w3)] == ["W1", "W3"]
-    assert all(len(r["store_wall_s"]) == len(r["retrieve_wall_s"]) == 2 for r in (w1, w3))
-    assert w1["bytes_moved"] == 2 * 2 * w1["chunk_bytes"] and w1["raw"] is None
-    assert w1["server_store_copy_s"] > 0 and w1["server_retrieve_copy_s"] > 0
+    assert not data["measured"] and all(r["bytes_match"] for r in data["results"])
     assert "samples, not measurements" in done.stdout

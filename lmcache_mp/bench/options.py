@@ -1,40 +1,335 @@
-"""What a run is asked for: the workloads and BenchOptions. Torch-free, like shapes.py, so
-that the CLI answers --help and refuses bad flags before importing what runs."""
+"""Every flag of `lmcache-mp-bench`, declared once: BenchOptions' fields carry their help, and
+the CLI derives its parser from them; `resolve` fills the per-workload defaults and refuses
+what does not go together. Torch-free, like shapes.py, so that the CLI answers --help and
+refuses bad flags before importing what runs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
 
-from .shapes import KVShape
+from ..runtime import default_url
+from ..server.l2.urls import check_url
+from ..sizes import parse_size
+from .harness.redis_peer import PeerUnavailable, check_redis_available
+from .shapes import SHAPES, KVShape
 
 UNIFORM = ("W1", "W2", "W3")
-WORKLOADS = (*UNIFORM, "chat", "multi-tenant")
+SIMULATED = (*UNIFORM, "chat", "multi-tenant")  # simulated engines: workloads/simulated.py
+WORKLOADS = (*SIMULATED, "engine", "warm-restart", "disk")
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """A workload's defaults for the flags left out (None: the flag has no default there)."""
+
+    requests: int | None
+    chunks: int | None
+    batch: int | None
+    shape: str | None
+
+
+DEFAULTS = {
+    "W1": Defaults(16, 4, 4, "W1"),
+    "W2": Defaults(128, 8, 8, "W2"),
+    "W3": Defaults(16, 4, 4, "W3"),
+    "chat": Defaults(240, None, 8, "W2"),
+    "multi-tenant": Defaults(None, 4, 4, "W2"),
+    "engine": Defaults(5, None, None, None),
+    "warm-restart": Defaults(None, None, None, "8KiB"),
+    "disk": Defaults(64, 32, 4, "W2"),
+}
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a field is given on the command line: its help, the flag's name when it is not
+    --field-name, the mutually exclusive group it belongs to, for a boolean that has both
+    the --no- flag and its help, and the rest of add_argument's keyword arguments."""
+
+    help: str
+    name: str | None = None
+    group: str | None = None
+    off: tuple[str, str] | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def flag(default: Any, help: str, *, name: str | None = None, group: str | None = None,
+         off: tuple[str, str] | None = None, **argparse_kwargs: Any) -> Any:
+    """A BenchOptions field that is a flag."""
+    return field(default=default, metadata={"flag": Flag(help, name, group, off,
+                                                         argparse_kwargs)})
+
+
+class FlagError(ValueError):
+    """Flags that do not go together, or a value refused: the CLI prints it with its usage
+    and exits 2."""
 
 
 @dataclass(frozen=True)
 class BenchOptions:
-    """Everything a run needs; the CLI fills it from flags and per-workload defaults."""
+    """Everything a run is asked for. A field left at its default takes the workload's
+    (DEFAULTS) in `resolve`; what runs gets resolved options."""
 
-    workload: str
-    shape: KVShape
-    url: str | None  # None: spawn a server of our own
-    workers: int  # engines, each with tp × pp rank processes
-    tp: int
-    pp: int
-    mla: bool
-    requests: int | None  # None with a duration
-    duration: float | None
-    batch: int  # requests each engine prefills per step
-    chunks: int  # chunks per prompt (uniform and multi-tenant)
-    seed: int
-    peer: str | None
-    cpu_size: str | None  # for a spawned server; None: sized for the workload
-    verify: bool
-    lookup_rounds: int
-    lookup_iters: int
-    lookup_seconds: float
-    timeout: float
-    progress: bool
-    profile: bool = False  # time each phase of a request in every process (phases.py)
-    disk_size: str | None = None  # chat: a disk tier of this size under the spawned server
-    disk_dir: str | None = None  # where it goes (a fresh directory inside); None: the temp dir
+    workload: str = flag("W1", "what the engines prefill (default W1)", choices=WORKLOADS)
+    spawn: bool = flag(
+        False, "start a server of our own on the ipc:// socket of a private runtime directory, "
+        "sized for the workload, and stop it at the end (the default)", group="where",
+        action="store_true")
+    url: str | None = flag(
+        None, "use a server already running at URL instead (without URL: the server's default "
+        "endpoint, $LMCACHE_MP_URL or the ipc:// socket in this user's runtime directory); "
+        "the run uses a model name and cache salts of its own and clears them at the end, so "
+        "it needs the admin token ($LMCACHE_MP_ADMIN_TOKEN, else the runtime directory's "
+        "admin.token) and, on tcp://, the engine token ($LMCACHE_MP_TOKEN, else the runtime "
+        "directory's token)", group="where", metavar="URL", nargs="?", const="")
+    workers: int = flag(1, "simulated engines, each with --tp × --pp rank processes (default 1)",
+                        type=positive_int, metavar="N")
+    tp: int = flag(1, "tensor-parallel ranks per engine (default 1)", type=positive_int)
+    pp: int = flag(1, "pipeline-parallel stages per engine (default 1)", type=positive_int)
+    mla: bool | None = flag(
+        None, "MLA: only each TP group's leader sends STORE and RETRIEVE and the server fills "
+        "the other ranks (default for W3; needs an MLA shape)", group="mla",
+        action="store_true",
+        off=("--no-mla", "with an MLA shape, let every rank send its own requests, as a "
+                         "connector unaware of MLA would"))
+    requests: int | None = flag(
+        None, "distinct prompts over all engines (W1/W2/W3: each is sent twice, to store and "
+        "to hit; default W1/W3 16, W2 128, chat 240; multi-tenant sizes itself from the pool)",
+        group="length", type=positive_int, metavar="N")
+    duration: float | None = flag(
+        None, "run for this long instead (split between multi-tenant's phases)",
+        group="length", type=positive_float, metavar="SECONDS")
+    batch: int = flag(0, "requests each engine prefills per step (default W1/W3 4, W2 8, chat 8, "
+                         "multi-tenant 4)", type=positive_int, metavar="N")
+    chunks: int = flag(0, "chunks per prompt, for W1/W2/W3 and multi-tenant (default 4, W2 8)",
+                       type=positive_int, metavar="N")
+    shape: str = flag("", "KV-cache shape for chat and multi-tenant (default W2)",
+                      choices=sorted(SHAPES))
+    peer: str | None = flag(
+        None, "also move the same chunks through a redis-server on loopback (started here; "
+        "redis-py with hiredis, pipelined) and report our GB/s over Redis's",
+        choices=("redis",))
+    cpu_size: str | None = flag(
+        None, "pool of a spawned server, e.g. 4GiB (default: what the workload stores, plus "
+        "slack; multi-tenant 64MiB)", metavar="SIZE")
+    seed: int = flag(0, "seed for prompts and block ids (default 0)", type=int)
+    json: Path | None = flag(
+        None, "also write every figure, per phase and per step, to this JSON file",
+        metavar="PATH", type=Path)
+    plot: Path | None = flag(
+        None, "also draw throughput per step and LOOKUP latency to this PNG (needs matplotlib: "
+        "pip install 'lmcache-mp[plot]')", metavar="PATH", type=Path)
+    verify: bool = flag(
+        True, "skip the byte-for-byte check of every loaded chunk (not timed either way)",
+        name="--no-verify", action="store_false")
+    lookup_rounds: int = flag(5, "interleaved LOOKUP/echo latency rounds (default 5)",
+                              type=positive_int)
+    lookup_iters: int = flag(
+        1000, "round trips per latency round and side, LOOKUP and echo in turn (default 1000: "
+        "p99.9 rests on 5 samples a side)", type=positive_int)
+    lookup_seconds: float = flag(
+        4.0, "seconds of batched LOOKUP throughput, half of it echo (default 4)",
+        type=positive_float)
+    timeout: float = flag(120.0, "seconds any one server reply or rank step may take "
+                                 "(default 120)", type=positive_float)
+    profile: bool = flag(
+        False, "also time each phase of a request in every process (client encode, server "
+        "decode, validation, index, copy submission, copy, completion, reply, client decode) "
+        "and print time per request per phase; the figures include the stamps' own small cost",
+        action="store_true")
+    progress: bool = flag(
+        True, "no progress bar (it is off anyway when stderr is not a terminal)",
+        name="--no-progress", action="store_false")
+    nodes: int = flag(
+        1, "chat only: spread the conversations over N spawned servers sharing one Redis as "
+        "L2 (--workers engines each) and report the hit rate across nodes against a node "
+        "alone's and an unbounded cache's, LOOKUP latency of a cross-node hit (L2 prefetch) "
+        "against an L1 hit, write-behind throughput against Redis's own pipelined SET, and "
+        "tokens loaded (default 1)", type=positive_int, metavar="N")
+    l2: str | None = flag(
+        None, "with --nodes: the Redis the nodes share (any URL the server's --l2 takes: "
+        "redis://host:port[/db], rediss://, redis+cluster://host:port,... or "
+        "rediss+cluster://; default: a redis-server started here on a free loopback port); "
+        "the run's chunks stay there for an hour (TTL)", metavar="URL")
+    restart_chunks: int = flag(
+        100_000, "warm-restart and disk: chunks the server holds when it is stopped "
+        "(warm-restart) or killed (disk) (rounded up to prompts of 64; default 100000; "
+        "warm-restart's targets are for 1000000, which needs a pool of 8 GiB of 8KiB chunks "
+        "in /dev/shm)", type=positive_int, metavar="N")
+    disk_dir: Path | None = flag(
+        None, "disk and chat --disk-size: where the spawned server's disk tier (and the raw "
+        "bound's files) go, in a fresh directory removed at the end (default: the system's "
+        "temporary directory; point it at the NVMe a server would use)", metavar="DIR",
+        type=Path)
+    disk_size: str | None = flag(
+        None, "chat only: give the spawned server a disk tier of SIZE (e.g. 4GiB: it should "
+        "hold the working set) under a pool of an eighth of the working set (or --cpu-size), "
+        "run the same conversations with that pool alone too, and report both hit rates "
+        "beside the unbounded cache's", metavar="SIZE")
+    adopt_restart: bool = flag(
+        False, "with --nodes: keep each node's pool in a shared-memory segment "
+        "(--pool-segment), SIGTERM the last node halfway through and start it again with "
+        "--adopt require; report its hit rate before and after", action="store_true")
+
+    @property
+    def kv_shape(self) -> KVShape:
+        """The KV-cache shape (resolved options name one)."""
+        return SHAPES[self.shape]
+
+    @property
+    def kv_world_size(self) -> int:
+        """Shards of an engine's KV cache, the client's rule (ParallelStrategy): an MLA cache
+        is one shard per PP stage, whoever sends (see harness.engine.Engine._strategy)."""
+        from ..client.parallel import ParallelStrategy
+
+        return ParallelStrategy(self.kv_shape.layout == "mla", self.tp * self.pp, 0, self.tp,
+                                self.pp).kv_world_size
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One argument (two for a boolean with an --no- flag) per BenchOptions field."""
+    groups: dict[str, Any] = {}
+    for option in fields(BenchOptions):
+        spec: Flag = option.metadata["flag"]
+        target: Any = parser
+        if spec.group is not None:
+            if spec.group not in groups:
+                groups[spec.group] = parser.add_mutually_exclusive_group()
+            target = groups[spec.group]
+        name = spec.name or "--" + option.name.replace("_", "-")
+        target.add_argument(name, dest=option.name, default=option.default, help=spec.help,
+                            **spec.kwargs)
+        if spec.off is not None:
+            target.add_argument(spec.off[0], dest=option.name, action="store_false",
+                                help=spec.off[1])
+
+
+def from_namespace(args: argparse.Namespace) -> BenchOptions:
+    return BenchOptions(**{option.name: getattr(args, option.name)
+                           for option in fields(BenchOptions)})
+
+
+def resolve(options: BenchOptions) -> BenchOptions:
+    """The workload's defaults filled in; FlagError for flags that do not go together."""
+    _check_standalone(options)
+    _check_nodes(options)
+    _check_disk(options)
+    _check_extras(options)
+    defaults = DEFAULTS[options.workload]
+    shape = options.shape or defaults.shape or "W2"
+    if options.workload in UNIFORM:
+        if options.shape and options.shape != options.workload:
+            raise FlagError(f"--shape: {options.workload} is its own shape")
+        shape = options.workload
+    layout = SHAPES[shape].layout
+    mla = layout == "mla" if options.mla is None else options.mla
+    if mla and layout != "mla":
+        raise FlagError(f"--mla needs an MLA shape (W3); {shape} is {layout.upper()}")
+    requests = options.requests or defaults.requests
+    if options.duration is not None and options.workload in SIMULATED:
+        requests = None
+    return dataclasses.replace(
+        options, shape=shape, mla=mla, requests=requests,
+        batch=options.batch or defaults.batch or 1,
+        chunks=options.chunks or defaults.chunks or 1,
+        url=default_url() if options.url == "" else options.url,
+        progress=options.progress and sys.stderr.isatty())
+
+
+def _check_standalone(options: BenchOptions) -> None:
+    if options.workload == "chat" and options.chunks:
+        raise FlagError("--chunks does not apply to chat: its prompts grow turn by turn")
+    if options.workload == "multi-tenant" and options.requests is not None:
+        raise FlagError("--requests does not apply to multi-tenant: it sizes itself from the "
+                        "pool")
+    if options.workload == "disk":
+        if options.disk_size is not None:
+            raise FlagError("--disk-size does not apply to --workload disk: it sizes its tier "
+                            "to hold every chunk")
+        _check_size("--cpu-size", options.cpu_size)
+
+
+def _check_nodes(options: BenchOptions) -> None:
+    """--nodes, --l2 and --adopt-restart against the rest of the command line."""
+    if options.nodes == 1:
+        if options.l2 is not None or options.adopt_restart:
+            raise FlagError("--l2 and --adopt-restart need --nodes 2 or more")
+        return
+    if options.workload != "chat":
+        raise FlagError("--nodes runs the chat workload: add --workload chat")
+    if (options.url is not None or options.peer is not None or options.profile
+            or options.plot is not None):
+        raise FlagError("--nodes spawns its own servers: --url, --peer, --profile and --plot "
+                        "do not apply")
+    if options.l2 is not None:
+        try:
+            check_url(options.l2)  # what the nodes' own --l2 takes
+        except ValueError as exc:
+            raise FlagError(str(exc)) from None
+    else:
+        _check_available(check_redis_available)
+
+
+def _check_disk(options: BenchOptions) -> None:
+    """--disk-size and --disk-dir against the rest of the command line (not --workload disk)."""
+    if options.workload == "disk":
+        return
+    if options.disk_size is None:
+        if options.disk_dir is not None:
+            raise FlagError("--disk-dir needs --disk-size (with --workload chat) or "
+                            "--workload disk")
+        return
+    if options.workload != "chat":
+        raise FlagError("--disk-size runs the chat workload: add --workload chat")
+    if options.url is not None or options.nodes > 1:
+        raise FlagError("--disk-size spawns its own server: --url and --nodes do not apply")
+    if options.duration is not None and options.cpu_size is None:
+        raise FlagError("--disk-size with --duration needs --cpu-size: the pool is an eighth "
+                        "of the working set of --requests")
+    _check_size("--disk-size", options.disk_size)
+
+
+def _check_extras(options: BenchOptions) -> None:
+    """What --plot and --peer need installed."""
+    if options.plot is not None and options.workload in SIMULATED:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise FlagError("--plot needs matplotlib: pip install 'lmcache-mp[plot]'") from None
+    if options.peer == "redis" and options.workload in SIMULATED:
+        _check_available(check_redis_available)
+
+
+def _check_size(name: str, size: str | None) -> None:
+    if size is not None:
+        try:
+            parse_size(size)
+        except ValueError as exc:
+            raise FlagError(f"{name}: {exc}") from None
+
+
+def _check_available(check: Callable[[], object]) -> None:
+    try:
+        check()
+    except PeerUnavailable as exc:
+        raise FlagError(str(exc)) from None

@@ -85,6 +85,17 @@ def test_w2_with_redis_json_and_plot(tmp_path):
     assert data["meta"]["redis_server"] and data["meta"]["options"]["workload"] == "W2"
 
 
+def test_w1_moves_its_32_mib_chunks_both_ways(tmp_path):
+    data = run_json(tmp_path, "--workload", "W1", "--requests", "2", "--chunks", "1",
+                    "--batch", "2")
+    (phase,) = data["phases"]
+    chunk = 32 * 2**20
+    assert phase["stored_bytes"] == phase["retrieved_bytes"] == 2 * chunk
+    assert data["checks"]["verified_chunks"] == 2 and data["checks"]["corrupt_chunks"] == 0
+    assert data["figures"]["hit_rate"] == {"measured": 0.5, "bound": 0.5, "ratio": 1.0}
+    assert data["meta"]["options"]["shape"] == "W1" and data["meta"]["options"]["mla"] is False
+
+
 def test_w3_tp2_mla_fills_both_ranks(tmp_path):
     data = run_json(tmp_path, "--workload", "W3", "--tp", "2", "--requests", "2",
                     "--chunks", "1", "--batch", "2")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_mp.bench import disk_bound
+from lmcache_mp.bench.harness import disk_bound
 
 from .test_cli import TINY, bench
 

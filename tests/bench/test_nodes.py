@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from tests.bench.test_cli import TINY, bench
-from tests.redis_servers import redis_server
+from tests.redis_servers import redis_cluster, redis_server
 
 pytestmark = [
     pytest.mark.slow,
@@ -82,12 +82,25 @@ def test_a_given_l2(tmp_path):
         assert not redis.client().keys("lmcache-mp-bench:*")
 
 
+def test_a_redis_cluster_as_l2(tmp_path):
+    """--l2 takes what the server's --l2 takes: a cluster, named by its seed nodes."""
+    with redis_cluster() as nodes:
+        url = "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in nodes)
+        data, _ = run_nodes(tmp_path, "--l2", url)
+        assert not data["l2_spawned"] and data["l2_url"] == url
+        assert data["cross_node_whole_hits"] > 0 and data["l2_chunks_written"] > 0
+        assert data["redis_set_chunks_per_s"] > 0
+        # The run's SET probe removed its keys, one by one across the cluster's slots.
+        for node in nodes:
+            assert not node.client().keys("lmcache-mp-bench:*")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--workload", "W2", "--nodes", "2"], "--workload chat"),
     (["--workload", "chat", "--l2", "redis://127.0.0.1:1"], "need --nodes 2"),
     (["--workload", "chat", "--adopt-restart"], "need --nodes 2"),
     (["--workload", "chat", "--nodes", "2", "--peer", "redis"], "do not apply"),
-    (["--workload", "chat", "--nodes", "2", "--l2", "http://x"], "redis:// or rediss://"),
+    (["--workload", "chat", "--nodes", "2", "--l2", "http://x"], "--l2 must start with one of"),
 ])
 def test_flag_errors(args, message):
     result = bench(*args, *TINY)

@@ -4,10 +4,10 @@ import math
 
 import pytest
 
-from lmcache_mp.bench.engine import RequestOutcome
-from lmcache_mp.bench.ranks import StepReport
-from lmcache_mp.bench.report import PhaseResult, span_seconds
-from lmcache_mp.bench.stats import Compared, Latency, percentile, rate, ratio
+from lmcache_mp.bench.harness.engine import RequestOutcome
+from lmcache_mp.bench.harness.ranks import StepReport
+from lmcache_mp.bench.harness.report import PhaseResult, span_seconds
+from lmcache_mp.bench.harness.stats import Compared, Latency, percentile, rate, ratio
 
 
 def test_percentile_is_nearest_rank():

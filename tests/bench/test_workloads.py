@@ -4,7 +4,8 @@ import itertools
 from collections import Counter
 
 from lmcache_mp.bench.shapes import SHAPES
-from lmcache_mp.bench.workloads import ChatWorkload, UniformWorkload
+from lmcache_mp.bench.workloads.chat import ChatWorkload
+from lmcache_mp.bench.workloads.uniform import UniformWorkload
 from lmcache_mp.client import chunk_hashes
 
 W2 = SHAPES["W2"]

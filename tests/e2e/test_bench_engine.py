@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from lmcache_mp.bench import vllm_ttft
 from lmcache_mp.bench.vllm_engine import TinyLlama
+from lmcache_mp.bench.workloads import engine as vllm_ttft
 
 from .conftest import CHUNK_SIZE
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from .report import Report
 
@@ -21,7 +22,16 @@ def draw(report: Report, path: Path) -> None:
     fig, ((steps_ax, bars_ax), (latency_ax, hist_ax)) = plt.subplots(2, 2, figsize=(13, 9))
     fig.suptitle(f"lmcache-mp-bench --workload {report.meta['options']['workload']}"
                  f" ({report.meta['shape']})", fontsize=10)
+    _steps(steps_ax, report)
+    _bars(bars_ax, report)
+    _latency(latency_ax, hist_ax, report)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
+
+def _steps(steps_ax: Any, report: Report) -> None:
+    """Throughput per step, each phase after the one before."""
     offset = 0.0
     for phase in report.phases:
         for label, attr, style in (("STORE", "store_gbps", "o-"),
@@ -40,6 +50,9 @@ def draw(report: Report, path: Path) -> None:
     steps_ax.set(title="Throughput per step", xlabel="seconds into the run", ylabel="GB/s")
     steps_ax.legend(fontsize=7)
 
+
+def _bars(bars_ax: Any, report: Report) -> None:
+    """Bandwidth over the run beside the copy bound (and Redis)."""
     f = report.figures
     names = ["copy bound", "STORE", "RETRIEVE"]
     values = [report.copy_bound_gbps, f.store.measured, f.retrieve.measured]
@@ -50,6 +63,9 @@ def draw(report: Report, path: Path) -> None:
                 color=["grey", "tab:blue", "tab:orange", "tab:red", "tab:purple"][:len(names)])
     bars_ax.set(title="Bandwidth over the run", ylabel="GB/s")
 
+
+def _latency(latency_ax: Any, hist_ax: Any, report: Report) -> None:
+    """LOOKUP round trips against the echo's: their CDF and a log-spaced histogram."""
     for label, samples in (("LOOKUP", report.lookup_samples_us),
                            ("raw pyzmq echo", report.echo_samples_us)):
         ordered = sorted(_finite(samples))
@@ -70,7 +86,3 @@ def draw(report: Report, path: Path) -> None:
         hist_ax.legend(fontsize=8)
     hist_ax.set(title="Round-trip latency (histogram)", xlabel="µs", ylabel="round trips",
                 xscale="log", yscale="log")
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

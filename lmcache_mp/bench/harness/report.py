@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..sizes import format_size
+from ...protocol import StatsReply
+from ...sizes import format_size
 from .engine import RequestOutcome
 from .ranks import Span, StepReport
 from .stats import GB, Compared, Latency, rate, ratio
@@ -188,6 +189,13 @@ class DiskTierFigures:
     disk_evictions: int
     pool_only_hit_rate: float = math.nan  # the same requests, the same pool, no disk tier
 
+    @classmethod
+    def of(cls, stats: StatsReply) -> DiskTierFigures:
+        """The disk tier's figures in STATS (its pool share is the caller's to fill)."""
+        return cls(stats.disk_capacity_bytes, math.nan, stats.disk_chunks_written,
+                   stats.evictions, stats.disk_hits, stats.disk_dropped,
+                   stats.disk_prefetch_timeouts, stats.disk_evictions)
+
     @property
     def written_per_eviction(self) -> float:
         return ratio(self.chunks_written, self.pool_evictions)
@@ -251,14 +259,14 @@ def render_profile(profile: dict[str, list[int]]) -> str:
     return "\n".join(lines)
 
 
-def _finite(value: object) -> object:
+def json_safe(value: object) -> object:
     """JSON has no NaN: a figure that could not be measured is null."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
+        return {key: json_safe(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [_finite(item) for item in value]
+        return [json_safe(item) for item in value]
     return value
 
 
@@ -269,7 +277,7 @@ def to_json(report: Report) -> str:
                      hit_rate=result.hit_rate)
         for name, tenant in result.tenants.items():
             phase["tenants"][name]["hit_rate"] = tenant.hit_rate
-    return json.dumps(_finite(data), indent=2)
+    return json.dumps(json_safe(data), indent=2)
 
 
 def _gbps(value: float) -> str:

@@ -10,15 +10,15 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from .. import phases
-from ..client import (
+from ... import phases
+from ...client import (
     CacheClient,
     ParallelStrategy,
     SharedKVCache,
     TransferItem,
     WorkerAdapter,
 )
-from .shapes import KVShape
+from ..shapes import KVShape
 
 POLL_S = 0.0005  # how often a rank polls get_finished, as a connector does between steps
 

@@ -15,17 +15,19 @@ with the same pool alone.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from ..client import CacheClient, chunk_hashes
-from ..protocol import StatsReply
-from ..sizes import parse_size
-from .options import BenchOptions
-from .report import DiskTierFigures, Report
-from .shapes import MiB
-from .workloads import ChatWorkload
+import torch
+
+from ...client import chunk_hashes
+from ...sizes import parse_size
+from ..harness import output
+from ..harness.report import Report
+from ..options import BenchOptions
+from ..shapes import MiB
+from .chat import ChatWorkload
+from .simulated import finish, run
 
 POOL_SHARE = 1 / 8
 STEP_SLACK = 1.5  # the pool holds at least this many of the largest step's chunks
@@ -35,10 +37,9 @@ def working_set(options: BenchOptions) -> tuple[int, int]:
     """Bytes of the distinct chunks of every prompt, and of the largest step's prompts,
     over every kv worker."""
     assert options.requests is not None, "--disk-size needs --requests (the CLI checks)"
-    workload = ChatWorkload(options.shape, options.batch, options.requests, options.workers,
+    workload = ChatWorkload(options.kv_shape, options.batch, options.requests, options.workers,
                             "working-set", options.seed)
-    shape = options.shape
-    workers = options.pp if shape.layout == "mla" else options.tp * options.pp
+    shape = options.kv_shape
     distinct: set[bytes] = set()
     largest = 0
     for engine in range(options.workers):
@@ -49,7 +50,7 @@ def working_set(options: BenchOptions) -> tuple[int, int]:
                 distinct.update(hashes)
                 step += len(hashes)
             largest = max(largest, step)
-    per_chunk = shape.chunk_bytes * workers
+    per_chunk = shape.chunk_bytes * options.kv_world_size
     return len(distinct) * per_chunk, largest * per_chunk * options.workers
 
 
@@ -65,24 +66,13 @@ def pool_size(options: BenchOptions) -> tuple[int, float]:
     return pool, pool / working if working else float("nan")
 
 
-def settle(client: CacheClient, timeout: float) -> StatsReply:
-    """STATS once write-through has written (or dropped) what the phases queued."""
-    deadline = time.monotonic() + timeout
-    while (stats := client.stats()).disk_queue_chunks and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return stats
-
-
-def figures(stats: StatsReply) -> DiskTierFigures:
-    """The disk tier's figures of a run (its pool share is the caller's to fill)."""
-    return DiskTierFigures(stats.disk_capacity_bytes, float("nan"), stats.disk_chunks_written,
-                           stats.evictions, stats.disk_hits, stats.disk_dropped,
-                           stats.disk_prefetch_timeouts, stats.disk_evictions)
+def main(options: BenchOptions) -> int:
+    torch.set_num_threads(1)
+    report = output.attempt(lambda: run_with_disk(options, output.log))
+    return report if isinstance(report, int) else finish(options, report)
 
 
 def run_with_disk(options: BenchOptions, log: Callable[[str], None]) -> Report:
-    from .run import run  # run imports this module
-
     pool, share = pool_size(options)
     options = replace(options, cpu_size=str(pool))
     log(f"chat with a disk tier of {options.disk_size} under a pool of {pool // MiB} MiB "

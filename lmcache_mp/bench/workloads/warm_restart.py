@@ -24,11 +24,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..client import CacheClient, LookupItem, SharedKVCache, StoreStatus, TransferItem
-from ..server.warm.segment import segment_dir
-from ..sizes import format_size
-from ..spawn import ServerProcess
-from .shapes import KVShape
+from ...client import CacheClient, LookupItem, SharedKVCache, StoreStatus, TransferItem
+from ...server.warm.segment import segment_dir
+from ...sizes import format_size
+from ..harness import output
+from ..harness.server import BenchServer, new_cache, register
+from ..options import BenchOptions
+from ..shapes import KVShape
 
 PROMPT_CHUNKS = 64
 SALTS = ("tenant-a", "tenant-b", "tenant-c", "tenant-d")
@@ -73,9 +75,19 @@ def _rss_anon(pid: int) -> int:
     raise RuntimeError(f"no RssAnon for pid {pid}")
 
 
-def _server_pid(server: ServerProcess) -> int:
+def _server_pid(server: BenchServer) -> int:
     assert server.proc is not None, "the server is not running"
     return server.proc.pid
+
+
+def main(options: BenchOptions) -> int:
+    shape = options.kv_shape
+    figures = output.attempt(lambda: measure(shape, options.restart_chunks, options.seed,
+                                             options.timeout, output.log))
+    if isinstance(figures, int):
+        return figures
+    return output.report(options, shape.describe(), render(figures), lambda: to_json(figures),
+                         figures.byte_exact and figures.adopted == figures.chunks)
 
 
 def measure(shape: KVShape, chunks: int, seed: int, timeout: float,
@@ -87,25 +99,20 @@ def measure(shape: KVShape, chunks: int, seed: int, timeout: float,
     generator = torch.Generator().manual_seed(seed)
     hashes = [[torch.randint(0, 256, (16,), generator=generator, dtype=torch.uint8)
                .numpy().tobytes() for _ in range(PROMPT_CHUNKS)] for _ in range(prompts)]
-    server = ServerProcess(None, ["--cpu-size", str(pool), "--pool-segment", segment,
-                                  "--log-level", "info", "--max-message-bytes", "256MiB"])
-    cache = SharedKVCache(shape.layout, shape.layers, PROMPT_CHUNKS * shape.blocks_per_chunk,
-                          shape.block_size, shape.heads, shape.head_dim,
-                          getattr(torch, shape.dtype))
-    reader = SharedKVCache(shape.layout, shape.layers, PROMPT_CHUNKS * shape.blocks_per_chunk,
-                           shape.block_size, shape.heads, shape.head_dim,
-                           getattr(torch, shape.dtype))
+    server = BenchServer(pool, None, ["--pool-segment", segment, "--max-message-bytes",
+                                      "256MiB"], log_level="info")
+    cache = new_cache(shape, PROMPT_CHUNKS * shape.blocks_per_chunk)
+    reader = new_cache(shape, PROMPT_CHUNKS * shape.blocks_per_chunk)
     try:
         for layer in cache.layers:
             layer.view(torch.uint8).copy_(torch.randint(0, 256, layer.view(torch.uint8).shape,
                                                         generator=generator, dtype=torch.uint8))
         blocks = list(range(PROMPT_CHUNKS * shape.blocks_per_chunk))
-        server.start(timeout)
+        server.ready(timeout)
+        baseline = _rss_anon(_server_pid(server))
+        log(f"filling {chunks} chunks of {format_size(shape.chunk_bytes)} "
+            f"({format_size(chunks * shape.chunk_bytes)})")
         with server.client(timeout=timeout) as client:
-            server.wait_prefault(client, timeout)
-            baseline = _rss_anon(_server_pid(server))
-            log(f"filling {chunks} chunks of {format_size(shape.chunk_bytes)} "
-                f"({format_size(chunks * shape.chunk_bytes)})")
             started = time.monotonic()
             _fill(client, cache, shape, hashes, blocks)
             fill_seconds = time.monotonic() - started
@@ -120,20 +127,8 @@ def measure(shape: KVShape, chunks: int, seed: int, timeout: float,
             adopted_index = (_rss_anon(_server_pid(server)) - baseline) / max(adopted, 1)
             byte_exact = _reads_back(client, reader, cache, shape, hashes, blocks)
         log(f"adopted {adopted} chunks, serving {start_seconds:.1f} s after the start")
-        output = server.output()
-        saved = _SAVED.search(output)
-        verified = _VERIFIED.search(output)
-        if saved is None or verified is None:
-            raise RuntimeError(f"the server did not log its snapshot and verification:\n"
-                               f"{output[-2000:]}")
-        return RestartFigures(
-            chunks=stored, chunk_bytes=shape.chunk_bytes, fill_seconds=fill_seconds,
-            stop_seconds=stop_seconds, snapshot_seconds=float(saved.group(2)),
-            start_seconds=start_seconds, adopted=adopted,
-            verify_seconds=float(verified.group(2)), verify_threads=int(verified.group(3)),
-            verify_cpu_seconds=float(verified.group(4)), index_seconds=float(verified.group(5)),
-            stored_index_bytes=stored_index, adopted_index_bytes=adopted_index,
-            byte_exact=byte_exact)
+        return _figures(server.output(), shape, stored, fill_seconds, stop_seconds,
+                        start_seconds, adopted, stored_index, adopted_index, byte_exact)
     finally:
         server.close()
         cache.close()
@@ -143,10 +138,28 @@ def measure(shape: KVShape, chunks: int, seed: int, timeout: float,
                 (segment_dir() / leftover).unlink()
 
 
+def _figures(output: str, shape: KVShape, stored: int, fill_seconds: float,
+             stop_seconds: float, start_seconds: float, adopted: int, stored_index: float,
+             adopted_index: float, byte_exact: bool) -> RestartFigures:
+    """The run's figures, with the times the server's log gives."""
+    saved = _SAVED.search(output)
+    verified = _VERIFIED.search(output)
+    if saved is None or verified is None:
+        raise RuntimeError(f"the server did not log its snapshot and verification:\n"
+                           f"{output[-2000:]}")
+    return RestartFigures(
+        chunks=stored, chunk_bytes=shape.chunk_bytes, fill_seconds=fill_seconds,
+        stop_seconds=stop_seconds, snapshot_seconds=float(saved.group(2)),
+        start_seconds=start_seconds, adopted=adopted,
+        verify_seconds=float(verified.group(2)), verify_threads=int(verified.group(3)),
+        verify_cpu_seconds=float(verified.group(4)), index_seconds=float(verified.group(5)),
+        stored_index_bytes=stored_index, adopted_index_bytes=adopted_index,
+        byte_exact=byte_exact)
+
+
 def _fill(client: CacheClient, cache: SharedKVCache, shape: KVShape,
           hashes: list[list[bytes]], blocks: list[int]) -> None:
-    registration = client.register_kv_cache(cache.handles(), model=MODEL, layout=shape.layout,
-                                            block_size=shape.block_size)
+    registration = register(client, cache, shape, MODEL)
     for start in range(0, len(hashes), ITEMS_PER_STORE):
         batch = range(start, min(start + ITEMS_PER_STORE, len(hashes)))
         statuses = client.store(registration, [
@@ -160,8 +173,7 @@ def _fill(client: CacheClient, cache: SharedKVCache, shape: KVShape,
 def _reads_back(client: CacheClient, reader: SharedKVCache, cache: SharedKVCache,
                 shape: KVShape, hashes: list[list[bytes]], blocks: list[int]) -> bool:
     """A prompt of each salt, retrieved into a cache of its own, byte for byte."""
-    registration = client.register_kv_cache(reader.handles(), model=MODEL,
-                                            layout=shape.layout, block_size=shape.block_size)
+    registration = register(client, reader, shape, MODEL)
     exact = True
     for n in range(min(len(SALTS), len(hashes))):
         salt = SALTS[n % len(SALTS)]

@@ -3,8 +3,9 @@
 In one directory (--disk-dir, default a temporary one; point it at the NVMe a server
 would use), on the same bytes:
 
-1. the raw bound (disk_bound.py): sequential chunk-sized writes and reads of a fresh file,
-   one thread and N (the tier's read threads), O_DIRECT where the filesystem takes it;
+1. the raw bound (harness/disk_bound.py): sequential chunk-sized writes and reads of a
+   fresh file, one thread and N (the tier's read threads), O_DIRECT where the filesystem
+   takes it;
    sampled before the tier's writes, between its writes and its reads (the server down),
    and after its reads; the bound each way is the better thread count's median;
 2. tier writes: a spawned server with a small pool (--cpu-size, default 256MiB) and a
@@ -38,17 +39,18 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..server.disk.reader import READ_THREADS
-from ..sizes import format_size, parse_size
-from ..spawn import ServerProcess
-from . import disk_bound, disk_restart
-from .disk_bound import RawBound
-from .engine import Engine, EngineSetup, RequestOutcome
-from .ranks import StepReport
-from .report import _finite
-from .shapes import KVShape, MiB
-from .stats import GB, rate, ratio
-from .workloads import Request, random_tokens
+from ...server.disk.reader import READ_THREADS
+from ...sizes import format_size, parse_size
+from ..harness import disk_bound, output
+from ..harness.disk_bound import RawBound
+from ..harness.engine import Engine, EngineSetup, Request, RequestOutcome, random_tokens
+from ..harness.ranks import StepReport
+from ..harness.report import json_safe
+from ..harness.server import BenchServer
+from ..harness.stats import GB, rate, ratio
+from ..options import BenchOptions
+from ..shapes import KVShape, MiB
+from . import disk_restart
 
 TARGET_SHARE = 0.80  # tier bandwidth / raw bound, each way
 MODEL = "bench-disk"
@@ -126,7 +128,7 @@ class DiskFigures:
                 and restart.byte_exact and restart.served_base == restart.completed_base)
 
 
-def server_io(server: ServerProcess) -> str:
+def server_io(server: BenchServer) -> str:
     """The tier's I/O as its start-up line says it."""
     found = _IO.search(server.output())
     return found.group(1) if found else "unknown (the server did not log its disk tier)"
@@ -135,7 +137,7 @@ def server_io(server: ServerProcess) -> str:
 class _Engines:
     """One simulated engine (a scheduler here, a rank process there) over a server."""
 
-    def __init__(self, server: ServerProcess, shape: KVShape, prompt_blocks: int, batch: int,
+    def __init__(self, server: BenchServer, shape: KVShape, prompt_blocks: int, batch: int,
                  timeout: float, verify: bool, seed: int):
         self.engine = Engine(EngineSetup(0, server.url, secrets.token_hex(16), server.token(),
                                          shape, 1, 1, False, batch * prompt_blocks, MODEL,
@@ -170,50 +172,32 @@ def _tier(run_dir: Path, shape: KVShape, prompts: list[list[int]], batch: int, p
     chunks_per_prompt = len(prompts[0]) // shape.chunk_size
     total = len(prompts) * chunks_per_prompt
     disk_size = total * shape.chunk_bytes + 64 * MiB
-    server = ServerProcess(None, [
-        "--cpu-size", str(pool), "--disk-dir", str(run_dir / "tier"), "--disk-size",
-        str(disk_size), "--disk-prefetch-wait", f"{timeout:g}", "--log-level", "info",
-        "--chunk-size", str(shape.chunk_size)])
+    server = BenchServer(pool, shape.chunk_size, [
+        "--disk-dir", str(run_dir / "tier"), "--disk-size", str(disk_size),
+        "--disk-prefetch-wait", f"{timeout:g}"], log_level="info")
     prompt_blocks = chunks_per_prompt * shape.blocks_per_chunk + 1
     try:
-        server.start(timeout)
-        with server.client(admin=True, timeout=timeout) as client:
-            server.wait_prefault(client, timeout)
-            server.wait_stats(client, lambda s: s.disk_loaded, "the disk index", timeout)
-            io = server_io(server)
-            log(f"tier writes: {total} chunks of {format_size(shape.chunk_bytes)} "
-                f"({format_size(total * shape.chunk_bytes)}) through a "
-                f"{format_size(pool)} pool, {io}")
-            before = client.stats()
-            computed: set[bytes] = set()
-            started = None
-            store_seconds = 0.0
-            with _Engines(server, shape, prompt_blocks, batch, timeout, verify, seed) as engines:
-                for first in range(0, len(prompts), batch):
-                    server.wait_stats(client,
-                                      lambda s: s.disk_queue_bytes <= pool // PACE_SHARE,
-                                      "the write-through queue", timeout)
-                    requests = [Request(f"w{n}", prompts[n], SALT)
-                                for n in range(first, min(first + batch, len(prompts)))]
-                    _, outcomes, reports = engines.step(requests, computed)
-                    spans = [report.store for report in reports if report.store is not None]
-                    if started is None and spans:
-                        started = min(start for start, _ in spans)
-                    store_seconds += sum(end - start for start, end in spans)
-            assert started is not None, "the engine stored nothing"
-            last_store, queued = time.monotonic(), client.stats()
-            done = server.wait_stats(
-                client, lambda s: s.disk_chunks_written + s.disk_dropped
-                - before.disk_chunks_written - before.disk_dropped >= total
-                and not s.disk_queue_chunks, "write-through", timeout)
-            write_seconds = time.monotonic() - started
-            drain = (done.disk_bytes_written - queued.disk_bytes_written,
-                     time.monotonic() - last_store)
+        client = server.ready(timeout)
+        io = server_io(server)
+        log(f"tier writes: {total} chunks of {format_size(shape.chunk_bytes)} "
+            f"({format_size(total * shape.chunk_bytes)}) through a "
+            f"{format_size(pool)} pool, {io}")
+        before = client.stats()
+        with _Engines(server, shape, prompt_blocks, batch, timeout, verify, seed) as engines:
+            started, store_seconds = _write(server, engines, prompts, batch, pool, timeout)
+        last_store, queued = time.monotonic(), client.stats()
+        done = server.wait_stats(
+            client, lambda s: s.disk_chunks_written + s.disk_dropped
+            - before.disk_chunks_written - before.disk_dropped >= total
+            and not s.disk_queue_chunks, "write-through", timeout)
+        write_seconds = time.monotonic() - started
+        drain = (done.disk_bytes_written - queued.disk_bytes_written,
+                 time.monotonic() - last_store)
         log(f"tier writes: {done.disk_chunks_written} chunks in {write_seconds:.2f} s; "
             f"SIGTERM and start again")
         stop_seconds = server.stop_cleanly(timeout)
         between()
-        server.start(timeout)
+        server.ready(timeout)
         figures = TierFigures(
             total, shape.chunk_bytes, pool, io, write_seconds,
             done.disk_bytes_written - before.disk_bytes_written,
@@ -226,33 +210,67 @@ def _tier(run_dir: Path, shape: KVShape, prompts: list[list[int]], batch: int, p
         server.close()
 
 
-def _read_back(server: ServerProcess, shape: KVShape, prompts: list[list[int]], batch: int,
+def _write(server: BenchServer, engines: _Engines, prompts: list[list[int]], batch: int,
+           pool: int, timeout: float) -> tuple[float, float]:
+    """Every prompt stored, a step at a time, each step sent once the write-through queue
+    holds less than pool / PACE_SHARE: when the first STORE started, and the seconds the
+    STOREs took."""
+    assert server.admin is not None
+    computed: set[bytes] = set()
+    started = None
+    store_seconds = 0.0
+    for first in range(0, len(prompts), batch):
+        server.wait_stats(server.admin, lambda s: s.disk_queue_bytes <= pool // PACE_SHARE,
+                          "the write-through queue", timeout)
+        requests = [Request(f"w{n}", prompts[n], SALT)
+                    for n in range(first, min(first + batch, len(prompts)))]
+        _, _, reports = engines.step(requests, computed)
+        spans = [report.store for report in reports if report.store is not None]
+        if started is None and spans:
+            started = min(start for start, _ in spans)
+        store_seconds += sum(end - start for start, end in spans)
+    assert started is not None, "the engine stored nothing"
+    return started, store_seconds
+
+
+def _read_back(server: BenchServer, shape: KVShape, prompts: list[list[int]], batch: int,
                prompt_blocks: int, timeout: float, verify: bool, seed: int,
                figures: TierFigures) -> None:
-    with server.client(admin=True, timeout=timeout) as client:
-        server.wait_prefault(client, timeout)
-        server.wait_stats(client, lambda s: s.disk_loaded, "the disk index", timeout)
-        before = client.stats()
-        computed: set[bytes] = set()
-        with _Engines(server, shape, prompt_blocks, batch, timeout, verify, seed) as engines:
-            for first in range(0, len(prompts), batch):
-                requests = [Request(f"r{n}", prompts[n], SALT)
-                            for n in range(first, min(first + batch, len(prompts)))]
-                seconds, outcomes, reports = engines.step(requests, computed)
-                figures.read_seconds += seconds
-                figures.lookup_ms.append(seconds * 1e3)
-                figures.served_chunks += sum(outcome.hit_chunks for outcome in outcomes)
-                for report in reports:
-                    figures.verified_chunks += report.verified_chunks
-                    figures.corrupt_chunks += report.corrupt_chunks
-                    figures.failed_load_blocks += report.failed_load_blocks
-        after = client.stats()
+    """Every prompt LOOKUP'd and RETRIEVEd from a server started again (ready)."""
+    before = server.stats()
+    computed: set[bytes] = set()
+    with _Engines(server, shape, prompt_blocks, batch, timeout, verify, seed) as engines:
+        for first in range(0, len(prompts), batch):
+            requests = [Request(f"r{n}", prompts[n], SALT)
+                        for n in range(first, min(first + batch, len(prompts)))]
+            seconds, outcomes, reports = engines.step(requests, computed)
+            figures.read_seconds += seconds
+            figures.lookup_ms.append(seconds * 1e3)
+            figures.served_chunks += sum(outcome.hit_chunks for outcome in outcomes)
+            for report in reports:
+                figures.verified_chunks += report.verified_chunks
+                figures.corrupt_chunks += report.corrupt_chunks
+                figures.failed_load_blocks += report.failed_load_blocks
+    after = server.stats()
     figures.bytes_read = after.disk_bytes_read - before.disk_bytes_read
     figures.prefetch_timeouts = after.disk_prefetch_timeouts - before.disk_prefetch_timeouts
     figures.disk_corrupt = (after.disk_corrupt + after.disk_read_errors
                             - before.disk_corrupt - before.disk_read_errors)
     if not verify:
         figures.verified_chunks = figures.served_chunks  # nothing checked: nothing failed
+
+
+def main(options: BenchOptions) -> int:
+    requests = options.requests
+    assert requests is not None, "resolve() gives --workload disk its --requests"
+    figures = output.attempt(lambda: measure(
+        options.kv_shape, requests, options.chunks, options.batch, options.cpu_size,
+        options.disk_dir, options.restart_chunks, options.seed, options.timeout, options.verify,
+        output.log))
+    if isinstance(figures, int):
+        return figures
+    return output.report(options, describe(figures), render(figures), lambda: to_json(figures),
+                         figures.passed)
 
 
 def measure(shape: KVShape, requests: int, chunks: int, batch: int, pool_size: str | None,
@@ -357,4 +375,4 @@ def to_json(figures: DiskFigures) -> str:
     data.update(write_ratio=figures.write_ratio, read_ratio=figures.read_ratio,
                 passed=figures.passed)
     data["restart"].update(disk_restart.derived(figures.restart))
-    return json.dumps(_finite(data), indent=2)
+    return json.dumps(json_safe(data), indent=2)

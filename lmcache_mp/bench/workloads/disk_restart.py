@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from ..client import CacheClient, LeaseRef, LookupItem, SharedKVCache, StoreStatus, TransferItem
-from ..sizes import format_size
-from ..spawn import ServerProcess
-from .shapes import SHAPES, MiB
+from ...client import CacheClient, LeaseRef, LookupItem, SharedKVCache, StoreStatus, TransferItem
+from ...sizes import format_size
+from ..harness.server import BenchServer, new_cache, register
+from ..shapes import SHAPES, MiB
 
 SHAPE = SHAPES["8KiB"]
 PROMPT_CHUNKS = 64
@@ -82,11 +82,6 @@ def derived(figures: RestartFigures) -> dict[str, float]:
             "served_share": figures.served_share, "byte_exact": figures.byte_exact}
 
 
-def _cache(blocks: int) -> SharedKVCache:
-    return SharedKVCache(SHAPE.layout, SHAPE.layers, blocks, SHAPE.block_size, SHAPE.heads,
-                         SHAPE.head_dim, getattr(torch, SHAPE.dtype))
-
-
 class _Bytes:
     """A STORE's worth of chunks in one cache, each STORE's bytes its own: a random base
     plus the STORE's number, as int32."""
@@ -108,7 +103,7 @@ def _blocks(slot: int) -> list[int]:
     return list(range(slot * per_prompt, (slot + 1) * per_prompt))
 
 
-def _first_lookup(server: ServerProcess, hashes: list[bytes], timeout: float
+def _first_lookup(server: BenchServer, hashes: list[bytes], timeout: float
                   ) -> tuple[float, float]:
     """Start the server; when it started, and the seconds until it answered a LOOKUP (of a
     prompt it may hold)."""
@@ -129,8 +124,7 @@ def _read_all(client: CacheClient, reader: SharedKVCache, data: _Bytes,
     """Every prompt LOOKUP'd (held) and RETRIEVEd, a STORE's group at a time, and compared
     with the bytes stored: the chunks served byte for byte per group, and those that were
     not."""
-    registration = client.register_kv_cache(reader.handles(), model=MODEL,
-                                            layout=SHAPE.layout, block_size=SHAPE.block_size)
+    registration = register(client, reader, SHAPE, MODEL)
     per_chunk = SHAPE.blocks_per_chunk
     served, mismatched = [], 0
     for number, group in enumerate(groups):
@@ -160,6 +154,15 @@ def _read_all(client: CacheClient, reader: SharedKVCache, data: _Bytes,
     return served, mismatched
 
 
+@dataclass
+class _Filled:
+    """The fill, then the burst cut short by SIGKILL."""
+
+    seconds: float
+    settled: int  # disk_chunks_written once the fill's writes had settled
+    at_kill: int  # disk_chunks_written in the last STATS before SIGKILL
+
+
 def measure(run_dir: Path, chunks: int, seed: int, timeout: float,
             log: Callable[[str], None]) -> RestartFigures:
     prompts = -(-chunks // PROMPT_CHUNKS)
@@ -170,57 +173,25 @@ def measure(run_dir: Path, chunks: int, seed: int, timeout: float,
               for start in range(0, prompts, ITEMS_PER_STORE)]
     groups.append(list(range(prompts, prompts + burst)))  # the burst, last
     disk_size = (prompts + burst) * PROMPT_CHUNKS * SHAPE.chunk_bytes + 64 * MiB
-    common = ["--cpu-size", str(POOL), "--log-level", "info", "--max-message-bytes",
-              "256MiB", "--chunk-size", str(SHAPE.chunk_size)]
-    bound_server = ServerProcess(None, common)
+    common = ["--max-message-bytes", "256MiB"]
+    bound_server = BenchServer(POOL, SHAPE.chunk_size, common, log_level="info")
     try:
         _, bound = _first_lookup(bound_server, hashes[0], timeout)
     finally:
         bound_server.close()
-    server = ServerProcess(None, [*common, "--disk-dir", str(run_dir / "restart-tier"),
-                                  "--disk-size", str(disk_size),
-                                  "--disk-prefetch-wait", f"{timeout:g}"])
-    writer = _cache(ITEMS_PER_STORE * PROMPT_CHUNKS * SHAPE.blocks_per_chunk)
-    reader = _cache(ITEMS_PER_STORE * PROMPT_CHUNKS * SHAPE.blocks_per_chunk)
+    server = BenchServer(POOL, SHAPE.chunk_size, [
+        *common, "--disk-dir", str(run_dir / "restart-tier"), "--disk-size", str(disk_size),
+        "--disk-prefetch-wait", f"{timeout:g}"], log_level="info")
+    blocks = ITEMS_PER_STORE * PROMPT_CHUNKS * SHAPE.blocks_per_chunk
+    writer, reader = new_cache(SHAPE, blocks), new_cache(SHAPE, blocks)
     data = _Bytes(writer, seed)
     try:
-        server.start(timeout)
-        with server.client(timeout=timeout) as client:
-            server.wait_prefault(client, timeout)
-            server.wait_stats(client, lambda s: s.disk_loaded, "the disk index", timeout,
-                              POLL_S)
-            log(f"restart: filling {prompts * PROMPT_CHUNKS} chunks of "
-                f"{format_size(SHAPE.chunk_bytes)} "
-                f"({format_size(prompts * PROMPT_CHUNKS * SHAPE.chunk_bytes)})")
-            registration = client.register_kv_cache(
-                writer.handles(), model=MODEL, layout=SHAPE.layout, block_size=SHAPE.block_size)
-            started = time.monotonic()
-
-            def store(number: int) -> None:
-                data.fill(number)
-                statuses = client.store(registration, [
-                    TransferItem.build(f"p{n}", hashes[n], _blocks(slot), SALT)
-                    for slot, n in enumerate(groups[number])])
-                if any(status != StoreStatus.STORED for item in statuses for status in item):
-                    raise RuntimeError("the server did not store every chunk")
-            for number in range(len(groups) - 1):
-                server.wait_stats(client, lambda s: s.disk_queue_bytes <= POOL // 4,
-                                  "the write-through queue", timeout, POLL_S)
-                store(number)
-            settled = server.wait_stats(client, lambda s: not s.disk_queue_chunks,
-                                        "write-through", timeout, POLL_S)
-            fill_seconds = time.monotonic() - started
-            store(len(groups) - 1)
-            # Killed once some of the burst is on disk: in the middle of its writes.
-            at_kill = server.wait_stats(
-                client, lambda s: s.disk_chunks_written > settled.disk_chunks_written
-                or not s.disk_queue_chunks, "the burst's first write", timeout, POLL_S
-            ).disk_chunks_written
-            assert server.proc is not None
-            server.proc.kill()
-        server.stop(timeout)
-        log(f"restart: {settled.disk_chunks_written} chunks written in {fill_seconds:.1f} s, "
-            f"{at_kill - settled.disk_chunks_written} of {burst * PROMPT_CHUNKS} more when "
+        log(f"restart: filling {prompts * PROMPT_CHUNKS} chunks of "
+            f"{format_size(SHAPE.chunk_bytes)} "
+            f"({format_size(prompts * PROMPT_CHUNKS * SHAPE.chunk_bytes)})")
+        filled = _fill_and_kill(server, data, hashes, groups, timeout)
+        log(f"restart: {filled.settled} chunks written in {filled.seconds:.1f} s, "
+            f"{filled.at_kill - filled.settled} of {burst * PROMPT_CHUNKS} more when "
             f"killed; starting again")
         started, first_lookup = _first_lookup(server, hashes[0], timeout)
         with server.client(timeout=timeout) as client:
@@ -236,8 +207,8 @@ def measure(run_dir: Path, chunks: int, seed: int, timeout: float,
         journal = run_dir / "restart-tier" / "journal"
         return RestartFigures(
             chunks=prompts * PROMPT_CHUNKS, burst_chunks=burst * PROMPT_CHUNKS,
-            chunk_bytes=SHAPE.chunk_bytes, fill_seconds=fill_seconds,
-            completed_base=settled.disk_chunks_written, written_at_kill=at_kill,
+            chunk_bytes=SHAPE.chunk_bytes, fill_seconds=filled.seconds,
+            completed_base=filled.settled, written_at_kill=filled.at_kill,
             loaded_chunks=loaded.disk_loaded_chunks,
             served_base=sum(served[:-1]), served_burst=served[-1], mismatched=mismatched,
             disk_corrupt=after.disk_corrupt + after.disk_read_errors,
@@ -250,6 +221,42 @@ def measure(run_dir: Path, chunks: int, seed: int, timeout: float,
         server.close()
         writer.close()
         reader.close()
+
+
+def _fill_and_kill(server: BenchServer, data: _Bytes, hashes: list[list[bytes]],
+                   groups: list[list[int]], timeout: float) -> _Filled:
+    """Start the server, STORE every group but the last (paced so that write-through keeps
+    up), wait until the writes settle, STORE the last and SIGKILL the server as soon as a
+    first batch of it is written."""
+    server.ready(timeout)
+    with server.client(timeout=timeout) as client:
+        registration = register(client, data.cache, SHAPE, MODEL)
+        started = time.monotonic()
+
+        def store(number: int) -> None:
+            data.fill(number)
+            statuses = client.store(registration, [
+                TransferItem.build(f"p{n}", hashes[n], _blocks(slot), SALT)
+                for slot, n in enumerate(groups[number])])
+            if any(status != StoreStatus.STORED for item in statuses for status in item):
+                raise RuntimeError("the server did not store every chunk")
+        for number in range(len(groups) - 1):
+            server.wait_stats(client, lambda s: s.disk_queue_bytes <= POOL // 4,
+                              "the write-through queue", timeout, POLL_S)
+            store(number)
+        settled = server.wait_stats(client, lambda s: not s.disk_queue_chunks,
+                                    "write-through", timeout, POLL_S)
+        seconds = time.monotonic() - started
+        store(len(groups) - 1)
+        # Killed once some of the burst is on disk: in the middle of its writes.
+        at_kill = server.wait_stats(
+            client, lambda s: s.disk_chunks_written > settled.disk_chunks_written
+            or not s.disk_queue_chunks, "the burst's first write", timeout, POLL_S
+        ).disk_chunks_written
+        assert server.proc is not None
+        server.proc.kill()
+    server.stop(timeout)
+    return _Filled(seconds, settled.disk_chunks_written, at_kill)
 
 
 def render(figures: RestartFigures) -> str:

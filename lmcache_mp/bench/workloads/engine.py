@@ -37,11 +37,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ..client import CacheClient
-from ..spawn import ServerProcess
-from .vllm_engine import (
+from ...client import CacheClient
+from ..harness import output
+from ..harness.server import BenchServer
+from ..options import BenchOptions
+from ..vllm_engine import (
     BLOCK_SIZE,
     ENGINE_ENV,
+    BatchResult,
     EngineProcess,
     EngineSettings,
     Prompt,
@@ -97,6 +100,21 @@ class EngineFigures:
         return {name: statistics.median(getattr(self, name)) for name in names}
 
 
+def main(options: BenchOptions) -> int:
+    """Skipped (exit 0, the reason on stderr) where vLLM's CPU build is missing."""
+    reason = skip_reason()
+    if reason is not None:
+        output.log(f"--workload engine skipped: {reason}")
+        return 0
+    rounds = options.requests
+    assert rounds is not None, "resolve() gives --workload engine its --requests"
+    figures = output.attempt(lambda: measure(rounds, options.seed, options.timeout, output.log))
+    if isinstance(figures, int):
+        return figures
+    return output.report(options, describe(figures), render(figures), lambda: to_json(figures),
+                         figures.mismatches == 0 and figures.disk_mismatches == 0)
+
+
 def skip_reason() -> str | None:
     """Why this workload cannot run here, or None."""
     if engine_python() is None:
@@ -110,8 +128,7 @@ def measure(rounds: int, seed: int, timeout: float, log: Callable[[str], None]) 
     python = engine_python()
     assert python is not None, skip_reason()  # the caller checked skip_reason() first
     with tempfile.TemporaryDirectory(prefix="lmcache-mp-bench-engine-") as scratch, \
-            ServerProcess(None, ["--cpu-size", "256MiB", "--chunk-size", str(CHUNK_SIZE),
-                                 "--log-level", "warning"]) as server:
+            BenchServer("256MiB", CHUNK_SIZE) as server:
         root = Path(scratch)
         write_model_with(python, root / "model", seed=1, shape=SHAPE)
         write_model_with(python, root / "hybrid", seed=1, shape=HYBRID_SHAPE)
@@ -153,17 +170,17 @@ def measure_from_disk(python: str, root: Path, rounds: int, rng: random.Random,
     cold run's, and the chunks read back from disk."""
     prompts = [Prompt([rng.randrange(3, SHAPE.vocab) for _ in range(PROMPT_TOKENS)], SALT)
                for _ in range(rounds + 1)]
-    server_args = ["--cpu-size", "256MiB", "--chunk-size", str(CHUNK_SIZE), "--disk-dir",
-                   str(root / "disk"), "--disk-size", "1GiB", "--disk-prefetch-wait",
-                   str(timeout), "--log-level", "warning"]
+    disk_tier = ["--disk-dir", str(root / "disk"), "--disk-size", "1GiB",
+                 "--disk-prefetch-wait", str(timeout)]
 
-    def engine_on(server: ServerProcess, name: str) -> EngineProcess:
+    def engine_on(server: BenchServer, name: str) -> EngineProcess:
         settings = EngineSettings(str(root / "model"), server_url=server.url,
                                   chunk_size=CHUNK_SIZE, max_model_len=PROMPT_TOKENS + 64)
         return EngineProcess(python, settings, root / f"{name}.log")
 
     cold_tokens = []
-    with ServerProcess(None, server_args) as server, engine_on(server, "disk-writer") as writer, \
+    with BenchServer("256MiB", CHUNK_SIZE, disk_tier) as server, \
+            engine_on(server, "disk-writer") as writer, \
             server.client(admin=True, timeout=timeout) as admin:
         writer.wait_ready(timeout)
         for request in prompts:
@@ -173,7 +190,8 @@ def measure_from_disk(python: str, root: Path, rounds: int, rng: random.Random,
         server.wait_stats(admin, lambda stats: stats.disk_chunks_written >= chunks,
                           f"{chunks} chunks on disk", timeout)
     seconds, mismatches = [], 0
-    with ServerProcess(None, server_args) as server, engine_on(server, "disk-reader") as reader, \
+    with BenchServer("256MiB", CHUNK_SIZE, disk_tier) as server, \
+            engine_on(server, "disk-reader") as reader, \
             server.client(admin=True, timeout=timeout) as admin:
         reader.wait_ready(timeout)
         server.wait_stats(admin, lambda stats: stats.disk_loaded, "the disk tier's index",
@@ -192,85 +210,120 @@ def measure_with(computes: EngineProcess, loads: EngineProcess, admin: CacheClie
                  prompt_tokens: int = PROMPT_TOKENS, vocab: int = SHAPE.vocab,
                  salt: str = SALT) -> EngineFigures:
     """Rounds of new prompts on two started engines of one model that share a server."""
-    chunk_size = computes.settings.chunk_size
-
-    def one(engine: EngineProcess, request: Prompt):
-        return engine.generate([request], max_tokens=1, timeout=timeout)
-
-    def chunks_of(tenant: str) -> int:
-        found = admin.stats().tenants.get(tenant)
-        return found.chunks if found else 0
-
-    def wait_stored_of(tenant: str, chunks: int) -> None:
-        deadline = time.monotonic() + timeout
-        while chunks_of(tenant) < chunks:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the server did not get {chunks} chunks of {tenant} in "
-                                   f"{timeout} s")
-            time.sleep(0.01)
-
-    def stored() -> int:
-        return chunks_of(salt)
-
-    def wait_stored(chunks: int) -> None:
-        wait_stored_of(salt, chunks)
-
+    runner = _Rounds(computes, loads, admin, rng, timeout, prompt_tokens, vocab, salt)
     figures = EngineFigures(rounds, prompt_tokens, [], [], [], 0,
                             f"OMP_NUM_THREADS={ENGINE_ENV['OMP_NUM_THREADS']}")
-    turns, question_only = f"{salt}-turns", f"{salt}-question-only"
     for number in range(rounds + 1):  # round 0 warms both engines up, untimed
-        request = Prompt([rng.randrange(3, vocab) for _ in range(prompt_tokens)], salt)
-        expected = stored() + prompt_tokens // chunk_size
-        cold = one(computes, request)
-        wait_stored(expected)
-        own = one(computes, request)
-        loaded = one(loads, request)
-        # Turn 2: a new question answered on `computes` (the answer's chunks stored, all but
-        # the last token fed back), and asked alone under another salt (no answer stored).
-        question = [rng.randrange(3, vocab) for _ in range(prompt_tokens)]
-        had = {tenant: chunks_of(tenant) for tenant in (turns, question_only)}
-        answered = had[turns] + (prompt_tokens + ANSWER_TOKENS - 1) // chunk_size
-        asked = had[question_only] + prompt_tokens // chunk_size
-        (answer,) = computes.generate([Prompt(question, turns)], max_tokens=ANSWER_TOKENS,
-                                      timeout=timeout).completions
-        one(computes, Prompt(question, question_only))
-        wait_stored_of(turns, answered)
-        wait_stored_of(question_only, asked)
-        follow_up = [*question, *answer.tokens,
-                     *(rng.randrange(3, vocab) for _ in range(MESSAGE_TOKENS))]
-        own_turn2 = one(computes, Prompt(follow_up, turns))
-        loaded_turn2 = one(loads, Prompt(follow_up, turns))
-        recomputed_turn2 = one(loads, Prompt(follow_up, question_only))
-        # Both turn 2s store what they computed (the second engine is kv_both too): wait
-        # for those STOREs, so that the next round's runs share the CPUs with no copy.
-        for tenant in (turns, question_only):
-            wait_stored_of(tenant, had[tenant] + len(follow_up) // chunk_size)
-        if number == 0:
-            continue
-        figures.cold.append(cold.seconds)
-        figures.vllm_prefix_cache.append(own.seconds)
-        figures.loaded.append(loaded.seconds)
+        timed = runner.round()
+        if number:
+            timed.add_to(figures)
+            log(f"round {number}/{rounds}: {timed.describe()}")
+    return figures
+
+
+@dataclass
+class _Round:
+    """One round's generate() results, each way its prompt's prefix was found."""
+
+    cold: BatchResult
+    own: BatchResult  # vLLM's own prefix cache
+    loaded: BatchResult
+    own_turn2: BatchResult
+    loaded_turn2: BatchResult  # question and answer loaded from the server
+    recomputed_turn2: BatchResult  # the question loaded, the answer recomputed
+
+    def add_to(self, figures: EngineFigures) -> None:
+        figures.cold.append(self.cold.seconds)
+        figures.vllm_prefix_cache.append(self.own.seconds)
+        figures.loaded.append(self.loaded.seconds)
         # Loading from the server computes what vLLM's own cache does (the prompt's tail
         # over a cached prefix), which may round differently from a cold prefill of 1,500
         # tokens: the same numbers as vLLM's cache, the same tokens as cold.
         # Tokens only: the engine that generated the answer finds some of its blocks in its
         # own prefix cache and computes the rest again, in another order than a load's.
-        turn2_differs = (loaded_turn2.completions[0].tokens != own_turn2.completions[0].tokens
-                         or recomputed_turn2.completions[0].tokens
-                         != own_turn2.completions[0].tokens)
-        figures.mismatches += (loaded.completions != own.completions
-                               or loaded.completions[0].tokens != cold.completions[0].tokens
+        own_turn2 = self.own_turn2.completions[0].tokens
+        turn2_differs = (self.loaded_turn2.completions[0].tokens != own_turn2
+                         or self.recomputed_turn2.completions[0].tokens != own_turn2)
+        figures.mismatches += (self.loaded.completions != self.own.completions
+                               or self.loaded.completions[0].tokens
+                               != self.cold.completions[0].tokens
                                or turn2_differs)
-        figures.turn2_vllm_prefix_cache.append(own_turn2.seconds)
-        figures.turn2_loaded.append(loaded_turn2.seconds)
-        figures.turn2_recomputed.append(recomputed_turn2.seconds)
+        figures.turn2_vllm_prefix_cache.append(self.own_turn2.seconds)
+        figures.turn2_loaded.append(self.loaded_turn2.seconds)
+        figures.turn2_recomputed.append(self.recomputed_turn2.seconds)
         figures.turn2_mismatches += turn2_differs
-        log(f"round {number}/{rounds}: cold {cold.seconds * 1e3:.1f} ms, vLLM's prefix "
-            f"cache {own.seconds * 1e3:.1f} ms, loaded {loaded.seconds * 1e3:.1f} ms; turn 2: "
-            f"vLLM's prefix cache {own_turn2.seconds * 1e3:.1f} ms, answer loaded "
-            f"{loaded_turn2.seconds * 1e3:.1f} ms, answer recomputed "
-            f"{recomputed_turn2.seconds * 1e3:.1f} ms")
-    return figures
+
+    def describe(self) -> str:
+        return (f"cold {self.cold.seconds * 1e3:.1f} ms, vLLM's prefix cache "
+                f"{self.own.seconds * 1e3:.1f} ms, loaded {self.loaded.seconds * 1e3:.1f} ms; "
+                f"turn 2: vLLM's prefix cache {self.own_turn2.seconds * 1e3:.1f} ms, answer "
+                f"loaded {self.loaded_turn2.seconds * 1e3:.1f} ms, answer recomputed "
+                f"{self.recomputed_turn2.seconds * 1e3:.1f} ms")
+
+
+class _Rounds:
+    """Two engines of one model sharing a server, and the server's admin client: a round
+    of a new prompt each way, waiting for its STOREs before the next."""
+
+    def __init__(self, computes: EngineProcess, loads: EngineProcess, admin: CacheClient,
+                 rng: random.Random, timeout: float, prompt_tokens: int, vocab: int,
+                 salt: str):
+        self.computes, self.loads, self.admin = computes, loads, admin
+        self.rng, self.timeout = rng, timeout
+        self.prompt_tokens, self.vocab, self.salt = prompt_tokens, vocab, salt
+        self.chunk_size = computes.settings.chunk_size
+        self.turns, self.question_only = f"{salt}-turns", f"{salt}-question-only"
+
+    def one(self, engine: EngineProcess, request: Prompt) -> BatchResult:
+        return engine.generate([request], max_tokens=1, timeout=self.timeout)
+
+    def tokens(self, count: int) -> list[int]:
+        return [self.rng.randrange(3, self.vocab) for _ in range(count)]
+
+    def chunks_of(self, tenant: str) -> int:
+        found = self.admin.stats().tenants.get(tenant)
+        return found.chunks if found else 0
+
+    def wait_stored(self, tenant: str, chunks: int) -> None:
+        deadline = time.monotonic() + self.timeout
+        while self.chunks_of(tenant) < chunks:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server did not get {chunks} chunks of {tenant} in "
+                                   f"{self.timeout} s")
+            time.sleep(0.01)
+
+    def round(self) -> _Round:
+        request = Prompt(self.tokens(self.prompt_tokens), self.salt)
+        expected = self.chunks_of(self.salt) + self.prompt_tokens // self.chunk_size
+        cold = self.one(self.computes, request)
+        self.wait_stored(self.salt, expected)
+        own = self.one(self.computes, request)
+        loaded = self.one(self.loads, request)
+        return _Round(cold, own, loaded, *self.turn2())
+
+    def turn2(self) -> tuple[BatchResult, BatchResult, BatchResult]:
+        """A new question answered on `computes` (the answer's chunks stored, all but the
+        last token fed back), and asked alone under another salt (no answer stored); then
+        turn 2 from vLLM's own cache, with the answer loaded, and with it recomputed."""
+        turns, question_only = self.turns, self.question_only
+        question = self.tokens(self.prompt_tokens)
+        had = {tenant: self.chunks_of(tenant) for tenant in (turns, question_only)}
+        (answer,) = self.computes.generate([Prompt(question, turns)], max_tokens=ANSWER_TOKENS,
+                                           timeout=self.timeout).completions
+        self.one(self.computes, Prompt(question, question_only))
+        self.wait_stored(turns, had[turns]
+                         + (self.prompt_tokens + ANSWER_TOKENS - 1) // self.chunk_size)
+        self.wait_stored(question_only,
+                         had[question_only] + self.prompt_tokens // self.chunk_size)
+        follow_up = [*question, *answer.tokens, *self.tokens(MESSAGE_TOKENS)]
+        own_turn2 = self.one(self.computes, Prompt(follow_up, turns))
+        loaded_turn2 = self.one(self.loads, Prompt(follow_up, turns))
+        recomputed_turn2 = self.one(self.loads, Prompt(follow_up, question_only))
+        # Both turn 2s store what they computed (the second engine is kv_both too): wait
+        # for those STOREs, so that the next round's runs share the CPUs with no copy.
+        for tenant in (turns, question_only):
+            self.wait_stored(tenant, had[tenant] + len(follow_up) // self.chunk_size)
+        return own_turn2, loaded_turn2, recomputed_turn2
 
 
 def render(figures: EngineFigures) -> str:

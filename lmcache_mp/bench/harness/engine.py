@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from ..client import (
+from ...client import (
     CacheClient,
     ChunkLayout,
     ParallelStrategy,
@@ -19,10 +19,28 @@ from ..client import (
     SchedulerAdapter,
     StoreSpec,
 )
-from ..preload import preloaded_context
+from ...preload import preloaded_context
+from ..shapes import KVShape
 from .ranks import ChunkRef, RankSetup, StepOrder, StepReport, rank_main
-from .shapes import KVShape
-from .workloads import Request
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt an engine prefills in one step."""
+
+    request_id: str
+    token_ids: list[int]
+    cache_salt: str
+    tenant: str = ""  # who sent it, for per-tenant hit rates
+    counted: bool = True  # False for warm-up requests, left out of hit rates
+
+
+VOCABULARY = 32000
+
+
+def random_tokens(rng: random.Random, count: int) -> list[int]:
+    """A prompt of `count` random token ids."""
+    return [rng.randrange(VOCABULARY) for _ in range(count)]
 
 
 @dataclass(frozen=True)
@@ -107,7 +125,7 @@ class Engine:
 
     def start(self) -> None:
         setup = self.setup
-        context = preloaded_context(["lmcache_mp.bench.ranks"])  # see preload.py
+        context = preloaded_context(["lmcache_mp.bench.harness.ranks"])  # see preload.py
         self.client = CacheClient(setup.url, timeout=setup.timeout,
                                   client_name=f"lmcache-mp-bench scheduler {setup.index}",
                                   engine=setup.engine, token=setup.token)

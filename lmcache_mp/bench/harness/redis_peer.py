@@ -8,7 +8,7 @@ import subprocess
 import tempfile
 import time
 
-from ..errors import SetupError
+from ...errors import SetupError
 
 
 class PeerUnavailable(SetupError):

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from .. import protocol
-from ..client import CacheClient, LookupItem
-from ..runtime import unlink_ipc_endpoint
+from ... import protocol
+from ...client import CacheClient, LookupItem
+from ...runtime import unlink_ipc_endpoint
 from .stats import GB, Latency, rate
 
 ECHO_SOURCE = r"""
