@@ -23,9 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...server.cache.pool import ALIGNMENT  # the disk tier's O_DIRECT unit, a page
 from .stats import GB, rate
-
-ALIGNMENT = 4096  # O_DIRECT's offsets, lengths and buffers: a page here
 
 
 @dataclass
