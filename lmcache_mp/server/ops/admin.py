@@ -16,6 +16,7 @@ from ...protocol import (
     QuotaSetRequest,
     validate_salt,
 )
+from ..cache.chunk import Chunk
 from ..cache.quotas import Quota, QuotaError, load_quota_file
 from ..net.access import Session
 from .context import OpContext
@@ -28,16 +29,20 @@ class AdminOps:
     def clear(self, session: Session, req: ClearRequest) -> ClearReply | Awaitable[ClearReply]:
         if req.cache_salt is not None:
             validate_salt(req.cache_salt, "cache_salt")
-        removed = self.ctx.store.clear(req.cache_salt)
         if self.ctx.disk is None:
-            return ClearReply(removed)
-        return self._clear_disk(req.cache_salt, removed)
+            return ClearReply(self.ctx.store.clear(req.cache_salt))
+        gone: list[Chunk] = []
+        removed = self.ctx.store.clear(req.cache_salt, gone)
+        # A chunk in memory and on disk is one chunk: counted once.
+        return self._clear_disk(req.cache_salt, removed - self.ctx.disk.on_disk(gone))
 
     async def _clear_disk(self, cache_salt: str | None, removed: int) -> ClearReply:
-        """A disk holds millions of chunks: they go a slice at a time."""
+        """A disk holds millions of chunks: they go a slice at a time, and the reply waits
+        (a bounded time) until their removal is in the disk's journal, so that it lasts."""
         assert self.ctx.disk is not None  # clear() comes here only with a disk tier
         from_disk = [0]
         await self.ctx.slices.run(self.ctx.disk.clearing(cache_salt, from_disk))
+        await self.ctx.disk.removals_recorded()
         return ClearReply(removed + from_disk[0])
 
     def _quota_info(self, salt: str) -> QuotaInfo:
