@@ -1,8 +1,9 @@
 """The disk tier against a local attacker and a crash, each against a real server process:
 bytes planted in its data file with a valid CRC-32 are refused; a crash in the window where
 an evicted chunk's extent holds another salt's unsynced bytes serves nothing of them; chunks
-of 256 bytes are written and read back; a CLEAR lasts across a SIGKILL; a padded journal
-costs no more memory at start-up than a valid one (issue 43)."""
+of 256 bytes are written and read back; a CLEAR and a shrunk quota last across a SIGKILL;
+a padded journal costs no more memory at start-up than a valid one; the key lives outside
+the disk directory (issue 43)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from lmcache_mp.server.disk.tier import key_name
 from ..server.test_disk_tier import (
     CHUNK_BYTES,
     DISK_FLAGS,
+    NUM_BLOCKS,
     PROMPT_CHUNKS,
     PROMPTS,
     SMALL_POOL,
@@ -31,7 +33,17 @@ from ..server.test_disk_tier import (
     written,
 )
 from ..utils import run_server, server_process
-from ..workers import Job, expected_blocks, prompt, retrieve_worker, run, store_worker
+from ..workers import (
+    Job,
+    WorkerProcess,
+    abandoned_store_worker,
+    chunk_blocks,
+    expected_blocks,
+    prompt,
+    retrieve_worker,
+    run,
+    store_worker,
+)
 
 
 def crc_forged(length: int, crc: int, seed: int) -> bytes:
@@ -97,8 +109,12 @@ def test_a_crash_while_an_evicted_chunks_extent_holds_new_bytes_serves_none_of_t
     try:
         store(server, first, 11, salt="a")
         written(server, 2)
-        store(server, second, 12, salt="b", settle=False)
-        server.proc.wait(timeout=60)
+        # A worker that never talks to the server after its STORE: the server dies under it.
+        with WorkerProcess(abandoned_store_worker, Job(server.url, NUM_BLOCKS, 12, second,
+                                                       chunk_blocks([0]), cache_salt="b")) \
+                as worker:
+            worker.receive()
+            server.proc.wait(timeout=60)
     finally:
         assert server.close() == -9, server.output()
     monkeypatch.delenv("LMCACHE_MP_TEST_FAULT")
@@ -139,6 +155,21 @@ def test_chunks_of_256_bytes_are_written_and_read_back(tmp_path):
         assert stats(server).disk_hits == TINY_CHUNKS
 
 
+def test_a_write_the_kernel_refuses_drops_its_batch_and_the_tier_writes_on(tmp_path,
+                                                                           monkeypatch):
+    """The first batch's write fails with EINVAL (a fault point: the error a buffer set the
+    kernel refuses gives): that batch is dropped and counted, and the tier does not stop
+    (no 30 s back-off dropping what follows): every later chunk is written."""
+    monkeypatch.setenv("LMCACHE_MP_TEST_FAULT", "disk-einval-once")
+    with disk_server(tmp_path / "disk") as server:
+        store(server, *PROMPTS[0])
+        store(server, *PROMPTS[1])
+        figures = stats(server)
+        assert figures.disk_write_errors == 1 and figures.disk_writing
+        assert figures.disk_chunks_written == 2 * PROMPT_CHUNKS - figures.disk_dropped
+        assert figures.disk_dropped <= PROMPT_CHUNKS  # the first batch's, at most
+
+
 @pytest.mark.parametrize("cleared", ["gone", None])
 def test_a_clear_lasts_across_a_sigkill(tmp_path, cleared):
     """CLEAR of one salt (or of everything), answered, then SIGKILL: the restarted server
@@ -164,6 +195,28 @@ def test_a_clear_lasts_across_a_sigkill(tmp_path, cleared):
         assert loaded(server).disk_loaded_chunks == (PROMPT_CHUNKS if cleared else 0)
         assert assert_prefix_served(server, *gone, "gone") == 0
         assert assert_prefix_served(server, *kept, "kept") == (PROMPT_CHUNKS if cleared else 0)
+
+
+def test_a_shrunk_quota_lasts_across_a_sigkill(tmp_path):
+    """QUOTA_SET lowers a salt's cap to 2 of its 4 chunks on disk, answered, then SIGKILL:
+    the restarted server (the run-time quota gone with the killed one) holds 2 of them."""
+    directory, runtime = tmp_path / "disk", tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    server = server_process(None, [*SMALL_POOL, "--disk-dir", str(directory), *DISK_FLAGS],
+                            str(runtime))
+    server.start()
+    try:
+        store(server, *PROMPTS[0], salt="capped")
+        written(server, PROMPT_CHUNKS)
+        with server.client(admin=True) as admin:
+            admin.quota_set("capped", 2 * CHUNK_BYTES)
+        assert stats(server).tenants["capped"].disk_chunks == 2
+        server.proc.kill()
+    finally:
+        assert server.close() == -9
+    with disk_server(directory, runtime_dir=str(runtime)) as server:
+        assert loaded(server).disk_loaded_chunks == 2
+        assert assert_prefix_served(server, *PROMPTS[0], "capped") == 2
 
 
 def peak_rss(pid: int) -> int:

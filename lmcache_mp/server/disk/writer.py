@@ -20,6 +20,7 @@ turn is dropped and counted; a chunk being written is held until its bytes are o
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -65,9 +66,11 @@ COMPACT_SLACK = 65536
 COMMIT_RECORDS = 2 * (BATCH_BYTES + SYNC_BYTES) // 4096
 # A test's fault point, read when the writer is made: "disk-reuse-unsynced" SIGKILLs the
 # server once a batch that reuses extents of removed chunks has its bytes written, before
-# they are synced or recorded (the window a crash could meet).
+# they are synced or recorded (the window a crash could meet); "disk-einval-once" fails
+# the first batch's write with EINVAL, as a buffer set the kernel refuses would.
 FAULT_ENV = "LMCACHE_MP_TEST_FAULT"
 FAULT_REUSE_UNSYNCED = "disk-reuse-unsynced"
+FAULT_EINVAL_ONCE = "disk-einval-once"
 
 
 def journal_limit(capacity: int) -> int:
@@ -295,6 +298,9 @@ class DiskWriter:
             if len(removals):
                 self.journal.append((), removals)
                 recorded = True
+            if self._fault == FAULT_EINVAL_ONCE:
+                self._fault = ""
+                raise OSError(errno.EINVAL, "a write refused (the test's fault point)")
             self._write_out(placed)
             if len(removals) and self._fault == FAULT_REUSE_UNSYNCED:
                 os.kill(os.getpid(), signal.SIGKILL)

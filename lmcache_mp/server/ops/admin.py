@@ -52,32 +52,40 @@ class AdminOps:
         return QuotaInfo(salt, quota.cap, quota.reserve, store.quotas.has_own(salt),
                          usage.bytes_used if usage else 0)
 
-    def quota_set(self, session: Session, req: QuotaSetRequest) -> QuotaInfo:
+    def quota_set(self, session: Session, req: QuotaSetRequest
+                  ) -> QuotaInfo | Awaitable[QuotaInfo]:
         salt = validate_salt(req.cache_salt)
         try:
             self.ctx.store.quotas.set(salt, Quota(req.cap, req.reserve))
         except QuotaError as exc:
             raise BadRequest(f"quota for {salt!r} refused: {exc}") from None
-        self._enforce_cap(salt)
-        return self._quota_info(salt)
+        return self._under_cap(salt)
 
-    def _enforce_cap(self, salt: str) -> None:
+    def _under_cap(self, salt: str) -> QuotaInfo | Awaitable[QuotaInfo]:
+        """The salt brought under its cap, then its quota; what the disk evicted is in its
+        journal before the reply (a bounded wait), so that it stays evicted after a crash."""
         self.ctx.store.enforce_cap(salt)
-        if self.ctx.disk is not None:
-            self.ctx.disk.enforce_cap(salt)
+        if self.ctx.disk is None or not self.ctx.disk.enforce_cap(salt):
+            return self._quota_info(salt)
+        return self._info_once_recorded(salt)
+
+    async def _info_once_recorded(self, salt: str) -> QuotaInfo:
+        assert self.ctx.disk is not None  # _under_cap comes here only with a disk tier
+        await self.ctx.disk.removals_recorded()
+        return self._quota_info(salt)
 
     def quota_get(self, session: Session, req: QuotaGetRequest) -> QuotaInfo:
         return self._quota_info(validate_salt(req.cache_salt))
 
-    def quota_delete(self, session: Session, req: QuotaDeleteRequest) -> QuotaInfo:
+    def quota_delete(self, session: Session, req: QuotaDeleteRequest
+                     ) -> QuotaInfo | Awaitable[QuotaInfo]:
         """Drop the run-time quota; the file's, the flags' or the default applies again."""
         salt = validate_salt(req.cache_salt)
         try:
             self.ctx.store.quotas.delete(salt)
         except QuotaError as exc:
             raise BadRequest(f"quota for {salt!r} not deleted: {exc}") from None
-        self._enforce_cap(salt)
-        return self._quota_info(salt)
+        return self._under_cap(salt)
 
     def quota_list(self, session: Session, req: QuotaListRequest) -> QuotaListReply:
         quotas = self.ctx.store.quotas
