@@ -7,9 +7,9 @@ records), or one chunk that left the tier (a removal):
     magic b"LMCD", format (u16), kind (u16, 1: a chunk, 2: a removal), key (16 bytes),
     parent (16 bytes: the key of the chunk before it in its prompt, zeros for none), salt
     (8 bytes: the cache_salt's digest), offset (u64, in the data file, 4096-aligned),
-    nbytes (u32), the chunk's MAC (u32: a keyed BLAKE2b-32 of its disk key and its bytes,
-    ChunkMac; zero in a removal), sequence (u64: the record's place in the file), 40 zero
-    bytes, then a keyed BLAKE2b-128 MAC of the 112 bytes before it
+    nbytes (u32), the chunk's MAC (u32: an HMAC-SHA256 of its disk key and its bytes, cut
+    to 32 bits, ChunkMac; zero in a removal), sequence (u64: the record's place in the
+    file), 40 zero bytes, then a keyed BLAKE2b-128 MAC of the 112 bytes before it
 
 Records are never rewritten in place: a chunk written again, or an extent reused, gets a
 new record, and replay lets the later one win (same key: it replaces the earlier; an
@@ -39,6 +39,7 @@ find their tenants again after a restart.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import os
 import struct
@@ -92,19 +93,22 @@ def _hasher(secret: bytes, person: bytes) -> hashlib.blake2b:
 
 
 class ChunkMac:
-    """The MAC of a chunk's bytes: a keyed BLAKE2b-32 of its disk key and its bytes, so that
-    only a holder of the secret makes bytes that verify, and only under the key they were
-    written for. Any thread may call of(): each call hashes a copy of the keyed state."""
+    """The MAC of a chunk's bytes: an HMAC-SHA256 of its disk key and its bytes, cut to
+    CHUNK_MAC_BYTES, under a key derived from the secret for this use alone; only a holder
+    of the secret makes bytes that verify, and only under the key they were written for.
+    SHA-256, not BLAKE2b: with the CPU's SHA instructions (OpenSSL's) it hashes about
+    twice as fast, and every byte written or read back goes through it. Any thread may
+    call of(): each call hashes a copy of the keyed state, without the GIL."""
 
     def __init__(self, secret: bytes):
-        self._base = hashlib.blake2b(key=secret, digest_size=CHUNK_MAC_BYTES,
-                                     person=b"lmcd-bytes")
+        derived = hashlib.blake2b(key=secret, digest_size=32, person=b"lmcd-bytes").digest()
+        self._base = hmac.new(derived, digestmod="sha256")
 
     def of(self, key: bytes, data: bytes | memoryview) -> int:
         mac = self._base.copy()
         mac.update(key)
         mac.update(data)
-        return int.from_bytes(mac.digest(), "little")
+        return int.from_bytes(mac.digest()[:CHUNK_MAC_BYTES], "little")
 
 
 def salt_digest(cache_salt: str) -> bytes:

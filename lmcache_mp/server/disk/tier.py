@@ -5,9 +5,9 @@ op calls before_lookup() before it looks in memory (read-back), CLEAR and the qu
 call clearing() (then removals_recorded()) and enforce_cap(), STATS reads snapshot() and
 usage(). The key of the journal's and the chunks' MACs is given by the wiring, which keeps
 it in the server's runtime directory (key_name()), not in the directory it signs. At
-start() the index
-is rebuilt from the journal on a thread while the server answers (until it is whole the
-disk tier finds nothing and writes nothing: chunks stored meanwhile wait in the queue).
+start() the index is rebuilt from the journal on a thread while the server answers (until
+it is whole the disk tier finds nothing and writes nothing: chunks stored meanwhile wait
+in the queue).
 """
 
 from __future__ import annotations
