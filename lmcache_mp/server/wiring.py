@@ -95,12 +95,16 @@ def wire(config: Config) -> Components:
     metrics = ServerMetrics()
     disk = None
     if config.disk_dir is not None:
-        from .disk.tier import DiskTier
+        from .disk.tier import DiskTier, key_name
 
         assert config.disk_size is not None  # Config.validate() requires it
+        # As the snapshot's, the key of the disk tier's MACs lives apart from what it signs,
+        # in the runtime directory: whoever could write the tier's files cannot read it.
+        key = load_or_create_token(Path(config.runtime_dir) / key_name(Path(config.disk_dir)),
+                                   0o600, None)
         disk = DiskTier(Path(config.disk_dir), config.disk_size, config.disk_queue_size,
                         config.disk_prefetch_wait, store, registry, pool, chunk_bytes,
-                        metrics.disk_read)
+                        metrics.disk_read, key.encode())
     l2 = None
     if config.l2 is not None:
         from .l2.tier import L2Tier  # redis-py is needed only with --l2

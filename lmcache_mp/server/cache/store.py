@@ -453,8 +453,9 @@ class ChunkStore(Catalog):
 
     # -- admin ---------------------------------------------------------------------------
 
-    def clear(self, cache_salt: str | None = None) -> int:
-        """Drop the salt's (or every) leases and every committed chunk no read is using."""
+    def clear(self, cache_salt: str | None = None, gone: list[Chunk] | None = None) -> int:
+        """Drop the salt's (or every) leases and every committed chunk no read is using;
+        how many went, and those of them it chose are added to `gone`."""
         for owner in [o for o in self.leases.owners() if cache_salt in (None, o.cache_salt)]:
             self.release(owner)
         doomed = [c for c in self._chunks.values() if c.visible and not c.holds
@@ -463,4 +464,6 @@ class ChunkStore(Catalog):
         for chunk in doomed:
             if self._chunks.get(chunk.key) is chunk:  # not gone with the chunk before it
                 removed += self._remove(chunk, evicted=False)
+        if gone is not None:
+            gone.extend(chunk for chunk in doomed if self._chunks.get(chunk.key) is not chunk)
         return removed

@@ -27,6 +27,13 @@ NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 # Errors opening the directory's files for writing that leave them readable: the tier
 # serves what it holds and writes nothing.
 READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+# Errors a write's own arguments cause (a buffer set the kernel refuses), not the disk: the
+# batch is dropped and the tier writes on.
+BATCH_FAULTS = (errno.EINVAL, errno.EFAULT, errno.EOVERFLOW)
+# Buffers one pwritev or preadv takes at most (1024 on Linux): more is EINVAL.
+IOV_MAX = (os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 0) or 1024
+if IOV_MAX < 0:  # no limit reported
+    IOV_MAX = 1024
 
 
 class ShortRead(OSError):
@@ -62,10 +69,10 @@ class DataFile:
 
     def _all(self, call: Callable[[int, list[memoryview], int], int], offset: int,
              buffers: list[memoryview], none_moved: OSError) -> None:
-        """`call` (pwritev or preadv) until every byte of `buffers` has moved: a call may
-        move fewer bytes than asked."""
+        """`call` (pwritev or preadv) until every byte of `buffers` has moved, at most
+        IOV_MAX buffers a call: a call may move fewer bytes than asked."""
         while buffers:
-            moved = call(self.fd, buffers, offset)
+            moved = call(self.fd, buffers[:IOV_MAX], offset)
             if moved <= 0:
                 raise none_moved
             offset += moved

@@ -14,7 +14,7 @@ from .journal import ALIGNMENT, Replayed
 KEY_COLUMN = "keys"  # (capacity, 2) uint64: a key's halves side by side
 
 LIVE_COLUMNS = ("live", "holds", "children", "next", KEY_COLUMN, "parent", "salt", "offset",
-                "nbytes", "crc")  # what live() reads
+                "nbytes", "mac")  # what live() reads
 
 
 class FrozenIndex:
@@ -40,7 +40,7 @@ class FrozenIndex:
         return Replayed(np.take(keys, rows, axis=0), parent_keys,
                         np.asarray(salt_digests, np.uint64)[a["salt"][rows]],
                         np.multiply(a["offset"][rows], ALIGNMENT, dtype=np.int64),
-                        a["nbytes"][rows].astype(np.int64), a["crc"][rows])
+                        a["nbytes"][rows].astype(np.int64), a["mac"][rows])
 
 
 def chain_order(links: np.ndarray, members: np.ndarray, used: int

@@ -40,7 +40,7 @@ _COLUMNS = {
     "children": np.int32,  # records whose parent it is
     "salt": np.uint16,
     "offset": np.uint32,  # in ALIGNMENT units: 16 TiB of data file
-    "nbytes": np.uint32, "crc": np.uint32,
+    "nbytes": np.uint32, "mac": np.uint32,  # mac: its bytes' (journal.ChunkMac)
     "holds": np.int32,
     "prev": np.int32, "next": np.int32,  # the evictable list; `next` links free ids too
     "salt_prev": np.int32, "salt_next": np.int32,  # the salt's evictable list
@@ -95,7 +95,7 @@ class DiskIndex:
         self._keys = a[KEY_COLUMN].reshape(-1).data  # a record's halves at 2 rid, 2 rid + 1
         self._parent, self._children = a["parent"].data, a["children"].data
         self._salt, self._offset = a["salt"].data, a["offset"].data
-        self._nbytes, self._crc = a["nbytes"].data, a["crc"].data
+        self._nbytes, self._mac = a["nbytes"].data, a["mac"].data
         self._holds, self._live = a["holds"].data, a["live"].data
         self._prev, self._next = a["prev"].data, a["next"].data
         self._salt_prev, self._salt_next = a["salt_prev"].data, a["salt_next"].data
@@ -128,8 +128,8 @@ class DiskIndex:
     def nbytes(self, rid: int) -> int:
         return self._nbytes[rid]
 
-    def crc(self, rid: int) -> int:
-        return self._crc[rid]
+    def mac(self, rid: int) -> int:
+        return self._mac[rid]
 
     def salt(self, rid: int) -> int:
         return self._salt[rid]
@@ -164,12 +164,12 @@ class DiskIndex:
         return len(keys)
 
     def add(self, key: bytes, parent: int, salt: int, offset: int, nbytes: int,
-            crc: int) -> int:
+            mac: int) -> int:
         """A new record, evictable and the most recent, for a `key` not in the index;
         `parent`: the record of the chunk before it in its prompt, or -1 (it stops being
         evictable); `salt`: the caller's id of the cache_salt, below MAX_SALTS."""
         k0, k1 = _KEY.unpack(key)
-        if not (0 <= salt < MAX_SALTS and 0 < nbytes < 1 << 32 and 0 <= crc < 1 << 32
+        if not (0 <= salt < MAX_SALTS and 0 < nbytes < 1 << 32 and 0 <= mac < 1 << 32
                 and 0 <= offset < ALIGNMENT << 32 and not offset % ALIGNMENT):
             raise ValueError(f"a record needs a salt id below {MAX_SALTS}, a 4096-aligned "
                              f"offset below 16 TiB and 1 to 2**32-1 bytes")
@@ -189,7 +189,7 @@ class DiskIndex:
         self._salt[rid] = salt
         self._offset[rid] = offset // ALIGNMENT
         self._nbytes[rid] = nbytes
-        self._crc[rid] = crc
+        self._mac[rid] = mac
         self._holds[rid] = self._children[rid] = 0
         self._live[rid] = 1
         self._parent[rid] = parent if parent >= 0 else -1
@@ -429,7 +429,7 @@ class DiskIndex:
         a[KEY_COLUMN][:n] = replayed.keys
         a["salt"][:n] = salt_ids
         a["offset"][:n] = offsets // ALIGNMENT
-        a["nbytes"][:n], a["crc"][:n] = nbytes, replayed.crcs
+        a["nbytes"][:n], a["mac"][:n] = nbytes, replayed.macs
         a["live"][:n] = 1
         self._used = self._count = n
         size = len(self._table_array)

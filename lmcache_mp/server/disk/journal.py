@@ -1,25 +1,36 @@
 """The journal of chunks on disk: authenticated fixed-size records, appended, replayed, compacted.
 
-The journal is a file of 128-byte records, each naming one chunk whose bytes are already in
-the tier's data file (the writer syncs the bytes before it appends their records):
+The journal is a file of 128-byte records (format 2), each naming one chunk whose bytes are
+already in the tier's data file (the writer syncs the bytes before it appends their
+records), or one chunk that left the tier (a removal):
 
-    magic b"LMCD", format (u16), kind (u16, 1: a chunk), key (16 bytes), parent (16 bytes:
-    the key of the chunk before it in its prompt, zeros for none), salt (8 bytes: the
-    cache_salt's digest), offset (u64, in the data file, 4096-aligned), nbytes (u32), crc
-    (u32: CRC-32 of the chunk's bytes), sequence (u64: the record's place in the file),
-    40 zero bytes, then a keyed BLAKE2b-128 MAC of the 112 bytes before it
+    magic b"LMCD", format (u16), kind (u16, 1: a chunk, 2: a removal), key (16 bytes),
+    parent (16 bytes: the key of the chunk before it in its prompt, zeros for none), salt
+    (8 bytes: the cache_salt's digest), offset (u64, in the data file, 4096-aligned),
+    nbytes (u32), the chunk's MAC (u32: an HMAC-SHA256 of its disk key and its bytes, cut
+    to 32 bits, ChunkMac; zero in a removal), sequence (u64: the record's place in the
+    file), 40 zero bytes, then a keyed BLAKE2b-128 MAC of the 112 bytes before it
 
 Records are never rewritten in place: a chunk written again, or an extent reused, gets a
 new record, and replay lets the later one win (same key: it replaces the earlier; an
-overlapping extent: the earlier's bytes were overwritten). When the file holds many more
-records than live chunks, the writer rewrites it from the index's live records into a new
-file renamed over the old one, so a crash leaves one or the other, whole.
+overlapping extent: the earlier's bytes were overwritten). A removal names the key and
+the extent of a chunk that left the tier (evicted, cleared, over its salt's cap, or failed
+its read): it kills the key's earlier record, and is itself no chunk. The writer makes a
+removal durable before any byte is written into the extent it frees, so no synced record
+ever names bytes its chunk did not have. When the file holds many more records than live
+chunks, the writer rewrites it from the index's live records into a new file renamed over
+the old one, so a crash leaves one or the other, whole (the removals are gone from it:
+their chunks are not among the live records).
 
-The MAC is keyed by a secret kept beside the journal (load_or_create_secret): a journal
-or a names file from another directory, or written by anyone else, replays as nothing.
-The sequence must equal the record's place, so a record copied elsewhere in the file is
-refused too. A crash can leave a torn last record: opening the journal cuts it off, so
-the next append lands right after the last whole one.
+The MACs are keyed by a secret the tier keeps outside its directory (in the server's
+runtime directory, see tier.py): a journal or a names file from another directory, or
+written by anyone else, replays as nothing, and so does a record of another format (format
+1 records are bad records). The sequence must equal the record's place, so a record copied
+elsewhere in the file is refused too. A crash can leave a torn last record: opening the
+journal cuts it off, so the next append lands right after the last whole one. Replay reads
+the file in blocks of REPLAY_BLOCK records and keeps only the good ones, and at most the
+last `limit` records of it (what the tier's capacity allows, tier.py): a damaged or padded
+journal costs no more memory than a valid one.
 
 The cache_salt strings themselves go into a second small file (SaltNames), so that quotas
 find their tenants again after a restart.
@@ -28,9 +39,9 @@ find their tenants again after a restart.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import os
-import secrets
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,19 +54,23 @@ from ..private_dir import PrivateDir
 logger = logging.getLogger("lmcache_mp.server.disk")
 
 CHUNK_RECORD_BYTES = 128
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = b"LMCD"
 KIND_CHUNK = 1
-SECRET_BYTES = 32
+KIND_REMOVED = 2
 SALT_DIGEST_BYTES = 8
 MAX_SALT_NAME = 256
 
 _RECORD = np.dtype([
     ("magic", "S4"), ("version", "<u2"), ("kind", "<u2"), ("key", "<u8", (2,)),
     ("parent", "<u8", (2,)), ("salt", "<u8"), ("offset", "<u8"), ("nbytes", "<u4"),
-    ("crc", "<u4"), ("sequence", "<u8"), ("reserved", "u1", (40,)), ("mac", "<u8", (2,)),
+    ("chunk_mac", "<u4"), ("sequence", "<u8"), ("reserved", "u1", (40,)), ("mac", "<u8", (2,)),
 ])
 _MAC_BYTES = 16
+# The index keeps a chunk's MAC in 4 bytes of its row. Enough: no one without the key can
+# compute one, so a forgery is a guess that only a read-back checks, and a wrong guess
+# drops the chunk: each try needs its victim to store the chunk again.
+CHUNK_MAC_BYTES = 4
 _SIGNED_BYTES = CHUNK_RECORD_BYTES - _MAC_BYTES  # the MAC comes last
 assert _RECORD.itemsize == CHUNK_RECORD_BYTES
 # Offsets at or beyond this (16 TiB) are refused on replay: the index keeps offsets in
@@ -66,13 +81,34 @@ _MAX_OFFSET = ALIGNMENT << 32
 _REWRITE_BATCH = 1 << 16
 # Overlapping pairs replay examines at a time: bounded memory for any history.
 _PAIR_BATCH = 1 << 22
-# Records whose MACs replay computes before comparing them: a few MiB of digests at once.
-_MAC_BATCH = 1 << 16
+# Records replay reads, checks and sifts at a time: 8 MiB of file, whatever its length.
+REPLAY_BLOCK = 1 << 16
+# A removal as the writer queues it: the key and the extent of a chunk that left the tier.
+_REMOVAL = np.dtype([("key", "<u8", (2,)), ("offset", "<i8"), ("nbytes", "<i8")])
 
 
 def _hasher(secret: bytes, person: bytes) -> hashlib.blake2b:
     # `person` separates the two files' MACs: an entry of one never verifies as the other's.
     return hashlib.blake2b(key=secret, digest_size=_MAC_BYTES, person=person)
+
+
+class ChunkMac:
+    """The MAC of a chunk's bytes: an HMAC-SHA256 of its disk key and its bytes, cut to
+    CHUNK_MAC_BYTES, under a key derived from the secret for this use alone; only a holder
+    of the secret makes bytes that verify, and only under the key they were written for.
+    SHA-256, not BLAKE2b: with the CPU's SHA instructions (OpenSSL's) it hashes about
+    twice as fast, and every byte written or read back goes through it. Any thread may
+    call of(): each call hashes a copy of the keyed state, without the GIL."""
+
+    def __init__(self, secret: bytes):
+        derived = hashlib.blake2b(key=secret, digest_size=32, person=b"lmcd-bytes").digest()
+        self._base = hmac.new(derived, digestmod="sha256")
+
+    def of(self, key: bytes, data: bytes | memoryview) -> int:
+        mac = self._base.copy()
+        mac.update(key)
+        mac.update(data)
+        return int.from_bytes(mac.digest()[:CHUNK_MAC_BYTES], "little")
 
 
 def salt_digest(cache_salt: str) -> bytes:
@@ -90,7 +126,7 @@ class ChunkRecord:
     salt: bytes  # salt_digest(cache_salt)
     offset: int  # in the data file, a multiple of 4096
     nbytes: int
-    crc: int  # zlib.crc32 of the chunk's bytes
+    mac: int  # ChunkMac.of(key, the chunk's bytes)
 
 
 @dataclass
@@ -103,10 +139,11 @@ class Replayed:
     salts: np.ndarray  # (n,) uint64: the salt digest's 8 bytes, little-endian
     offsets: np.ndarray  # (n,) int64
     nbytes: np.ndarray  # (n,) int64
-    crcs: np.ndarray  # (n,) uint32
-    read: int = 0  # whole records in the file
+    macs: np.ndarray  # (n,) uint32: ChunkMac.of each chunk
+    read: int = 0  # whole records replay looked at
     bad: int = 0  # records refused: not a record, another format, a MAC that fails
-    superseded: int = 0  # good records a later one replaced or overwrote
+    superseded: int = 0  # good records a later one replaced, overwrote or removed, and removals
+    skipped: int = 0  # records before the last `limit` ones, not looked at
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -120,7 +157,41 @@ class Replayed:
     def select(self, which: np.ndarray | slice) -> Replayed:
         """The rows `which` picks (a mask, indices or a slice), counts left at zero."""
         return Replayed(self.keys[which], self.parents[which], self.salts[which],
-                        self.offsets[which], self.nbytes[which], self.crcs[which])
+                        self.offsets[which], self.nbytes[which], self.macs[which])
+
+
+class Removals:
+    """Chunks that left the tier whose removal records are not yet in the journal, oldest
+    first (the loop adds, the writer takes): 32 bytes a chunk, no object. `made` counts
+    every removal added, `durable` those now in the journal, synced (or given up on in a
+    tier that writes nothing)."""
+
+    _ENTRY = struct.Struct("<16sqq")
+
+    def __init__(self) -> None:
+        self._rows = bytearray()
+        self.made = 0
+        self.durable = 0
+
+    def __len__(self) -> int:
+        return len(self._rows) // self._ENTRY.size
+
+    def add(self, key: bytes, offset: int, nbytes: int) -> None:
+        self._rows += self._ENTRY.pack(key, offset, nbytes)
+        self.made += 1
+
+    def take(self) -> np.ndarray:
+        """Every removal queued, as rows for Journal.append, and none left queued."""
+        rows = np.frombuffer(bytes(self._rows), _REMOVAL)
+        self._rows.clear()
+        return rows
+
+    def put_back(self, rows: np.ndarray) -> None:
+        """Removals taken whose append failed: queued again, before those added since."""
+        self._rows[:0] = rows.tobytes()
+
+    def recorded(self, rows: np.ndarray) -> None:
+        self.durable += len(rows)
 
 
 class Journal:
@@ -150,18 +221,30 @@ class Journal:
         """Records in the file now, live or not."""
         return self._end // CHUNK_RECORD_BYTES
 
-    def append(self, records: Sequence[ChunkRecord]) -> None:
-        """Record chunks whose bytes are on disk (synced): one write, then fdatasync.
-        Raises OSError; then none of them counts as recorded (the file is cut back)."""
-        if not records:
+    def append(self, records: Sequence[ChunkRecord], removals: np.ndarray | None = None
+               ) -> None:
+        """Record removals (Removals.take()'s rows) and chunks whose bytes are on disk
+        (synced), the removals first: one write, then fdatasync. Raises OSError; then none
+        of them counts as recorded (the file is cut back)."""
+        parts = []
+        if removals is not None and len(removals):
+            n = len(removals)
+            gone = Replayed(removals["key"], np.zeros((n, 2), np.uint64),
+                            np.zeros(n, np.uint64), removals["offset"], removals["nbytes"],
+                            np.zeros(n, np.uint32))
+            parts.append(self._encode(gone, self.records, KIND_REMOVED))
+        if records:
+            columns = Replayed(
+                _halves([r.key for r in records], 16), _halves([r.parent for r in records], 16),
+                _halves([r.salt for r in records], SALT_DIGEST_BYTES).reshape(-1),
+                np.array([r.offset for r in records], np.int64),
+                np.array([r.nbytes for r in records], np.int64),
+                np.array([r.mac for r in records], np.uint32))
+            placed = self.records + sum(len(part) for part in parts) // CHUNK_RECORD_BYTES
+            parts.append(self._encode(columns, placed))
+        if not parts:
             return
-        columns = Replayed(
-            _halves([r.key for r in records], 16), _halves([r.parent for r in records], 16),
-            _halves([r.salt for r in records], SALT_DIGEST_BYTES).reshape(-1),
-            np.array([r.offset for r in records], np.int64),
-            np.array([r.nbytes for r in records], np.int64),
-            np.array([r.crc for r in records], np.uint32))
-        data = self._encode(columns, self.records)
+        data = b"".join(parts)
         try:
             _write_all(self.fd, data, self._end)
             os.fdatasync(self.fd)
@@ -173,7 +256,8 @@ class Journal:
             raise
         self._end += len(data)
 
-    def _encode(self, columns: Replayed, first_sequence: int) -> bytearray:
+    def _encode(self, columns: Replayed, first_sequence: int, kind: int = KIND_CHUNK
+                ) -> bytearray:
         n = len(columns)
         offsets, nbytes = columns.offsets, columns.nbytes
         if np.any(offsets % ALIGNMENT) or np.any(offsets < 0) or np.any(offsets >= _MAX_OFFSET) \
@@ -183,13 +267,13 @@ class Journal:
         table = np.zeros(n, _RECORD)
         table["magic"] = MAGIC
         table["version"] = FORMAT_VERSION
-        table["kind"] = KIND_CHUNK
+        table["kind"] = kind
         table["key"] = columns.keys
         table["parent"] = columns.parents
         table["salt"] = columns.salts
         table["offset"] = columns.offsets
         table["nbytes"] = columns.nbytes
-        table["crc"] = columns.crcs
+        table["chunk_mac"] = columns.macs
         table["sequence"] = np.arange(first_sequence, first_sequence + n, dtype=np.uint64)
         data = bytearray(table.tobytes())
         view = memoryview(data)
@@ -199,32 +283,49 @@ class Journal:
             view[start + _SIGNED_BYTES:start + CHUNK_RECORD_BYTES] = mac.digest()
         return data
 
-    def replay(self) -> Replayed:
-        """The live chunks the journal records, oldest first. A record that is not whole,
-        not of this format, or not signed with this journal's secret is bad and skipped
-        (the records after it still count); of the good ones, a later record for the same
-        key replaces the earlier, and a later record whose extent overlaps an earlier's
-        kills the earlier (its bytes were overwritten)."""
-        raw = _read_all(self.fd, self._end)
+    def replay(self, limit: int | None = None) -> Replayed:
+        """The live chunks the journal records, oldest first, from at most its last `limit`
+        records (None: all). A record that is not whole, not of this format, or not signed
+        with this journal's secret is bad and skipped (the records after it still count);
+        of the good ones, a later record for the same key (a chunk or a removal) replaces
+        the earlier, and a later record whose extent overlaps an earlier's kills the
+        earlier (its bytes were overwritten); removals themselves are no chunks. The file
+        is read REPLAY_BLOCK records at a time, and only good records are kept."""
+        total = self.records
+        first = 0 if limit is None else max(0, total - limit)
+        if first:
+            logger.warning("disk journal %s holds %d records, more than a tier of this size "
+                           "writes before it compacts its journal (%d): only the last %d are "
+                           "replayed", self._directory.path / self._name, total, limit, limit)
+        kept = [table for start in range(first, total, REPLAY_BLOCK)
+                if len(table := self._good_block(start, min(REPLAY_BLOCK, total - start)))]
+        table = np.concatenate(kept) if kept else np.zeros(0, _RECORD)
+        offsets = table["offset"].astype(np.int64)
+        nbytes = table["nbytes"].astype(np.int64)
+        keys = table["key"]
+        alive = _last_of_each_key(keys) & ~_overwritten(offsets, nbytes) \
+            & (table["kind"] == KIND_CHUNK)
+        rows = table[alive]
+        read = total - first
+        return Replayed(rows["key"], rows["parent"], rows["salt"], offsets[alive],
+                        nbytes[alive], rows["chunk_mac"], read=read, bad=read - len(table),
+                        superseded=len(table) - len(rows), skipped=first)
+
+    def _good_block(self, start: int, count: int) -> np.ndarray:
+        """Records `start` to `start + count` that are good: whole, of this format, in their
+        place, signed (a copy: the block's buffer is let go)."""
+        raw = _read_all(self.fd, count * CHUNK_RECORD_BYTES, start * CHUNK_RECORD_BYTES)
         del raw[len(raw) - len(raw) % CHUNK_RECORD_BYTES:]
         table = np.frombuffer(raw, _RECORD)
         n = len(table)
         good = ((table["magic"] == MAGIC) & (table["version"] == FORMAT_VERSION)
-                & (table["kind"] == KIND_CHUNK)
-                & (table["sequence"] == np.arange(n, dtype=np.uint64))
+                & ((table["kind"] == KIND_CHUNK) | (table["kind"] == KIND_REMOVED))
+                & (table["sequence"] == np.arange(start, start + n, dtype=np.uint64))
                 & (table["offset"] % ALIGNMENT == 0) & (table["offset"] < _MAX_OFFSET)
                 & (table["nbytes"] > 0))
         candidates = np.flatnonzero(good)
         good[candidates] = self._macs_match(raw, candidates, table["mac"][candidates])
-        kept = np.flatnonzero(good)
-        offsets = table["offset"][kept].astype(np.int64)
-        nbytes = table["nbytes"][kept].astype(np.int64)
-        keys = table["key"][kept]
-        alive = _last_of_each_key(keys) & ~_overwritten(offsets, nbytes)
-        rows = kept[alive]
-        return Replayed(table["key"][rows], table["parent"][rows], table["salt"][rows],
-                        offsets[alive], nbytes[alive], table["crc"][rows], read=n,
-                        bad=n - len(kept), superseded=len(kept) - len(rows))
+        return table[good].copy()
 
     def _macs_match(self, raw: bytearray, rows: np.ndarray, macs: np.ndarray) -> np.ndarray:
         # The one loop a record: hashlib has no batch form, and a copy of the keyed state
@@ -237,15 +338,10 @@ class Journal:
             each.update(view[start:start + _SIGNED_BYTES])
             return each.digest()
 
-        match = np.zeros(len(rows), bool)
-        for first in range(0, len(rows), _MAC_BATCH):
-            starts = rows[first:first + _MAC_BATCH] * CHUNK_RECORD_BYTES
-            computed = np.frombuffer(b"".join([mac(start) for start in starts.tolist()]),
-                                     "<u8").reshape(-1, 2)
-            stored = macs[first:first + _MAC_BATCH]
-            match[first:first + _MAC_BATCH] = (stored[:, 0] == computed[:, 0]) & \
-                (stored[:, 1] == computed[:, 1])
-        return match
+        starts = rows * CHUNK_RECORD_BYTES
+        computed = np.frombuffer(b"".join([mac(start) for start in starts.tolist()]),
+                                 "<u8").reshape(-1, 2)
+        return (macs[:, 0] == computed[:, 0]) & (macs[:, 1] == computed[:, 1])
 
     def rewrite(self, columns: Replayed) -> None:
         """Replace the journal with `columns` (the live records, oldest first): written to
@@ -361,12 +457,12 @@ def _overwritten(offsets: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
     return dead
 
 
-def _read_all(fd: int, size: int) -> bytearray:
+def _read_all(fd: int, size: int, offset: int = 0) -> bytearray:
     data = bytearray(size)
     view = memoryview(data)
     got = 0
     while got < size:
-        count = os.preadv(fd, [view[got:]], got)
+        count = os.preadv(fd, [view[got:]], offset + got)
         if count <= 0:
             break  # cut short under the server: what was read replays
         got += count
@@ -399,7 +495,7 @@ def valid_salt_name(name: str) -> bool:
 
 
 class SaltNames:
-    """The file of cache_salt names by digest, appended to once per new salt."""
+    """The file of cache_salt names by digest, appended to once per batch of new salts."""
 
     def __init__(self, fd: int, secret: bytes, read_only: bool = False):
         """`fd`: the file, open for reading and writing (or only reading); a torn last
@@ -419,17 +515,23 @@ class SaltNames:
         mac.update(head)
         return mac.digest()
 
-    def add(self, digest: bytes, name: str) -> None:
-        """Record that `digest` is salt_digest(`name`), synced; raises OSError, and
-        ValueError for a name that is not valid_salt_name() or a digest that is not its."""
-        if not valid_salt_name(name) or digest != salt_digest(name):
-            raise ValueError("a salt name is at most 256 printable ASCII characters, "
-                             "recorded with its salt_digest()")
-        head = _NAME_ENTRY.pack(_NAME_MAGIC, FORMAT_VERSION, len(name), digest,
-                                name.encode(), bytes(_MAC_BYTES))[:_NAME_SIGNED]
-        entry = head + self._signed(head)
+    def add(self, names: Sequence[tuple[bytes, str]]) -> None:
+        """Record that each `digest` is salt_digest(`name`): one write, then fdatasync;
+        raises OSError (then none is recorded), and ValueError for a name that is not
+        valid_salt_name() or a digest that is not its."""
+        entries = []
+        for digest, name in names:
+            if not valid_salt_name(name) or digest != salt_digest(name):
+                raise ValueError("a salt name is at most 256 printable ASCII characters, "
+                                 "recorded with its salt_digest()")
+            head = _NAME_ENTRY.pack(_NAME_MAGIC, FORMAT_VERSION, len(name), digest,
+                                    name.encode(), bytes(_MAC_BYTES))[:_NAME_SIGNED]
+            entries.append(head + self._signed(head))
+        if not entries:
+            return
+        data = b"".join(entries)
         try:
-            _write_all(self.fd, entry, self._end)
+            _write_all(self.fd, data, self._end)
             os.fdatasync(self.fd)
         except OSError:
             try:
@@ -437,7 +539,7 @@ class SaltNames:
             except OSError:
                 pass  # cut off or overwritten later anyway
             raise
-        self._end += len(entry)
+        self._end += len(data)
 
     def load(self) -> dict[bytes, str]:
         """Every name recorded, by digest; entries that fail their MAC or do not match
@@ -460,39 +562,3 @@ class SaltNames:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-def load_or_create_secret(directory: PrivateDir, name: str = "disk.key") -> bytes:
-    """The 32-byte secret the directory's journal and names are signed with: read back,
-    or made (0600, written whole before it is renamed into place) on the first start. A
-    key file of another length is replaced: what it signed then replays as nothing.
-    Raises UnsafePath for a file there that is not the server's own."""
-    try:
-        fd = directory.open(name, os.O_RDONLY)
-    except FileNotFoundError:
-        return _new_secret(directory, name)
-    try:
-        secret = os.read(fd, SECRET_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(secret) == SECRET_BYTES:
-        return secret
-    logger.warning("%s holds %d bytes, not a %d-byte key: a new key replaces it, and the "
-                   "chunks on disk signed with the old one are not used",
-                   directory.path / name, len(secret), SECRET_BYTES)
-    return _new_secret(directory, name)
-
-
-def _new_secret(directory: PrivateDir, name: str) -> bytes:
-    secret = secrets.token_bytes(SECRET_BYTES)
-    temporary = name + ".new"
-    directory.unlink(temporary)
-    fd = directory.create(temporary)
-    try:
-        _write_all(fd, secret, 0)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    directory.replace(temporary, name)
-    directory.sync()
-    return secret

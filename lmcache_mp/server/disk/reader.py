@@ -3,10 +3,11 @@
 A LOOKUP item whose run of chunks stops short in memory starts a read of the rest that
 the disk holds: in prompt order, a window of chunks at a time, each chunk read straight
 into a pool extent reserved for it (with its parent, so that what memory keeps stays a
-prefix), its checksum verified, and committed in order; the disk chunks are held
+prefix), its MAC verified (journal.ChunkMac: the bytes this server wrote for that key, and
+no others), and committed in order; the disk chunks are held
 meanwhile (never evicted, their extents never rewritten). The LOOKUP waits for its reads
 at most --disk-prefetch-wait, then counts what has landed as hits (and holds it, as any
-chunk in memory); the read goes on for the next LOOKUP. A chunk that fails its checksum
+chunk in memory); the read goes on for the next LOOKUP. A chunk that fails its MAC
 or is cut short by a truncated file is dropped from the disk tier: a miss, never an error.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +29,7 @@ from ..copy.offload import Offload
 from ..memory.geometry import Geometry
 from ..memory.registry import Registry
 from .files import DataFile, ShortRead
+from .journal import ChunkMac
 from .space import DiskSpace
 
 logger = logging.getLogger("lmcache_mp.server.disk")
@@ -45,20 +46,22 @@ class _Read:
     position: int  # its chunk's place in the window
     offset: int
     nbytes: int
-    crc: int
+    key: bytes  # its disk key, which its MAC covers
+    mac: int
     outcome: str = ""  # "" (intact), "corrupt" or "error"
 
 
 class DiskReader:
     def __init__(self, space: DiskSpace, store: ChunkStore, registry: Registry, pool: CpuPool,
-                 data: DataFile, key_of: Callable[[ChunkKey, Geometry], bytes], wait_s: float,
-                 observe_read: Callable[[float], None]):
+                 data: DataFile, mac: ChunkMac, key_of: Callable[[ChunkKey, Geometry], bytes],
+                 wait_s: float, observe_read: Callable[[float], None]):
         self.space = space
         self.counters = space.counters
         self.store = store
         self.registry = registry
         self.pool = pool
         self.data = data
+        self.mac = mac
         self.key_of = key_of
         self.observe_read = observe_read  # seconds each window's reads took
         self.offload = Offload("disk-read", 2)
@@ -157,7 +160,7 @@ class DiskReader:
                 if reservation.status == StoreStatus.STORED:
                     assert reservation.chunk is not None  # a STORED reservation has one
                     placed.append(_Read(reservation.chunk, rid, position, index.offset(rid),
-                                        nbytes, index.crc(rid)))
+                                        nbytes, index.key(rid), index.mac(rid)))
                 elif reservation.status != StoreStatus.ALREADY_STORED:
                     break  # no room, over the salt's cap, or its parent left memory
             else:
@@ -216,7 +219,7 @@ class DiskReader:
 
     def _read_in(self, reads: list[_Read]) -> None:
         """An offload thread: every chunk's bytes into its pool extent, several reads at
-        once, each checked against its checksum."""
+        once, each checked against its MAC."""
         if reads:
             list(self._parallel.map(self._read_one, reads))
 
@@ -232,7 +235,7 @@ class DiskReader:
                            read.offset, exc)
             read.outcome = "error"
             return
-        if zlib.crc32(target[:read.nbytes]) != read.crc:
+        if self.mac.of(read.key, target[:read.nbytes]) != read.mac:
             read.outcome = "corrupt"
 
     async def close(self) -> None:

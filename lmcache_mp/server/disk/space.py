@@ -2,7 +2,8 @@
 
 Every method runs on the event loop. The index (index.py) holds only chunks whose bytes
 and journal record are on disk; extents being written are counted as pending, per salt,
-so that a salt's cap covers them too.
+so that a salt's cap covers them too. A chunk that leaves the index is queued in
+`removals`, which the writer records in the journal before it writes into any extent.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..cache.lazy_heap import LazyHeap
 from ..cache.pool import ALIGNMENT, ExtentAllocator, aligned
 from .files import NO_ROOM
 from .index import MAX_SALTS, DiskIndex
+from .journal import Removals
 
 logger = logging.getLogger("lmcache_mp.server.disk")
 
@@ -35,7 +37,7 @@ class DiskCounters:
     chunks: int = 0
     hits: int = 0  # chunks a LOOKUP read back from disk into the CPU pool
     misses: int = 0  # chunks a read-back looked for on disk and did not find
-    corrupt: int = 0  # chunks whose bytes failed their checksum, or were cut short (misses)
+    corrupt: int = 0  # chunks whose bytes failed their MAC, or were cut short (misses)
     bytes_read: int = 0
     bytes_written: int = 0
     chunks_written: int = 0
@@ -85,6 +87,7 @@ class DiskSpace:
         self.salt_names: list[str] = []  # by id; a free id keeps its last salt's name
         self._free_ids: list[int] = []
         self.unsaved_salts: list[str] = []  # names the writer records before their chunks
+        self.removals = Removals()  # chunks gone from the index, not yet from the journal
         self.pending: Counter[int] = Counter()  # bytes of extents being written, per salt id
         self._pending_total = 0
         self._over: LazyHeap[int] = LazyHeap()  # by -(bytes on disk - reservation), if > 0
@@ -235,19 +238,22 @@ class DiskSpace:
         return True
 
     def drop(self, rid: int) -> None:
-        """Take a chunk off disk (its extent is free for the next write)."""
+        """Take a chunk off disk: its removal is queued for the journal, and its extent is
+        free for the next write (which records the removal first)."""
         sid = self.index.salt(rid)
+        key = self.index.key(rid)
         offset, nbytes = self.index.remove(rid)
         self.allocator.free(offset, aligned(nbytes))
+        self.removals.add(key, offset, nbytes)
         self._settle(sid)
 
     def written(self, key: bytes, parent: bytes | None, salt: int, offset: int, nbytes: int,
-                crc: int) -> None:
+                mac: int) -> None:
         """A chunk's bytes and journal record are on disk: it becomes visible."""
         self._unpend(salt, nbytes)
         index = self.index
         parent_id = index.find(parent) if parent is not None else -1
-        index.add(key, parent_id, salt, offset, nbytes, crc)
+        index.add(key, parent_id, salt, offset, nbytes, mac)
         self._settle(salt)
         if self._failed is not None:
             logger.warning("disk tier %s writes again", self.where)

@@ -2,15 +2,20 @@
 
 The STORE op calls after_store() with the chunks it committed (write-through), the LOOKUP
 op calls before_lookup() before it looks in memory (read-back), CLEAR and the quota ops
-call clear() and enforce_cap(), STATS reads snapshot() and usage(). At start() the index
-is rebuilt from the journal on a thread while the server answers (until it is whole the
-disk tier finds nothing and writes nothing: chunks stored meanwhile wait in the queue).
+call clearing() (then removals_recorded()) and enforce_cap(), STATS reads snapshot() and
+usage(). The key of the journal's and the chunks' MACs is given by the wiring, which keeps
+it in the server's runtime directory (key_name()), not in the directory it signs. At
+start() the index is rebuilt from the journal on a thread while the server answers (until
+it is whole the disk tier finds nothing and writes nothing: chunks stored meanwhile wait
+in the queue).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from pathlib import Path
@@ -27,11 +32,11 @@ from ..memory.registry import Registry
 from ..private_dir import PrivateDir, UnsafePath
 from .files import READ_ONLY, DataFile
 from .index import DiskIndex
-from .journal import Journal, SaltNames, load_or_create_secret
+from .journal import ChunkMac, Journal, SaltNames
 from .keys import disk_key
 from .reader import DiskReader
 from .space import DiskCounters, DiskSpace
-from .writer import DiskWriter
+from .writer import DiskWriter, journal_limit
 
 logger = logging.getLogger("lmcache_mp.server.disk")
 
@@ -39,6 +44,16 @@ JOURNAL_NAME = "journal"
 SALTS_NAME = "salts"
 MAX_NAMESPACES = 1024  # (model, geometry) digests kept; more are computed again
 CLEAR_SLICE_CHUNKS = 4096  # chunks a CLEAR removes from disk between other requests
+REMOVALS_WAIT_S = 10.0  # how long a CLEAR waits for its removals to be in the journal
+OLD_KEY_NAME = "disk.key"  # where format 1 kept its key: inside the directory it signed
+
+
+def key_name(directory: Path) -> str:
+    """The name of the tier's key file in the runtime directory: one a disk directory (its
+    absolute path's digest), so that a journal copied from another tier of the same server
+    replays as nothing there."""
+    digest = hashlib.blake2b(os.fsencode(os.path.abspath(directory)), digest_size=8).hexdigest()
+    return f"disk-{digest}.key"
 
 
 class DiskTierError(SetupError):
@@ -49,36 +64,40 @@ class DiskTier:
     def __init__(self, directory: Path, size: int, queue_limit: int, prefetch_wait_s: float,
                  store: ChunkStore, registry: Registry, pool: CpuPool,
                  gpu_view: Callable[[Chunk], torch.Tensor],
-                 observe_read: Callable[[float], None]):
-        """Opens (or creates) the directory and its files; raises DiskTierError."""
+                 observe_read: Callable[[float], None], key: bytes):
+        """Opens (or creates) the directory and its files; raises DiskTierError. `key`: the
+        secret of its MACs (any length: it is hashed to 32 bytes)."""
+        secret = hashlib.blake2b(key, digest_size=32, person=b"lmcd-key").digest()
         self.where = str(directory)
         self.counters = DiskCounters()
         self.space = DiskSpace(size, self.counters, self.where,
                                lambda salt: store.quotas.get(salt).reserve)
         try:
-            self._open(directory)
+            self._open(directory, secret)
         except UnsafePath as exc:
             raise DiskTierError(str(exc)) from None
         except OSError as exc:
             raise DiskTierError(f"{directory}: {exc.strerror or exc}") from None
         self.store = store
         self._namespaces: dict[tuple[str, Hashable], str] = {}
+        mac = ChunkMac(secret)
         self.writer = DiskWriter(self.space, store, store.quotas, pool, gpu_view, self.data,
-                                 self.journal, self.names,
+                                 self.journal, self.names, mac,
                                  lambda chunk: self.key_of(chunk.key, chunk.geometry),
                                  queue_limit)
-        self.reader = DiskReader(self.space, store, registry, pool, self.data, self.key_of,
-                                 prefetch_wait_s, observe_read)
+        self.reader = DiskReader(self.space, store, registry, pool, self.data, mac,
+                                 self.key_of, prefetch_wait_s, observe_read)
         self.loaded = asyncio.Event()
         self.closed = False
         self._loading: asyncio.Task | None = None
 
-    def _open(self, directory: Path) -> None:
+    def _open(self, directory: Path, secret: bytes) -> None:
         """The directory and its files, for writing; for reading only where the filesystem
-        allows no more (the tier then never writes)."""
+        allows no more (the tier then never writes). A key left in the directory by format
+        1 is removed: nothing it signed is trusted."""
         self.directory = PrivateDir(directory)
         try:
-            secret = load_or_create_secret(self.directory)
+            self.directory.unlink(OLD_KEY_NAME)
             self.data = DataFile(self.directory)
             self.journal = Journal.open(self.directory, JOURNAL_NAME, secret)
             self.names = SaltNames.open(self.directory, SALTS_NAME, secret)
@@ -87,7 +106,6 @@ class DiskTier:
                 raise
             logger.error("disk tier %s cannot be written (%s): it serves the chunks it "
                          "holds and writes none", self.where, exc.strerror)
-            secret = load_or_create_secret(self.directory)  # read back: it is there
             self.data = DataFile(self.directory, read_only=True)
             self.journal = Journal.open(self.directory, JOURNAL_NAME, secret, read_only=True)
             self.names = SaltNames.open(self.directory, SALTS_NAME, secret, read_only=True)
@@ -130,7 +148,7 @@ class DiskTier:
 
     def _rebuild(self) -> tuple[DiskIndex, ExtentAllocator, list[str]]:
         """A thread: the journal's live records that fit the tier and the file, indexed."""
-        replayed = self.journal.replay()
+        replayed = self.journal.replay(journal_limit(self.space.capacity))
         # The salts' names by digest, as the journal's column holds it (a little-endian u64).
         by_digest = {int.from_bytes(digest, "little"): name
                      for digest, name in self.names.load().items()}
@@ -183,6 +201,8 @@ class DiskTier:
             self.space.drop(victim)
             evicted += 1
         self.counters.evictions += evicted
+        if evicted:
+            self.writer.flush_soon()
         return evicted
 
     def clearing(self, cache_salt: str | None, removed: list[int]) -> Callable[[], bool]:
@@ -204,6 +224,20 @@ class DiskTier:
                 removed[0] += 1
             return False
         return step
+
+    async def removals_recorded(self) -> bool:
+        """Wait (at most REMOVALS_WAIT_S) until the chunks removed so far are removed in the
+        journal too, so that no restart serves them; False if they are not (logged)."""
+        if await self.writer.removals_recorded(REMOVALS_WAIT_S):
+            return True
+        logger.warning("disk tier %s: removed chunks not yet recorded in its journal: a "
+                       "crash now would serve them again after a restart", self.where)
+        return False
+
+    def on_disk(self, chunks: Sequence[Chunk]) -> int:
+        """How many of `chunks` (memory's) the disk holds too."""
+        index = self.space.index
+        return sum(index.find(self.key_of(chunk.key, chunk.geometry)) >= 0 for chunk in chunks)
 
     def usage(self, cache_salt: str) -> tuple[int, int]:
         """The salt's bytes and chunks on disk."""

@@ -1,10 +1,16 @@
 """Write-through: chunks a STORE committed reach the disk tier after it is answered, off its path.
 
 A batch (up to BATCH_BYTES) is given extents and written as a few large writes (chunks whose
-extents follow each other go in one pwritev); once SYNC_BYTES are written (or the queue is
-empty) they are made durable (fdatasync), and only then recorded in the journal (one
-append, synced) and made visible in the index: a crash at any moment leaves each chunk
-either whole and recorded, or unrecorded. The queue is bounded
+extents follow each other go in one pwritev), each chunk's MAC computed by the thread that
+writes it; once SYNC_BYTES are written (or the queue is empty) they are made durable
+(fdatasync), and only then recorded in the journal (one append, synced, with the new
+salts' names before it in one write and sync of their own) and made visible in the
+index: a crash at any moment leaves each chunk either whole and recorded, or unrecorded.
+Chunks that left the tier (space.removals) are recorded as removals before any byte of a
+batch is written (one append, synced), so no extent is rewritten while a synced record
+still names the chunk it held; with nothing to write, they are recorded once the queue
+is empty. A write error that is the batch's own (BATCH_FAULTS) drops the batch; any other
+stops writes for a while (space.write_failed). The queue is bounded
 in bytes; past it, or while the disk is failing, a chunk is dropped and counted rather
 than waiting. A queued chunk is not held: the pool evicts as it always does (a STORE never
 waits for the disk, nor fails because chunks wait for it), and a chunk evicted before its
@@ -14,8 +20,10 @@ turn is dropped and counted; a chunk being written is held until its bytes are o
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
-import zlib
+import os
+import signal
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,8 +37,8 @@ from ..cache.pool import CpuPool, aligned
 from ..cache.quotas import QuotaBook
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
-from .files import DataFile, staging_buffer
-from .journal import ChunkRecord, Journal, SaltNames, salt_digest
+from .files import BATCH_FAULTS, DataFile, staging_buffer
+from .journal import ChunkMac, ChunkRecord, Journal, SaltNames, salt_digest
 from .keys import NO_KEY
 from .space import DiskSpace
 
@@ -44,14 +52,32 @@ BATCH_SHARE = 1 / 8
 # when the queue is empty: a sync costs milliseconds, and a small batch's would halve the
 # disk's write bandwidth.
 SYNC_BYTES = 64 * 1024**2
-# A batch's runs of adjacent extents are cut at RUN_BYTES and written (and checksummed)
+# A batch's runs of adjacent extents are cut at RUN_BYTES and written (and MACed)
 # WRITE_THREADS at a time: a disk takes several large writes at once faster than one after
-# the other, and the checksums overlap the I/O.
+# the other, and the MACs overlap the I/O. (DataFile passes a run to pwritev at most
+# IOV_MAX buffers at a time.)
 RUN_BYTES = 8 * 1024**2
 WRITE_THREADS = 4
 # The journal is rewritten with the live records alone once it holds this many more
 # records than there are chunks (evicted and overwritten ones), and twice as many.
 COMPACT_SLACK = 65536
+# Records one commit can append past the compaction threshold: a batch and SYNC_BYTES of
+# one-extent chunks, and as many removals.
+COMMIT_RECORDS = 2 * (BATCH_BYTES + SYNC_BYTES) // 4096
+# A test's fault point, read when the writer is made: "disk-reuse-unsynced" SIGKILLs the
+# server once a batch that reuses extents of removed chunks has its bytes written, before
+# they are synced or recorded (the window a crash could meet); "disk-einval-once" fails
+# the first batch's write with EINVAL, as a buffer set the kernel refuses would.
+FAULT_ENV = "LMCACHE_MP_TEST_FAULT"
+FAULT_REUSE_UNSYNCED = "disk-reuse-unsynced"
+FAULT_EINVAL_ONCE = "disk-einval-once"
+
+
+def journal_limit(capacity: int) -> int:
+    """Records a journal of a tier of `capacity` bytes holds at most when it is valid: two
+    a chunk of one extent (compaction's threshold), its slack, and one commit's records.
+    Replay reads no more than that many (the last ones)."""
+    return 2 * (capacity // 4096) + COMPACT_SLACK + COMMIT_RECORDS
 
 
 @dataclass
@@ -66,13 +92,14 @@ class _Placed:
     queued: _Queued
     salt: int
     offset: int
-    crc: int = 0
+    mac: int = 0  # ChunkMac.of its key and bytes, once written
 
 
 class DiskWriter:
     def __init__(self, space: DiskSpace, store: ChunkStore, quotas: QuotaBook, pool: CpuPool,
                  gpu_view: Callable[[Chunk], torch.Tensor], data: DataFile, journal: Journal,
-                 names: SaltNames, key_of: Callable[[Chunk], bytes], queue_limit: int):
+                 names: SaltNames, mac: ChunkMac, key_of: Callable[[Chunk], bytes],
+                 queue_limit: int):
         self.space = space
         self.counters = space.counters
         self.store = store
@@ -82,6 +109,7 @@ class DiskWriter:
         self.data = data
         self.journal = journal
         self.names = names
+        self.mac = mac
         self.key_of = key_of
         self.queue_limit = queue_limit
         self.offload = Offload("disk-write", 1)  # one writer: the journal is one sequence
@@ -96,6 +124,9 @@ class DiskWriter:
         # Written, not yet synced nor recorded: still in the queue's figures and keys.
         self._unsynced: list[_Placed] = []
         self._unsynced_bytes = 0
+        self._recorded = asyncio.Event()  # set whenever removals were recorded
+        self._batch_fault_logged = False
+        self._fault = os.environ.get(FAULT_ENV, "")
 
     def start(self, loaded: asyncio.Event) -> None:
         self._loaded = loaded
@@ -170,13 +201,53 @@ class DiskWriter:
                         await self._compact_if_due()
                 except Exception:  # a bug here must not end write-through, nor reach a STORE
                     logger.exception("disk tier write-through failed")
+            if len(self.space.removals) and self.space.writable():
+                try:
+                    await self._commit()  # removals alone: nothing else to write
+                except Exception:
+                    logger.exception("disk tier write-through failed")
             self._idle.set()
 
     def _task_done(self) -> bool:
         return self._task is None or self._task.done()
 
+    def flush_soon(self) -> None:
+        """Record the removals made so far, without waiting for a write to do it."""
+        if len(self.space.removals) and self.space.writable():
+            self._idle.clear()
+            self._wake.set()
+
+    async def removals_recorded(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) until every removal made so far is in the journal,
+        synced; False if they are not (the tier cannot write now, or the time ran out)."""
+        removals = self.space.removals
+        target = removals.made
+        self.flush_soon()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while removals.durable < target:
+            if not self.space.writable() or self._task_done() or loop.time() >= deadline:
+                return False
+            self._recorded.clear()
+            try:
+                await asyncio.wait_for(self._recorded.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                return False
+        return True
+
+    def _removals_settled(self, removals: np.ndarray, recorded: bool) -> None:
+        """Removals taken for an append: recorded (and waiters told), or queued again."""
+        if recorded:
+            self.space.removals.recorded(removals)
+            if len(removals):
+                self._recorded.set()
+        else:
+            self.space.removals.put_back(removals)
+
     async def drain(self, timeout_s: float) -> None:
-        """Wait (at most `timeout_s`) until every queued chunk is written or dropped."""
+        """Wait (at most `timeout_s`) until every queued chunk is written or dropped, and
+        the removals made are recorded."""
+        self.flush_soon()
         if self._loaded is not None and self._loaded.is_set() and not self._task_done():
             try:
                 await asyncio.wait_for(self._idle.wait(), timeout_s)
@@ -205,8 +276,8 @@ class DiskWriter:
         return placed, left
 
     async def _write(self, batch: list[_Queued]) -> None:
-        """Write the batch's bytes (not yet synced nor recorded: _commit does), then let go
-        of its chunks in the pool."""
+        """Record the removals made so far, then write the batch's bytes (not yet synced
+        nor recorded: _commit does), then let go of its chunks in the pool."""
         space = self.space
         if not space.writable():
             self.counters.dropped += len(batch)
@@ -217,25 +288,53 @@ class DiskWriter:
         if not placed:
             return
         chunks = [p.queued.chunk for p in placed]
+        removals = space.removals.take()  # those _place just made among them
+        recorded = False
+
+        def work() -> None:
+            nonlocal recorded
+            if len(removals):
+                self.journal.append((), removals)
+                recorded = True
+            if self._fault == FAULT_EINVAL_ONCE:
+                self._fault = ""
+                raise OSError(errno.EINVAL, "a write refused (the test's fault point)")
+            self._write_out(placed)
+            if len(removals) and self._fault == FAULT_REUSE_UNSYNCED:
+                os.kill(os.getpid(), signal.SIGKILL)
 
         def forget() -> None:
+            self._removals_settled(removals, recorded)
             self._unwritten(placed)
             self.store.unhold(chunks)
         try:
-            await self.offload.run(lambda: self._write_out(placed), forget)
+            await self.offload.run(work, forget)
         except asyncio.CancelledError:
             raise  # forgotten when the write thread is done
         except OSError as exc:
             forget()
+            if exc.errno in BATCH_FAULTS:
+                self._batch_failed(exc)
+                return
             self._drop_unsynced()  # their bytes may be gone with the failure too
             space.write_failed(exc)
             return
         except BaseException:
             forget()
             raise
+        self._removals_settled(removals, True)
         self.store.unhold(chunks)
         self._unsynced.extend(placed)
         self._unsynced_bytes += sum(p.queued.chunk.nbytes for p in placed)
+
+    def _batch_failed(self, exc: OSError) -> None:
+        """A write failed because of the batch itself (its buffers), not the disk: the
+        batch is dropped and counted, and writes go on."""
+        self.counters.write_errors += 1
+        if not self._batch_fault_logged:
+            logger.warning("disk tier %s: a write of a batch failed (%s): its chunks are "
+                           "dropped, and the tier writes on", self.space.where, exc)
+            self._batch_fault_logged = True
 
     def _unwritten(self, placed: Sequence[_Placed]) -> None:
         """Their write failed or will not be recorded: their extents are free, counted."""
@@ -250,18 +349,20 @@ class DiskWriter:
 
     async def _commit(self) -> None:
         """Make the written chunks durable and visible: the data file synced, then the new
-        salts' names and the chunks' journal records appended and synced (a thread); then
-        each chunk enters the index."""
+        salts' names, then the removals made since the last write and the chunks' journal
+        records appended and synced (a thread); then each chunk enters the index."""
         space = self.space
         placed, self._unsynced, self._unsynced_bytes = self._unsynced, [], 0
         names = [(salt_digest(name), name) for name in space.unsaved_salts]
         space.unsaved_salts = []
+        removals = space.removals.take()
 
         def forget() -> None:
             space.unsaved_salts.extend(name for _, name in names)
+            self._removals_settled(removals, False)
             self._unwritten(placed)
         try:
-            await self.offload.run(lambda: self._record(placed, names), forget)
+            await self.offload.run(lambda: self._record(placed, names, removals), forget)
         except asyncio.CancelledError:
             raise  # forgotten when the write thread is done
         except OSError as exc:
@@ -271,10 +372,11 @@ class DiskWriter:
         except BaseException:
             forget()
             raise
+        self._removals_settled(removals, True)
         counters = self.counters
         for p in placed:
             nbytes = p.queued.chunk.nbytes
-            space.written(p.queued.key, p.queued.parent, p.salt, p.offset, nbytes, p.crc)
+            space.written(p.queued.key, p.queued.parent, p.salt, p.offset, nbytes, p.mac)
             counters.chunks_written += 1
             counters.bytes_written += nbytes
         self._forget([p.queued for p in placed])
@@ -290,8 +392,8 @@ class DiskWriter:
         return memoryview(staging)
 
     def _write_out(self, placed: list[_Placed]) -> None:
-        """The write thread: the bytes, several runs at once, each run's checksums computed
-        by the thread that writes it."""
+        """The write thread: the bytes, several runs at once, each run's MACs computed by
+        the thread that writes it."""
         runs: list[list[_Placed]] = []
         end = size = -1
         for p in sorted(placed, key=lambda p: p.offset):
@@ -307,23 +409,25 @@ class DiskWriter:
             if error is not None:
                 raise error
 
-    def _record(self, placed: list[_Placed], names: list[tuple[bytes, str]]) -> None:
-        """The write thread: the data file synced, then the salts' names and the journal
-        records (each synced): a record is never durable before its bytes."""
-        self.data.sync()
-        for digest, name in names:
-            self.names.add(digest, name)
+    def _record(self, placed: list[_Placed], names: list[tuple[bytes, str]],
+                removals: np.ndarray) -> None:
+        """The write thread: the data file synced, then the salts' names (one write and
+        sync) and the journal's removals and records (one more): a record is never
+        durable before its bytes."""
+        if placed:
+            self.data.sync()
+        self.names.add(names)
         self.journal.append([
             ChunkRecord(p.queued.key, p.queued.parent or NO_KEY,
                         salt_digest(p.queued.chunk.key.cache_salt), p.offset,
-                        p.queued.chunk.nbytes, p.crc) for p in placed])
+                        p.queued.chunk.nbytes, p.mac) for p in placed], removals)
 
     def _write_run(self, run: list[_Placed]) -> OSError | None:
-        """One run of chunks whose extents follow each other, in one pwritev (a write
-        thread); the OSError it met, if any."""
+        """One run of chunks whose extents follow each other, in one pwritev per IOV_MAX
+        of them (a write thread); the OSError it met, if any."""
         buffers = [self._bytes_of(p.queued.chunk) for p in run]
         for p, buffer in zip(run, buffers):
-            p.crc = zlib.crc32(buffer[:p.queued.chunk.nbytes])
+            p.mac = self.mac.of(p.queued.key, buffer[:p.queued.chunk.nbytes])
         try:
             self.data.write(run[0].offset, buffers)
         except OSError as exc:

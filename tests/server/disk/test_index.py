@@ -37,7 +37,7 @@ class IndexMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.index = DiskIndex(initial_capacity=2)
-        self.records: dict[int, dict] = {}  # rid -> key, parent, salt, offset, nbytes, crc, holds
+        self.records: dict[int, dict] = {}  # rid -> key, parent, salt, offset, nbytes, mac, holds
         self.order: list[int] = []  # the evictable records, least recent first
         self.serial = 0
 
@@ -58,10 +58,10 @@ class IndexMachine(RuleBasedStateMachine):
         if parent_id >= 0 and self.evictable(parent_id):
             self.order.remove(parent_id)
         record = {"key": key(first, self.serial), "parent": parent_id, "salt": salt,
-                  "offset": 4096 * self.serial, "nbytes": nbytes, "crc": self.serial,
+                  "offset": 4096 * self.serial, "nbytes": nbytes, "mac": self.serial,
                   "holds": 0}
         rid = self.index.add(record["key"], parent_id, salt, record["offset"], nbytes,
-                             record["crc"])
+                             record["mac"])
         assert rid not in self.records
         self.records[rid] = record
         self.order.append(rid)
@@ -140,8 +140,8 @@ class IndexMachine(RuleBasedStateMachine):
         for rid, record in self.records.items():
             assert index.find(record["key"]) == rid
             assert index.key(rid) == record["key"] and index.parent(rid) == record["parent"]
-            assert (index.salt(rid), index.offset(rid), index.nbytes(rid), index.crc(rid)) == \
-                (record["salt"], record["offset"], record["nbytes"], record["crc"])
+            assert (index.salt(rid), index.offset(rid), index.nbytes(rid), index.mac(rid)) == \
+                (record["salt"], record["offset"], record["nbytes"], record["mac"])
             assert index.held(rid) == bool(record["holds"])
         assert index.victim() == (self.order[0] if self.order else -1)
         for salt in range(SALTS):

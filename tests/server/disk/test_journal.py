@@ -20,11 +20,13 @@ from hypothesis import strategies as st
 
 from lmcache_mp.server.disk.journal import (
     CHUNK_RECORD_BYTES,
+    REPLAY_BLOCK,
+    ChunkMac,
     ChunkRecord,
     Journal,
+    Removals,
     Replayed,
     SaltNames,
-    load_or_create_secret,
     salt_digest,
 )
 from lmcache_mp.server.private_dir import PrivateDir, UnsafePath
@@ -69,7 +71,7 @@ def test_records_come_back_as_they_went_in(directory):
     assert replayed.parents[1].tobytes() == struct.pack("<QQ", 1, 7)
     assert not replayed.parents[0].any()
     assert replayed.salts[1].tobytes() == salt_digest("salt 0")
-    assert replayed.nbytes.tolist() == [5000] * 3 and replayed.crcs.tolist() == [1, 2, 3]
+    assert replayed.nbytes.tolist() == [5000] * 3 and replayed.macs.tolist() == [1, 2, 3]
     assert os.stat(path_of(directory)).st_mode & 0o777 == 0o600
 
 
@@ -233,12 +235,11 @@ def test_a_link_in_place_of_the_journal_is_refused(directory, tmp_path):
 
 def test_salt_names_come_back_and_a_tampered_or_torn_entry_is_skipped(directory):
     names = SaltNames.open(directory, "salts", SECRET)
-    for name in ["", "tenant-a", "x" * 256]:
-        names.add(salt_digest(name), name)
+    names.add([(salt_digest(name), name) for name in ["", "tenant-a", "x" * 256]])
     with pytest.raises(ValueError):
-        names.add(salt_digest("é"), "é")
+        names.add([(salt_digest("é"), "é")])
     with pytest.raises(ValueError):
-        names.add(salt_digest("a"), "b")
+        names.add([(salt_digest("c"), "c"), (salt_digest("a"), "b")])  # none of them
     names.close()
     assert SaltNames.open(directory, "salts", SECRET).load() == {
         salt_digest(name): name for name in ["", "tenant-a", "x" * 256]}
@@ -251,19 +252,74 @@ def test_salt_names_come_back_and_a_tampered_or_torn_entry_is_skipped(directory)
     os.truncate(path_of(directory, "salts"), size - 10)
     names = SaltNames.open(directory, "salts", SECRET)
     assert names.load() == {salt_digest(""): ""}
-    names.add(salt_digest("later"), "later")
+    names.add([(salt_digest("later"), "later")])
     assert names.load() == {salt_digest(""): "", salt_digest("later"): "later"}
 
 
-def test_the_secret_is_made_once_private_and_read_back(directory):
-    secret = load_or_create_secret(directory)
-    assert len(secret) == 32
-    assert os.stat(path_of(directory, "disk.key")).st_mode & 0o777 == 0o600
-    assert load_or_create_secret(directory) == secret
-    path_of(directory, "disk.key").write_bytes(b"short")
-    replaced = load_or_create_secret(directory)
-    assert len(replaced) == 32 and replaced != secret
-    assert sorted(os.listdir(directory.path)) == ["disk.key"]
+def removals(*entries: tuple[int, int, int]) -> np.ndarray:
+    """Removals.take()'s rows for (key number, offset, nbytes) entries, as record() keys."""
+    queue = Removals()
+    for key, offset, nbytes in entries:
+        queue.add(struct.pack("<QQ", key, 7), offset, nbytes)
+    return queue.take()
+
+
+def test_a_removal_kills_its_key_and_is_no_chunk_and_a_later_record_lives(directory):
+    journal = Journal.open(directory, NAME, SECRET)
+    journal.append([record(1), record(2), record(3)])
+    journal.append([record(4)], removals((2, 16384, 5000), (3, 24576, 5000)))
+    journal.append([record(3, offset=65536)])  # key 3 written again, after its removal
+    replayed = journal.replay()
+    assert rows(replayed) == [(1, 8192), (4, 32768), (3, 65536)]
+    assert (replayed.read, replayed.bad, replayed.superseded) == (7, 0, 4)
+    # Compaction keeps the live records alone: the removals are gone with their chunks.
+    journal.rewrite(replayed)
+    assert journal.records == 3 and rows(journal.replay()) == rows(replayed)
+
+
+def test_removals_come_back_in_order_after_a_failed_append():
+    queue = Removals()
+    queue.add(struct.pack("<QQ", 1, 7), 0, 10)
+    taken = queue.take()
+    queue.add(struct.pack("<QQ", 2, 7), 4096, 20)
+    queue.put_back(taken)
+    assert [row["offset"] for row in queue.take()] == [0, 4096]
+    assert queue.made == 2 and queue.durable == 0 and len(queue) == 0
+
+
+def test_format_1_records_replay_as_bad(directory):
+    journal = Journal.open(directory, NAME, SECRET)
+    journal.append([record(1), record(2)])
+    with open(path_of(directory), "r+b") as file:
+        file.seek(4)  # the format field of the first record: 1, as the old journals hold
+        file.write(struct.pack("<H", 1))
+    replayed = journal.replay()
+    assert rows(replayed) == [(2, 16384)] and replayed.bad == 1
+
+
+def test_replay_reads_at_most_the_last_limit_records_block_by_block(directory):
+    journal = Journal.open(directory, NAME, SECRET)
+    count = REPLAY_BLOCK + 10  # two blocks
+    journal.append([record(n) for n in range(count)])
+    assert len(journal.replay()) == count
+    tail = journal.replay(limit=15)
+    assert rows(tail) == [(n, n * 8192) for n in range(count - 15, count)]
+    assert (tail.read, tail.skipped, tail.bad) == (15, count - 15, 0)
+    # A journal padded with a hole (zeros) replays its good records and nothing of the hole.
+    journal.close()
+    os.truncate(path_of(directory), 64 * count * CHUNK_RECORD_BYTES)
+    padded = Journal.open(directory, NAME, SECRET).replay(limit=2 * count)
+    assert len(padded) == 0 and padded.bad == 2 * count
+
+
+def test_a_chunk_mac_covers_its_key_and_its_bytes():
+    mac = ChunkMac(SECRET)
+    key, data = bytes(16), b"x" * 5000
+    assert mac.of(key, data) == mac.of(key, memoryview(data))
+    assert mac.of(key, data) != mac.of(bytes(15) + b"\1", data)
+    assert mac.of(key, data) != mac.of(key, b"y" + data[1:])
+    assert mac.of(key, data) != ChunkMac(bytes(32)).of(key, data)
+    assert 0 <= mac.of(key, data) < 1 << 32
 
 
 def measure(records: int) -> dict[str, float]:
