@@ -24,7 +24,8 @@ def test_no_server_means_a_clear_error_in_bounded_time():
         start = time.monotonic()
         with pytest.raises(RequestTimeout, match="could not reach .* is the server up"):
             client.call(PingRequest())
-        assert time.monotonic() - start < 2.0
+        # Its own 0.5 s, not a hang: the bound only catches a wait of many timeouts.
+        assert time.monotonic() - start < 30
 
 
 def test_closed_client_refuses_calls_and_fails_pending_ones():
@@ -176,7 +177,9 @@ def test_wait_reads_replies_on_the_waiting_thread_and_ends_at_its_timeout(server
             pumps.clear()
             started = time.monotonic()
             client.wait([future], 0.3)
-            assert 0.25 <= time.monotonic() - started < 5
+            # At its timeout (a load only makes it later): the bound only ends a wait that
+            # would have lasted until the server answered.
+            assert 0.25 <= time.monotonic() - started < 30
             assert not future.done()
             # The background thread handed the socket over and stayed away: it once took it
             # back at once, again and again (hundreds of pumps), until the waiter won a race.
