@@ -39,8 +39,10 @@ from .agents import Agent, RawClient
 # share the cores); decoding what a limit bounds (a million items) would take a hundred
 # times longer.
 REFUSAL_FACTOR, REFUSAL_SLACK_S, TRIES = 6, 0.005, 5
-PING_BOUND_S = 0.150  # p99 of the bystander's round trips; seconds before the limits
-PINGS = 200
+# The bystander's round trips while the flood is answered, at the least: one a turn of the
+# loop's reading (each turn reads a message of each client) would make one per flood
+# request; a server that answered the flood before the bystander, none.
+ROUNDS_DURING_FLOOD = 5
 
 
 @pytest.fixture(scope="module")
@@ -88,36 +90,28 @@ def nested_maps(depth: int) -> bytes:
 # ---------------------------------------------------------------------------
 # Floods, with a bystander.
 
-def flood(state, url: str, op: str, payload: bytes, count: int) -> float:
-    """Pipeline `count` copies, then read the replies in a thread as they come, noting when;
-    return when the first copy was sent."""
+def flood(state, url: str, op: str, payload: bytes, count: int) -> None:
+    """Pipeline `count` copies, then read the replies in a thread as they come."""
     if "raw" in state:
         state["raw"].close()
     raw = state["raw"] = RawClient(url, hwm=0)
     raw.hello()
-    started = time.monotonic()
     sent = [raw.send(op, payload) for _ in range(count)]
     replies: list = []
     reader = threading.Thread(target=lambda: replies.extend(
-        (*raw.recv(), time.monotonic()) for _ in sent))  # the socket is the thread's from now
+        raw.recv() for _ in sent))  # the socket is the thread's from now
     reader.start()
     state["flood"] = sent, replies, reader
-    return started
 
 
 def collect(state, wait_s: float) -> dict:
     sent, replies, reader = state["flood"]
     reader.join(wait_s)
     return {"ids": [r[0] for r in replies], "sent": sent,
-            "finished": replies[-1][3] if replies else None,
             "outcomes": Counter(body.get("code", "ok") if status == b"err" else "ok"
-                                for _, status, body, _ in replies),
-            "messages": {body["message"] for _, status, body, _ in replies if status == b"err"},
-            "hits": {tuple(body["hits"]) for _, status, body, _ in replies if status == b"ok"}}
-
-
-def p99(samples: list[float]) -> float:
-    return sorted(samples)[int(len(samples) * 0.99) - 1]
+                                for _, status, body in replies),
+            "messages": {body["message"] for _, status, body in replies if status == b"err"},
+            "hits": {tuple(body["hits"]) for _, status, body in replies if status == b"ok"}}
 
 
 FLOODS = {
@@ -138,31 +132,31 @@ def attacker():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("attack", list(FLOODS))
-def test_a_bystander_stays_fast_while_another_client_floods_costly_requests(
+def test_a_bystander_is_served_while_another_client_floods_costly_requests(
         server, attacker, attack):
+    """Counted in the server's own figures, not timed: each of the bystander's STATS says
+    how many of the flood's requests the server had answered by then."""
     make_payload, count, outcome = FLOODS[attack]
     payload = make_payload()
-    with server.client(timeout=10) as bystander:
-        bystander.ping()
-        started = attacker.run(flood, server.url, "LOOKUP", payload, count)
-        rtts = []
-        for _ in range(PINGS):
-            sent = time.perf_counter()
-            bystander.ping()
-            rtts.append(time.perf_counter() - sent)
-            if len(rtts) == 1:
-                first_pong = time.monotonic()
-            time.sleep(0.002)
+    with server.client(timeout=60) as bystander:
+
+        def lookups_answered() -> int:
+            return bystander.stats().outcomes.get("LOOKUP", {}).get(outcome, 0)
+        before = lookups_answered()
+        attacker.run(flood, server.url, "LOOKUP", payload, count)
+        answered, deadline = [lookups_answered() - before], time.monotonic() + 120
+        while answered[-1] < count:  # STATS after STATS, none waiting for the one before
+            assert time.monotonic() < deadline, answered[-10:]  # ends a hang only
+            answered.append(lookups_answered() - before)
         result = attacker.run(collect, 60)
         stats = bystander.stats()
-    # Every request got its one reply, in order, and the pings ran while the flood did.
+    # Every request got its one reply, in order, and the bystander's ran while the flood's
+    # did: a turn of the loop serves the flood a slice at a time, never all of it.
     assert result["ids"] == result["sent"]
     assert result["outcomes"] == {outcome: count}
-    assert started < first_pong < result["finished"], \
-        f"the flood was answered {result['finished'] - started:.3f} s after it began, before " \
-        f"the bystander's first pong"
-    assert p99(rtts) < PING_BOUND_S, f"bystander p99 {p99(rtts) * 1000:.0f} ms, max " \
-                                     f"{max(rtts) * 1000:.0f} ms"
+    assert answered == sorted(answered)
+    during = sum(1 for figure in answered if figure < count)
+    assert during >= ROUNDS_DURING_FLOOD, answered
     if outcome == "ok":
         assert result["hits"] == {(0,) * (MAX_LOOKUP_PROBES // MAX_KV_WORLD_SIZE)}
     else:
