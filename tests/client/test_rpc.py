@@ -191,12 +191,14 @@ def test_wait_reads_replies_on_the_waiting_thread_and_ends_at_its_timeout(server
 
 
 def test_heartbeats_keep_an_idle_registration_alive():
-    with run_server("--worker-timeout", "1") as server, CacheClient(server.url) as client, \
+    # Heartbeats every second (a third of the timeout): only a 3 s stall of the client's
+    # thread would let the registration go; idle for two and a half timeouts.
+    with run_server("--worker-timeout", "3") as server, CacheClient(server.url) as client, \
             make_cache(4 * BLOCKS_PER_CHUNK, 8) as cache:
         registration = client.register_kv_cache(cache.handles(), model=MODEL, layout="mha",
                                                 block_size=16)
         first_id = registration.instance_id
-        time.sleep(2.5)
+        time.sleep(7.5)
         assert client.stats().registrations == 1
         client.store(registration, [TransferItem.build("a", prompt(4, 1), chunk_blocks([0]))])
         assert registration.instance_id == first_id  # it was never dropped and registered again

@@ -221,7 +221,7 @@ def test_a_silent_connection_is_closed_after_the_request_timeout(served):
         with SharedSegment(4096) as segment:  # served meanwhile
             (ticket,) = send_fds(served.channel.path, [segment.fd], timeout=5.0)
             served.call(served.channel.spend, ticket)
-        silent.settimeout(REQUEST_TIMEOUT_S + 5.0)
+        silent.settimeout(REQUEST_TIMEOUT_S + 60.0)  # the 60 s only end a hang
         assert silent.recv(16) == b""
         assert time.monotonic() - started > REQUEST_TIMEOUT_S - 0.1
     finally:
