@@ -2,8 +2,9 @@
 
 An attacker process pipelines the costliest requests the limits allow (LOOKUPs of
 MAX_LOOKUP_PROBES index probes) or messages whose decoding alone would be costly, while a
-bystander (this process) times PING round trips; messages over a limit are refused with
-bad_request naming it, before any work.
+bystander (this process) sends STATS after STATS, each saying how many of the flood's
+requests the server had answered by then; messages over a limit are refused with
+bad_request naming it, before any work (counted in the server's CPU seconds).
 """
 
 from __future__ import annotations
