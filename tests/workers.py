@@ -203,7 +203,7 @@ def rank_worker(job: Job, conn) -> None:
             elif command == "load":
                 adapter.start_load(args[0])
             elif command == "finished":
-                expected, deadline = args[0], time.monotonic() + 20
+                expected, deadline = args[0], time.monotonic() + 60  # ends a hang only
                 while not expected <= stores | loads and time.monotonic() < deadline:
                     done_stores, done_loads = adapter.get_finished()
                     stores |= {f"store:{r}" for r in done_stores}

@@ -24,7 +24,8 @@ def test_no_server_means_a_clear_error_in_bounded_time():
         start = time.monotonic()
         with pytest.raises(RequestTimeout, match="could not reach .* is the server up"):
             client.call(PingRequest())
-        assert time.monotonic() - start < 2.0
+        # Its own 0.5 s, not a hang: the bound only catches a wait of many timeouts.
+        assert time.monotonic() - start < 30
 
 
 def test_closed_client_refuses_calls_and_fails_pending_ones():
@@ -80,7 +81,7 @@ def test_a_call_reads_the_monitor_only_when_no_read_is_recent(server):
         time.sleep(0.05)  # past _MONITOR_FRESH_S
         _, after_a_pause = lines_run(client.ping)
         assert back_to_back < after_a_pause
-        assert back_to_back < 170  # 130 on Python 3.11 (206 before issue 16's thirteenth round)
+        assert back_to_back < 170  # 132 on Python 3.11 (206 before issue 16's thirteenth round)
 
 
 def test_a_late_reply_is_dropped_not_given_to_the_next_call():
@@ -176,7 +177,9 @@ def test_wait_reads_replies_on_the_waiting_thread_and_ends_at_its_timeout(server
             pumps.clear()
             started = time.monotonic()
             client.wait([future], 0.3)
-            assert 0.25 <= time.monotonic() - started < 5
+            # At its timeout (a load only makes it later): the bound only ends a wait that
+            # would have lasted until the server answered.
+            assert 0.25 <= time.monotonic() - started < 30
             assert not future.done()
             # The background thread handed the socket over and stayed away: it once took it
             # back at once, again and again (hundreds of pumps), until the waiter won a race.
@@ -188,12 +191,14 @@ def test_wait_reads_replies_on_the_waiting_thread_and_ends_at_its_timeout(server
 
 
 def test_heartbeats_keep_an_idle_registration_alive():
-    with run_server("--worker-timeout", "1") as server, CacheClient(server.url) as client, \
+    # Heartbeats every second (a third of the timeout): only a 3 s stall of the client's
+    # thread would let the registration go; idle for two and a half timeouts.
+    with run_server("--worker-timeout", "3") as server, CacheClient(server.url) as client, \
             make_cache(4 * BLOCKS_PER_CHUNK, 8) as cache:
         registration = client.register_kv_cache(cache.handles(), model=MODEL, layout="mha",
                                                 block_size=16)
         first_id = registration.instance_id
-        time.sleep(2.5)
+        time.sleep(7.5)
         assert client.stats().registrations == 1
         client.store(registration, [TransferItem.build("a", prompt(4, 1), chunk_blocks([0]))])
         assert registration.instance_id == first_id  # it was never dropped and registered again

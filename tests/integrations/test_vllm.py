@@ -79,12 +79,14 @@ from lmcache_mp.integrations.vllm import (
 from lmcache_mp.integrations.vllm.layout import as_server_layout
 from lmcache_mp.protocol import CudaIpcHandle, MemfdHandle
 
-from ..utils import ipc_url
+from ..utils import ipc_url, wait_for
 from .conftest import LAYERS  # the model_dir fixture's model (conftest.py)
 
 BLOCK = 16
 NUM_BLOCKS = 160
 CONNECTOR = "LMCacheMPServerConnector"
+# Waits for the server end only a hang: the steps and polls before it depend on the load.
+HANG_S = 60.0
 
 
 def prompt(tag: int, length: int) -> list[int]:
@@ -280,13 +282,13 @@ class Engine:
                                  req_id_to_index={r: i for i, r in enumerate(request_ids)},
                                  sampled_token_ids=sampled, kv_connector_output=report)
 
-    def run_until_idle(self, max_steps: int = 300) -> None:
-        for _ in range(max_steps):
-            if not self.scheduler.requests:
-                return
+    def run_until_idle(self) -> None:
+        """Steps until no request is left, however many the server's copies take."""
+        deadline = time.monotonic() + HANG_S
+        while self.scheduler.requests:
+            assert time.monotonic() < deadline, f"requests left: {self.scheduler.requests}"
             self.step()
             time.sleep(0.001)  # the server copies while the engine steps
-        raise AssertionError(f"requests left: {self.scheduler.requests}")
 
     def assert_kv(self, request_id: str, tokens: list[int], start: int = 0) -> None:
         """Byte-exact: each prompt position from `start` holds its prefix's KV, on every rank,
@@ -472,12 +474,11 @@ def scheduler_output(new=(), num_scheduled=None, finished=()) -> SchedulerOutput
 
 
 def lookup(scheduler, request, computed=0):
-    for _ in range(2000):
-        tokens, load_async = scheduler.get_num_new_matched_tokens(request, computed)
-        if tokens is not None:
-            return tokens, load_async
+    deadline = time.monotonic() + HANG_S
+    while (answer := scheduler.get_num_new_matched_tokens(request, computed))[0] is None:
+        assert time.monotonic() < deadline, "no lookup answer"
         time.sleep(0.002)
-    raise AssertionError("no lookup answer")
+    return answer
 
 
 def worker_step(workers, meta, finished=()):
@@ -501,7 +502,8 @@ def step_until_reported(workers, scheduler, meta, kind: int, request_id: str, fi
     """Steps (the first with `meta`) until every worker has reported the request as
     finished sending (kind 0) or receiving (kind 1); returns the load errors reported."""
     waiting, errors = set(range(len(workers))), set()
-    for _ in range(2000):
+    deadline = time.monotonic() + HANG_S
+    while time.monotonic() < deadline:
         for rank, report in enumerate(worker_step(workers, meta, finished)):
             errors |= report[2]
             if request_id in report[kind]:
@@ -614,11 +616,8 @@ def test_vllm_taking_none_of_our_hit_releases_the_hold_and_stores_the_rest(serve
         assert not meta.loads
         assert len(meta.stores) == 1  # all 3 chunks: the first two are stored already
         worker_step([worker], meta)
-        for _ in range(500):
-            if stats(server).leases_held == 0 and stats(server).chunks == chunks + 1:
-                break
-            time.sleep(0.005)
-        assert (stats(server).leases_held, stats(server).chunks) == (0, chunks + 1)
+        wait_for(lambda: (stats(server).leases_held, stats(server).chunks) == (0, chunks + 1),
+                 "the store read and the hold ended", HANG_S)
     finally:
         worker.shutdown()
         scheduler.shutdown()
@@ -657,18 +656,20 @@ def test_an_unreachable_server_gives_misses_and_a_clear_start_up_error_in_bounde
     try:
         requests = [Request(f"r{i}", prompt(1, 600), SamplingParams(max_tokens=1), None)
                     for i in range(20)]
-        started = time.monotonic()
         # One step with 20 new requests: only the first waits its lookup_wait for a reply
-        # that does not come (20 waits would take 5 s).
+        # that does not come (20 waits would take 5 s). Counted by the waits asked of the
+        # client, not timed.
+        client = scheduler._scheduler.adapter.client
+        waits, lookup_async = [], client.lookup_async
+        client.lookup_async = lambda *args, wait: waits.append(wait) or lookup_async(
+            *args, wait=wait)
         assert [scheduler.get_num_new_matched_tokens(r, 0) for r in requests] == [
             (None, False)] * 20
-        assert time.monotonic() - started < 2.5
+        assert waits == [0.25] + [0.0] * 19
         assert lookup(scheduler, requests[0]) == (0, False)
-        assert time.monotonic() - started < 3
         with SharedKVCache("mha", 2, 64, BLOCK, 2, 64) as cache:
             with pytest.raises(RuntimeError, match="cannot register.*is it running"):
                 worker.register_kv_caches({f"l{i}": t for i, t in enumerate(cache.layers)})
-        assert time.monotonic() - started < 5
     finally:
         worker.shutdown()
         scheduler.shutdown()
@@ -836,7 +837,7 @@ def write_chunks(scheduler, worker, request_id: str, tokens: list[int], blocks: 
 
 
 def wait_for_leases(server, count: int) -> None:
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_S
     while stats(server).leases_held != count:
         assert time.monotonic() < deadline, f"{stats(server).leases_held} leases, not {count}"
         time.sleep(0.005)
@@ -862,7 +863,8 @@ def test_an_engine_cannot_release_the_holds_of_another_engine(server):
         assert scheduler_b.request_finished(request_b, []) == (False, None)  # END_SESSION
         wait_for_leases(server, 1)
         scheduler_b._scheduler.adapter.release("same-id", None)  # a RELEASE changes nothing
-        time.sleep(0.1)
+        # Served in order on B's connection: its PING's reply comes after the RELEASE's.
+        scheduler_b._scheduler.adapter.client.ping()
         assert stats(server).leases_held == 1  # engine A's hold, still there
 
         request_a.status = RequestStatus.FINISHED_ABORTED
@@ -952,14 +954,14 @@ def test_a_waiting_request_keeps_its_answer_and_hold_and_sends_one_lookup(server
         wait_for_leases(server, 0)
         before = lookups_served(server)
         request = Request("waiting", tokens, SamplingParams(max_tokens=1), None)
-        answers = []
-        for _ in range(30):
-            answers.append(scheduler.get_num_new_matched_tokens(request, 0))
+        answers = [scheduler.get_num_new_matched_tokens(request, 0)]
+        deadline = time.monotonic() + HANG_S
+        while answers[-1] == (None, False):  # the reply is on its way
+            assert time.monotonic() < deadline, "no lookup answer"
             time.sleep(0.005)
-        known = [answer for answer in answers if answer[0] is not None]
-        assert known and set(known) == {(512, True)}
-        first = answers.index(known[0])
-        assert answers[first:] == [(512, True)] * (30 - first)  # never None again
+            answers.append(scheduler.get_num_new_matched_tokens(request, 0))
+        answers += [scheduler.get_num_new_matched_tokens(request, 0) for _ in range(30)]
+        assert answers[-31:] == [(512, True)] * 31  # never None again
         assert lookups_served(server) - before == 1
         assert stats(server).leases_held == 1
         # Allocated and loaded: the next lookup of the request (after a preemption) is new.
@@ -999,7 +1001,7 @@ def test_vllm_taking_none_of_our_hit_releases_the_hold_at_once(server, answered)
             scheduler_output(new=[(request, blocks)], num_scheduled={"no-reads": len(tokens)}))
         assert not meta.loads
         worker_step([worker], meta)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + HANG_S
         while lookups_served(server) == before or stats(server).leases_held:
             assert time.monotonic() < deadline, stats(server).leases_held
             time.sleep(0.005)
@@ -1018,17 +1020,17 @@ def test_a_prompt_logprobs_request_holds_nothing_while_it_runs(engines, server):
     writer.add("w", tokens)
     writer.run_until_idle()
     engine = engines()
-    request = Request("logprobs", tokens, SamplingParams(max_tokens=200, prompt_logprobs=1),
+    request = Request("logprobs", tokens, SamplingParams(max_tokens=1000, prompt_logprobs=1),
                       None, block_hasher=engine.block_hasher)
     assert request.skip_reading_prefix_cache
     engine.scheduler.add_request(request)
     before = lookups_served(server)
-    for _ in range(100):
+    deadline = time.monotonic() + HANG_S
+    while not (lookups_served(server) > before and stats(server).leases_held == 0):
+        assert time.monotonic() < deadline, "the LOOKUP's hold never ended"
         engine.step()
-        if lookups_served(server) > before and stats(server).leases_held == 0:
-            break
         time.sleep(0.005)
-    assert "logprobs" in engine.scheduler.requests  # still running
+    assert "logprobs" in engine.scheduler.requests  # still running: 1,000 steps to go
     assert (lookups_served(server) - before, stats(server).leases_held) == (1, 0)
     assert engine.first_computed["logprobs"] == 0
     engine.scheduler.finish_requests("logprobs", RequestStatus.FINISHED_ABORTED)
@@ -1185,7 +1187,7 @@ def test_a_failed_load_is_not_offered_again(engines, server, load):
     engine = engines(kv_spec=odd, **load)
     before = lookups_served(server)
     engine.add("r", tokens)
-    engine.run_until_idle(max_steps=60)
+    engine.run_until_idle()  # offered again and again, it would not end: one LOOKUP below
     waited = engine.statuses["r"].count(RequestStatus.WAITING_FOR_REMOTE_KVS)
     assert waited >= 1 if load is ASYNC else waited == 0
     assert any(r.invalid_block_ids for r in engine.reports)

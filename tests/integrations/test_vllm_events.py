@@ -47,8 +47,9 @@ class Subscriber:
             socket.close(linger=0)
 
     def wait_for(self, count, kind=BlockStored, medium="CPU") -> list:
-        """Our events of a kind, once there are `count` (vLLM's thread publishes them)."""
-        deadline = time.monotonic() + 10
+        """Our events of a kind, once there are `count` (vLLM's thread publishes them), or
+        what came in 60 s (which only a hang takes)."""
+        deadline = time.monotonic() + 60
         while True:
             ours = [e for e in self.events() if isinstance(e, kind) and e.medium == medium]
             if len(ours) >= count or time.monotonic() > deadline:

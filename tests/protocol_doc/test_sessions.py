@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import struct
-import time
 import uuid
 
 import msgpack
@@ -21,7 +20,7 @@ from lmcache_mp.client import SharedKVCache, chunk_hashes
 from lmcache_mp.protocol import MAX_KV_WORLD_SIZE
 from lmcache_mp.spawn import ServerProcess
 
-from ..utils import rid
+from ..utils import rid, wait_for
 from .document import (
     quoted_message,
     section,
@@ -171,10 +170,18 @@ def test_decoding_bounds_and_the_lookup_probe_limit(server: ServerProcess) -> No
 def test_a_client_that_reads_late_still_gets_every_reply(server: ServerProcess) -> None:
     """Far more replies than ZeroMQ's queues hold wait in the server's backlog."""
     count = 6000  # ZeroMQ queues 1000 messages each way, the kernel a few hundred more
-    with session(server) as sock:
+    with session(server) as sock, session(server) as watcher:
+        answered = call(watcher, 1, "STATS", {})["requests"].get("STATS", 0)
         for n in range(1, count + 1):
             sock.send_multipart([rid(n), b"STATS", msgpack.packb({})])
-        time.sleep(1.0)  # the server answers everything while nobody reads
+        polls = 0
+
+        def all_answered() -> bool:
+            nonlocal polls
+            polls += 1
+            served = call(watcher, 2, "STATS", {})["requests"]["STATS"]
+            return served - answered - polls >= count  # less the watcher's own before this
+        wait_for(all_answered, "every STATS answered")  # while nobody reads
         got = set()
         while len(got) < count:
             assert sock.poll(REPLY_TIMEOUT_MS), f"{len(got)} of {count} replies arrived"

@@ -10,7 +10,7 @@ stores, holds, retrieves and compares bytes.
 
 from __future__ import annotations
 
-import time
+import contextlib
 
 import pytest
 
@@ -21,13 +21,14 @@ from ..utils import run_server, wait_for
 from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, prompt
 from .agents import Agent, new_cache, raw_bytes
 
-LEASE_TIMEOUT_S = 8.0
-PING_BOUND_S = 0.150  # p99 of the bystander's round trips while the leases expire
+# Holds outlive the fill however loaded the machine (the table's bounds are exact counts);
+# the expiry test's server lets them go at once, each as soon as the housekeeping looks.
+LONG_LEASE_TIMEOUT_S, SHORT_LEASE_TIMEOUT_S = 3600.0, 0.5
 
 
 @pytest.fixture(scope="module")
 def server():
-    with run_server("--cpu-size", "64MiB", "--lease-timeout", str(LEASE_TIMEOUT_S)) as srv:
+    with run_server("--cpu-size", "64MiB", "--lease-timeout", str(LONG_LEASE_TIMEOUT_S)) as srv:
         yield srv
 
 
@@ -38,8 +39,8 @@ def attacker():
     agent.close()
 
 
-@pytest.fixture(scope="module")
-def bystander(server):
+@contextlib.contextmanager
+def honest_engine(server):
     """This process as an honest engine: one W2 chunk stored, a cache to retrieve it into."""
     with server.client(timeout=20, engine="bystander") as client, \
             new_cache(BLOCKS_PER_CHUNK, 7, W2) as source, \
@@ -52,6 +53,12 @@ def bystander(server):
         assert client.store(sent, [TransferItem.build("stored", hashes, chunk_blocks([0]))]
                             ) == [bytes([StoreStatus.STORED])]
         yield client, hashes, received, source, target
+
+
+@pytest.fixture(scope="module")
+def bystander(server):
+    with honest_engine(server) as engine:
+        yield engine
 
 
 def hold_flood(state, url: str, token: str, engines: range, holds: int, chunk_hash: bytes
@@ -81,8 +88,7 @@ def load_and_compare(bystander) -> None:
 
 
 @pytest.mark.slow
-def test_holds_that_are_never_released_stay_bounded_and_expire_without_a_stall(
-        server, attacker, bystander):
+def test_holds_that_are_never_released_stay_bounded(server, attacker, bystander):
     client, hashes = bystander[0], bystander[1]
     # One engine holds past its cap: its own oldest give way.
     assert attacker.run(hold_flood, server.url, server.token(), range(1),
@@ -99,19 +105,25 @@ def test_holds_that_are_never_released_stay_bounded_and_expire_without_a_stall(
     assert stats.holds_refused == MAX_LEASES_PER_ENGINE
     load_and_compare(bystander)  # answered and loaded, though its hold was not taken
     assert client.stats().holds_refused == MAX_LEASES_PER_ENGINE + 1
-
-    # They all expire together; the bystander's pings go on meanwhile.
-    made = time.monotonic()
-    rtts = []
-    while client.stats().leases_held and time.monotonic() < made + 3 * LEASE_TIMEOUT_S:
-        sent = time.perf_counter()
-        client.ping()
-        rtts.append(time.perf_counter() - sent)
-        time.sleep(0.002)
-    assert client.stats().leases_held == 0
-    rtts.sort()
-    p99 = rtts[int(len(rtts) * 0.99) - 1]
-    assert p99 < PING_BOUND_S, f"bystander p99 {p99 * 1000:.0f} ms, max {rtts[-1] * 1000:.0f} ms"
-    load_and_compare(bystander)
-    wait_for(lambda: client.stats().leases_held == 0, what="the bystander's lease ended")
     server.check_alive()
+
+
+@pytest.mark.slow
+def test_holds_that_are_never_released_expire_while_others_are_served(attacker):
+    """The table filled again on a server whose holds expire as soon as the housekeeping
+    looks, a slice at a time (tests/server/test_store.py bounds a slice's work): the
+    bystander is served, byte for byte, until every hold has ended. How much of the table
+    the fill holds at once depends on how fast it runs: the bound holds throughout."""
+    with run_server("--cpu-size", "64MiB", "--lease-timeout", str(SHORT_LEASE_TIMEOUT_S)
+                    ) as server, honest_engine(server) as bystander:
+        client, hashes = bystander[0], bystander[1]
+        engines = MAX_LEASES // MAX_LEASES_PER_ENGINE + 1
+        assert attacker.run(hold_flood, server.url, server.token(), range(engines),
+                            MAX_LEASES_PER_ENGINE, hashes[0], wait=300) == {1}
+
+        def served_until_all_expired() -> bool:
+            assert client.stats().leases_held <= MAX_LEASES
+            load_and_compare(bystander)  # its own hold taken and ended
+            return client.stats().leases_held == 0
+        wait_for(served_until_all_expired, timeout=120, what="every hold expired")
+        server.check_alive()
