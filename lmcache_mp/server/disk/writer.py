@@ -345,14 +345,15 @@ class DiskWriter:
         except OSError as exc:
             self.space.write_failed(exc)
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float) -> bool:
         """Stop writing; what waits is let go (a batch being written, once its thread is
-        done: the tier closes the offload after this)."""
+        done). False if a write still runs `timeout_s` later (a disk stuck in it): it is
+        abandoned, its chunks never recorded nor counted as written."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._forget(list(self._queue))
         self._queue.clear()
-        await self.offload.close()
-        self._parallel.shutdown()
-
+        finished = await self.offload.close(timeout_s)
+        self._parallel.shutdown(wait=finished)
+        return finished
