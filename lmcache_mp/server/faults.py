@@ -5,8 +5,9 @@ point, where a real one (a frozen filesystem, a crash at an instruction) cannot 
 demand. Unset, as in any real deployment, every point is inert. The points:
 
 - `disk-write-stuck`, `disk-read-stuck`: every piece of work given to the disk tier's
-  write (or read) thread blocks it for good before it starts, as a write to a frozen
-  filesystem or a dead device does (copy/offload.py).
+  write (or read) threads blocks its thread for good before it starts, as I/O on a frozen
+  filesystem or a dead device does (copy/offload.py); the read threads' first work is
+  the journal's replay at start-up.
 """
 
 from __future__ import annotations

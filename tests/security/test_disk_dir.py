@@ -160,9 +160,10 @@ def test_a_second_server_on_the_same_directory_is_refused_and_the_first_serves_o
         assert served(first, later, 92) == PROMPT_CHUNKS
 
 
-def stuck_server(monkeypatch, disk_dir: Path, runtime: Path):
-    """A server whose disk write thread blocks for good on its first write (faults.py)."""
-    monkeypatch.setenv(FAULT_ENV, "disk-write-stuck")
+def stuck_server(monkeypatch, fault: str, disk_dir: Path, runtime: Path):
+    """A server whose disk write (or read) thread blocks for good on its first piece of
+    work (faults.py): a write, or the journal's replay at start-up."""
+    monkeypatch.setenv(FAULT_ENV, fault)
     server = server_process(None, ["--cpu-size", "4MiB", "--disk-dir", str(disk_dir), *DISK,
                                    "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
                                    "--log-level", "info"], str(runtime))
@@ -171,21 +172,24 @@ def stuck_server(monkeypatch, disk_dir: Path, runtime: Path):
     return server
 
 
-@pytest.mark.parametrize("signals", [1, 2])
-def test_sigterm_ends_a_server_whose_disk_write_never_returns(tmp_path, monkeypatch, signals):
-    """The write thread is stuck (as on a frozen filesystem): one SIGTERM ends the server
+@pytest.mark.parametrize("fault,signals", [("disk-write-stuck", 1), ("disk-write-stuck", 2),
+                                           ("disk-read-stuck", 1)])
+def test_sigterm_ends_a_server_whose_disk_never_returns(tmp_path, monkeypatch, fault, signals):
+    """A disk thread is stuck (as on a frozen filesystem): one SIGTERM ends the server
     after the shutdown timeout and a second of grace, exit 0; a second SIGTERM at once,
     exit 1. The chunks of the stuck write are not counted as written, and a restart on
     the directory finds none of them, and nothing damaged."""
     disk_dir, runtime = tmp_path / "disk", tmp_path / "run"
     runtime.mkdir(mode=0o700)
     hashes = prompt(tag=4303, num_chunks=PROMPT_CHUNKS)
-    server = stuck_server(monkeypatch, disk_dir, runtime)
+    server = stuck_server(monkeypatch, fault, disk_dir, runtime)
     try:
-        wait_for(lambda: stats(server).disk_loaded, "the disk index")
+        if fault == "disk-write-stuck":
+            wait_for(lambda: stats(server).disk_loaded, "the disk index")
         store(server, hashes, seed=93)
         figures = stats(server)
         assert figures.disk_chunks_written == 0 and figures.disk_queue_chunks == PROMPT_CHUNKS
+        assert figures.disk_loaded == (fault == "disk-write-stuck")
         server.proc.send_signal(signal.SIGTERM)
         if signals == 2:
             wait_for(lambda: "shutdown: writing the disk tier's queue" in server.output(),
@@ -196,7 +200,9 @@ def test_sigterm_ends_a_server_whose_disk_write_never_returns(tmp_path, monkeypa
         server.close()
     log = server.output()
     if signals == 1:
-        assert code == 0 and "it is abandoned (its chunks are not written)" in log
+        what = "write" if fault == "disk-write-stuck" else "read"
+        assert code == 0 and f"a disk {what} under way at shutdown has not returned" in log
+        assert ("it is abandoned (its chunks are not written)" in log) == (what == "write")
         assert "shutdown: done" in log
     else:
         assert code == 1 and "second SIGTERM: exiting now" in log

@@ -250,9 +250,10 @@ class DiskTier:
                                              self.writer.close(CLOSE_GRACE_S))
         if not (read and written):
             logger.warning("disk tier %s: a disk %s under way at shutdown has not returned "
-                           "(waited %g s): it is abandoned (its chunks are not written), and "
-                           "the process will exit without waiting for it", self.where,
-                           "write" if not written else "read", CLOSE_GRACE_S)
+                           "(waited %g s): it is abandoned%s, and the process will exit "
+                           "without waiting for it", self.where,
+                           "read" if written else "write", CLOSE_GRACE_S,
+                           "" if written else " (its chunks are not written)")
             return False
         self.data.close()
         self.journal.close()
