@@ -184,7 +184,8 @@ class Config:
                                          "STORE or RETRIEVE may name, at most "
                                          f"{MAX_CHUNKS_PER_MESSAGE}", _positive(int), "N")
     shutdown_timeout: float = option(10.0, "seconds the first SIGTERM/SIGINT waits for "
-                                     "in-flight requests before failing them",
+                                     "in-flight requests before failing them, and for the "
+                                     "disk tier's queue (the same time, shared)",
                                      _positive(float), "SEC")
     log_level: str = option("info", f"one of {', '.join(LOG_LEVELS)}", _choice(*LOG_LEVELS),
                             "LEVEL")

@@ -1,8 +1,15 @@
 """A directory only the server's user controls, and files in it opened without trusting the path.
 
-What the server keeps outside its own memory (the warm-restart segment and snapshot) sits
-in such a directory: created 0700, or refused unless it is a real directory of this
-user that nobody else can write to. Every file in it is opened through the directory's
+What the server keeps outside its own memory (the warm-restart segment and snapshot, the
+disk tier) sits in such a directory. Its path is walked from / one component at a time,
+each opened with O_PATH|O_NOFOLLOW|O_DIRECTORY through its parent's descriptor: a
+component that is a link is refused, and so is one that a user other than root and the
+server's own could change (ssh's StrictModes: owned by root or the server's user, and
+writable by no one else, but for a root-owned directory with the sticky bit, such as /tmp
+and /dev/shm, where others may add names but not replace or remove those of the server).
+The directory itself is created 0700, or refused unless it is a real directory of this
+user that nobody else can write to. A server holds it with lock(), which names the
+process that holds it already. Every file in it is opened through the directory's
 descriptor (no path component can be swapped for a link between the check and the use),
 with O_NOFOLLOW (a link is refused) and O_NONBLOCK (a FIFO cannot stall the start-up),
 then checked with fstat before a byte of it is read: a regular file of this user that
@@ -13,6 +20,7 @@ never what the file holds.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import pwd
 import stat
@@ -21,10 +29,12 @@ from pathlib import Path
 from ..errors import SetupError
 
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_WALK_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
 # What open() says when the name is not a regular file: a link (O_NOFOLLOW), a directory,
 # a FIFO or socket without a reader (O_NONBLOCK), a device without its driver.
 _NOT_A_FILE = (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV, errno.ENOTDIR,
                errno.EOPNOTSUPP)
+_LOCKS = Path("/proc/locks")
 
 
 class UnsafePath(SetupError):
@@ -41,36 +51,94 @@ def owner_name(uid: int) -> str:
 
 def _kind(mode: int) -> str:
     for test, kind in ((stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "directory"),
-                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
-                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+                       (stat.S_ISREG, "regular file"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):
         if test(mode):
             return kind
     return "special file"
+
+
+def lock_holder(fd: int) -> str:
+    """Who holds the flock on `fd`'s file: `pid N`, as /proc/locks tells it, or `a process
+    this one cannot see` (another pid namespace, or /proc unreadable)."""
+    info = os.fstat(fd)
+    device = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    try:
+        lines = _LOCKS.read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        fields = line.split()  # "1: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE 0 EOF"
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == device \
+                and fields[4].isdigit() and fields[4] != "0":
+            return f"pid {fields[4]}"
+    return "a process this one cannot see"
+
+
+def _check_component(fd: int, path: Path) -> None:
+    """A directory on the way to a private one: only root and this server's user may
+    change it (a sticky directory of root's, such as /tmp, is let through: others may add
+    names there, but not replace or remove the next component, which is checked in turn)."""
+    info = os.fstat(fd)
+    euid = os.geteuid()
+    problem = None
+    if info.st_uid not in (0, euid):
+        problem = f"belongs to {owner_name(info.st_uid)}"
+    elif info.st_mode & 0o022 and not (info.st_uid == 0 and info.st_mode & stat.S_ISVTX):
+        problem = f"has mode {info.st_mode & 0o7777:o}"
+    if problem is not None:
+        os.close(fd)
+        raise UnsafePath(f"{path} {problem}: a user other than root and this server's "
+                         f"{owner_name(euid)} could replace what is below it; choose a "
+                         f"place that only they control")
+
+
+def _walk(path: Path) -> tuple[int, Path]:
+    """An O_PATH descriptor of the parent of `path` (absolute, as the process sees it),
+    reached from / without following a link, every component checked; raises UnsafePath."""
+    absolute = Path(os.path.abspath(path))
+    if absolute.parent == absolute:
+        raise UnsafePath(f"{path} cannot be a private directory")
+    fd = os.open("/", _WALK_FLAGS)
+    walked = Path("/")
+    _check_component(fd, walked)
+    for name in absolute.parent.parts[1:]:
+        walked = walked / name
+        try:
+            component = os.open(name, _WALK_FLAGS, dir_fd=fd)
+        except OSError as exc:
+            info = _lstat(name, fd)
+            os.close(fd)
+            if info is not None and not stat.S_ISDIR(info.st_mode):
+                link = stat.S_ISLNK(info.st_mode)
+                raise UnsafePath(f"{walked} is a {_kind(info.st_mode)} of "
+                                 f"{owner_name(info.st_uid)}, not a directory" + (
+                                     f": no link is followed on the way to {path}; give "
+                                     f"the path it stands for" if link else "")) from None
+            raise UnsafePath(f"cannot reach {path}: {walked}: {exc.strerror}") from None
+        os.close(fd)
+        fd = component
+        _check_component(fd, walked)
+    return fd, absolute
 
 
 class PrivateDir:
     """An open private directory; the files in it are named relative to its descriptor."""
 
     def __init__(self, path: Path):
-        """Create `path` (mode 0700, its parent must exist) or check the one there; raises
-        UnsafePath."""
+        """Create `path` (mode 0700, its parent must exist) or check the one there, every
+        component of the way checked (_walk); raises UnsafePath."""
         self.path = path
-        euid = os.geteuid()
+        parent, self._absolute = _walk(path)
+        absolute = self._absolute
         try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise UnsafePath(f"cannot create {path}: {exc.strerror}") from None
-        try:
-            self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _OPEN_FLAGS)
-        except OSError as exc:
-            info = _lstat(path)
-            what = f"a {_kind(info.st_mode)} of {owner_name(info.st_uid)}" if info else \
-                exc.strerror
-            raise UnsafePath(f"{path} is not a directory this server can use ({what}); "
-                             f"remove it, or choose another place") from None
+            self.created = _make(parent, absolute.name, path)
+            self.fd = _open_directory(parent, absolute.name, path)
+        finally:
+            os.close(parent)
         info = os.fstat(self.fd)
+        euid = os.geteuid()
         problem = None
         if info.st_uid != euid:
             problem = (f"belongs to {owner_name(info.st_uid)}, not to this server's "
@@ -82,6 +150,18 @@ class PrivateDir:
             os.close(self.fd)
             raise UnsafePath(f"{path} {problem}; remove it (as its owner or root), or "
                              f"choose another place")
+
+    def lock(self) -> None:
+        """Hold the directory for this process (until close(), or the process's end); raises
+        UnsafePath naming the process that holds it already."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = lock_holder(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+            raise UnsafePath(f"{self.path} is in use by another server ({holder}); stop it, "
+                             f"or choose another place") from None
 
     def open(self, name: str, flags: int, max_bytes: int | None = None) -> int:
         """A descriptor of file `name`, checked: a regular file of this user, mode 0600 or
@@ -95,7 +175,7 @@ class PrivateDir:
         except OSError as exc:
             if exc.errno not in _NOT_A_FILE:
                 raise
-            info = _lstat(self.path / name)
+            info = _lstat(name, self.fd)
             what = (f"owned by {owner_name(info.st_uid)}, is a {_kind(info.st_mode)}" if info
                     else f"cannot be opened: {exc.strerror}")
             raise UnsafePath(f"{self.path / name}, {what}") from None
@@ -156,9 +236,41 @@ class PrivateDir:
             os.close(self.fd)
             self.fd = -1
 
+    def discard(self) -> None:
+        """close(), and remove the directory if this server made it and put nothing in it
+        (a start refused after it was made leaves nothing behind)."""
+        self.close()
+        if self.created:
+            try:
+                os.rmdir(self._absolute)
+            except OSError:
+                pass  # something is in it after all: it stays
 
-def _lstat(path: Path) -> os.stat_result | None:
+
+def _make(parent: int, name: str, path: Path) -> bool:
+    """mkdir `name` in `parent`, mode 0700; False if there is something of that name."""
     try:
-        return os.lstat(path)
+        os.mkdir(name, 0o700, dir_fd=parent)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        raise UnsafePath(f"cannot create {path}: {exc.strerror}") from None
+    return True
+
+
+def _open_directory(parent: int, name: str, path: Path) -> int:
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | _OPEN_FLAGS, dir_fd=parent)
+    except OSError as exc:
+        info = _lstat(name, parent)
+        what = f"a {_kind(info.st_mode)} of {owner_name(info.st_uid)}" if info else \
+            exc.strerror
+        raise UnsafePath(f"{path} is not a directory ({what}); remove it, or choose "
+                         f"another place") from None
+
+
+def _lstat(name: str | Path, dir_fd: int | None = None) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
         return None

@@ -12,7 +12,8 @@ import torch
 
 from .. import cuda, runtime
 from .cache.chunk import GPU_TIER, Chunk
-from .cache.pool import CpuPool, CudaPinner, DevicePool
+from .cache.pool import ALIGNMENT, CpuPool, CudaPinner, DevicePool
+from .cache.quotas import QuotaBook
 from .cache.store import ChunkStore
 from .config import Config
 from .copy.device import CudaDevice
@@ -21,10 +22,12 @@ from .copy.streams import StreamCopier
 from .memory.cuda_ipc import CudaIpcSupport, MappingThread, SharedAllocations
 from .memory.registry import Registry
 from .net.access import Sessions, load_or_create_token, prepare_runtime_dir, read_token_file
+from .net.endpoints import check_free
 from .net.fd_channel import FdChannel
 from .net.router import Router
 from .observe.metrics import ServerMetrics
 from .ops.dispatcher import Dispatcher
+from .private_dir import PrivateDir
 from .warm.segment import KEY_NAME, WarmStart
 
 if TYPE_CHECKING:
@@ -59,13 +62,32 @@ class Components:
 
 
 def wire(config: Config) -> Components:
-    """Build every part; a warm start adopts its chunks here. Raises AccessError,
-    WarmStartError, QuotaError or OSError for what keeps a server from starting."""
+    """Build every part; a warm start adopts its chunks here. What may refuse the start is
+    asked before anything is made outside the runtime directory: the quotas, the addresses
+    to serve on, then the disk directory (claimed: checked and locked, made if need be, its
+    files made last), then the pool segment; a refused start leaves none of them. Raises
+    AccessError, QuotaError, OSError, DiskTierError or WarmStartError for what keeps a
+    server from starting."""
     # Every connection and registration costs a descriptor: take all the system allows.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    sessions, admin_token, fd_channel = _access(config)
+    access = _access(config)
+    # The pools' capacity, as their allocators round it (checked once they are made).
+    capacity = sum(size - size % ALIGNMENT for size in (config.cpu_size, config.gpu_size or 0))
+    quotas = config.quota_book(capacity)
+    check_free(config, access.fd_channel)
+    disk_dir = _claim_disk_dir(config)
+    try:
+        return _build(config, access, quotas, disk_dir)
+    except BaseException:
+        if disk_dir is not None:
+            disk_dir.discard()
+        raise
+
+
+def _build(config: Config, access: _Access, quotas: QuotaBook,
+           disk_dir: PrivateDir | None) -> Components:
     # Parallelism comes from the copy threads; torch's own pool would oversubscribe the cores.
     torch.set_num_threads(1)
     has_cuda = torch.cuda.is_available()
@@ -73,8 +95,8 @@ def wire(config: Config) -> Components:
     pool = CpuPool(config.cpu_size, CudaPinner() if has_cuda else None,
                    warm.open() if warm is not None else None)
     gpu_pool = DevicePool(config.gpu_size, torch.device("cuda", 0)) if config.gpu_size else None
-    capacity = pool.capacity + (gpu_pool.capacity if gpu_pool is not None else 0)
-    store = ChunkStore(pool.allocator, config.lease_timeout, config.quota_book(capacity),
+    assert quotas.capacity == pool.capacity + (gpu_pool.capacity if gpu_pool else 0)
+    store = ChunkStore(pool.allocator, config.lease_timeout, quotas,
                        gpu_allocator=gpu_pool.allocator if gpu_pool is not None else None)
     if warm is not None:
         warm.restore(store, pool)
@@ -84,6 +106,7 @@ def wire(config: Config) -> Components:
         mapping = MappingThread(_GPU_MAP_TIMEOUT_S)
         cuda_ipc = CudaIpcSupport(SharedAllocations(cuda.open_allocation, mapping.close_later).open,
                                   cuda.device_index, copier.new_lane, mapping)
+    fd_channel = access.fd_channel
     registry = Registry(config.chunk_size, time.monotonic, fd_channel, cuda_ipc,
                         fd_channel.watch)
     copy_engine = CopyEngine(config.copy_threads)
@@ -94,15 +117,15 @@ def wire(config: Config) -> Components:
         return tier_pool.view(chunk.offset, chunk.nbytes)
     metrics = ServerMetrics()
     disk = None
-    if config.disk_dir is not None:
+    if disk_dir is not None:
         from .disk.tier import DiskTier, key_name
 
         assert config.disk_size is not None  # Config.validate() requires it
         # As the snapshot's, the key of the disk tier's MACs lives apart from what it signs,
         # in the runtime directory: whoever could write the tier's files cannot read it.
-        key = load_or_create_token(Path(config.runtime_dir) / key_name(Path(config.disk_dir)),
+        key = load_or_create_token(Path(config.runtime_dir) / key_name(disk_dir.path),
                                    0o600, None)
-        disk = DiskTier(Path(config.disk_dir), config.disk_size, config.disk_queue_size,
+        disk = DiskTier(disk_dir, config.disk_size, config.disk_queue_size,
                         config.disk_prefetch_wait, store, registry, pool, chunk_bytes,
                         metrics.disk_read, key.encode())
     l2 = None
@@ -111,18 +134,34 @@ def wire(config: Config) -> Components:
 
         l2 = L2Tier.from_config(config, store, registry, pool, chunk_bytes)
     # The router sends what the dispatcher pushes (LOAD_DONE), and hands it every request.
-    dispatcher = Dispatcher(config, store, pool, registry, copy_engine, sessions,
+    dispatcher = Dispatcher(config, store, pool, registry, copy_engine, access.sessions,
                             fd_channel.path, push=lambda client, message: router.push(
                                 client, message),
                             copier=copier, gpu_pool=gpu_pool, metrics=metrics, l2=l2,
                             disk=disk)
-    router = Router(config, dispatcher, sessions, metrics)
-    return Components(config, sessions, admin_token.encode(), fd_channel, warm, pool,
-                      gpu_pool, store, registry, copy_engine, copier, disk, l2, metrics,
+    router = Router(config, dispatcher, access.sessions, metrics)
+    return Components(config, access.sessions, access.admin_token.encode(), fd_channel, warm,
+                      pool, gpu_pool, store, registry, copy_engine, copier, disk, l2, metrics,
                       dispatcher, router)
 
 
-def _access(config: Config) -> tuple[Sessions, str, FdChannel]:
+def _claim_disk_dir(config: Config) -> PrivateDir | None:
+    """--disk-dir, checked and locked for this server (disk/tier.py); None without one."""
+    if config.disk_dir is None:
+        return None
+    from .disk.tier import claim_directory  # the disk tier's code only where it is used
+
+    return claim_directory(Path(config.disk_dir))
+
+
+@dataclass(frozen=True)
+class _Access:
+    sessions: Sessions
+    admin_token: str
+    fd_channel: FdChannel
+
+
+def _access(config: Config) -> _Access:
     """The runtime directory, the tokens and the fd channel; raises AccessError."""
     gid = config.socket_gid
     directory = Path(config.runtime_dir)
@@ -139,7 +178,7 @@ def _access(config: Config) -> tuple[Sessions, str, FdChannel]:
     sessions = Sessions(engine_token, admin_token, token_required=not path_socket)
     channel = FdChannel(str(directory / runtime.FD_SOCKET_NAME),
                         0o660 if gid is not None else 0o600, gid, bindings=sessions.bound)
-    return sessions, admin_token, channel
+    return _Access(sessions, admin_token, channel)
 
 
 def _warm_start(config: Config) -> WarmStart | None:

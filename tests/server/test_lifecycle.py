@@ -1,6 +1,10 @@
 """Eviction, leases, dead clients and shutdown, against a real server process."""
 
 import os
+import re
+import signal
+import socket
+import time
 
 import pytest
 import torch
@@ -8,8 +12,10 @@ import torch
 from lmcache_mp.client import CacheClient, LeaseRef, LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import RequestTimeout
 from lmcache_mp.protocol import StoreReply, StoreRequest
+from lmcache_mp.server.cache.pool import CpuPool
+from lmcache_mp.spawn import ForkedServer
 
-from ..utils import run_server, shm_segments, wait_for
+from ..utils import ipc_url, run_server, server_process, shm_segments, wait_for
 from ..workers import (
     BLOCKS_PER_CHUNK,
     MODEL,
@@ -17,6 +23,7 @@ from ..workers import (
     WorkerProcess,
     abandoned_store_worker,
     chunk_blocks,
+    context,
     expected_blocks,
     make_cache,
     prompt,
@@ -144,3 +151,83 @@ def test_sigterm_finishes_in_flight_work_releases_everything_and_exits_0():
         assert "shutdown: done" in log
     assert shm_segments() - before == set()  # nothing left behind by server or worker
 
+
+
+@pytest.mark.parametrize("taken", ["the fd channel (same runtime directory)",
+                                   "the ipc socket (same --url)", "the tcp port",
+                                   "the metrics port"])
+def test_a_start_refused_for_an_address_in_use_leaves_no_files(tmp_path, taken):
+    """Whatever another process serves, the refused server (exit 1) has made no disk
+    directory and no pool segment: the addresses are asked first."""
+    disk_dir, segments, log = tmp_path / "disk", tmp_path / "segments", tmp_path / "log"
+    args = ["--cpu-size", "4MiB", "--disk-dir", str(disk_dir), "--disk-size", "8MiB",
+            "--pool-segment", "pool", "--pool-segment-dir", str(segments)]
+    log.touch()
+    with run_server() as first, socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        url, runtime_dir = ipc_url(), tmp_path / "run"
+        if taken.startswith("the fd channel"):
+            runtime_dir = first.runtime_dir
+        elif taken.startswith("the ipc socket"):
+            url = first.url
+        elif taken == "the tcp port":
+            url = f"tcp://127.0.0.1:{port}"
+        else:
+            args += ["--metrics-port", str(port)]
+        # Not a ServerProcess: its close() would remove the first server's socket file.
+        second = ForkedServer(context(), ["--url", url, "--runtime-dir", str(runtime_dir),
+                                          *args], str(log))
+        assert second.wait(60) == 1
+        assert "another process is listening on it" in log.read_text()
+        assert not disk_dir.exists() and not segments.exists()
+        with first.client() as client:
+            client.ping()  # the server that holds the address serves on
+
+
+def test_the_pool_is_given_back_before_the_last_line_and_the_exit_follows_it():
+    """The pool's pages are freed as a logged step of shutdown, not by the process's exit
+    after `shutdown: done`: the exit then has little left to do."""
+    server = server_process(None, ["--cpu-size", "256MiB", "--log-level", "info"])
+    server.start()
+    try:
+        with server.client(admin=True) as admin:
+            server.wait_prefault(admin)
+        server.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "shutdown: done" in server.output(), timeout=60)
+        done = time.monotonic()
+        code = server.proc.wait(60)  # a bound on a hang only
+        exited_after = time.monotonic() - done
+    finally:
+        server.close()
+    log = server.output()
+    assert code == 0
+    assert re.search(r"shutdown: giving the CPU pool's 256\.0MiB back to the system.*\n.*"
+                     r"shutdown: done", log)
+    assert exited_after < 30
+
+
+def shmem_kib() -> int:
+    """Shared memory this process has mapped and touched (/proc/self/status RssShmem)."""
+    with open("/proc/self/status") as status:
+        return int(re.search(r"RssShmem:\s+(\d+) kB", status.read()).group(1))
+
+
+def test_give_back_frees_an_anonymous_pools_memory_but_keeps_a_segments_bytes(tmp_path):
+    pool = CpuPool(64 * 1024**2)
+    pool.start_prefault()
+    assert pool.prefault_done.wait(60)
+    touched = shmem_kib()
+    pool.close()
+    pool.give_back()
+    assert touched - shmem_kib() >= 60 * 1024  # the 64 MiB are no longer this process's
+    assert pool.array[::4096].sum() == 0  # still mapped: zeros
+    segment = tmp_path / "segment"
+    with open(segment, "w+b") as file:
+        file.truncate(8 * 1024**2)
+        kept = CpuPool(8 * 1024**2, fd=file.fileno())
+        kept.array[:4] = [1, 2, 3, 4]
+        kept.close()
+        kept.give_back()
+        assert file.read(4) == bytes([1, 2, 3, 4])

@@ -12,7 +12,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ...memory import populate
+from ...memory import discard, populate
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +242,7 @@ class CpuPool:
         # ranges, which CUDA does not promise to take as pinned: no extent does.
         self.allocator = ExtentAllocator(capacity, self._piece if pinner is not None else None)
         self._mapping = mmap.mmap(-1 if fd is None else fd, self.allocator.capacity)
+        self._anonymous = fd is None
         self.buffer = torch.frombuffer(self._mapping, dtype=torch.uint8)
         self.array = self.buffer.numpy()  # the same bytes, for numpy row copies (HostRows)
         self._pinner = pinner
@@ -326,6 +327,14 @@ class CpuPool:
             except RuntimeError as exc:
                 logger.warning("could not unpin a piece of the CPU pool (%s)", exc)
         self._pinned_bytes = 0
+
+    def give_back(self) -> None:
+        """At the very end of shutdown, after close() and once nothing reads the pool: an
+        anonymous pool's memory back to the system now, rather than in the process's exit,
+        after its last log line (reads of the pool return zeros after). A warm segment's
+        pages stay in its file, for the next server: nothing is done."""
+        if self._anonymous:
+            discard(self._mapping)
 
     def fault_in(self, offset: int, num_bytes: int) -> None:
         """Fault [offset, offset + num_bytes) in for reading, now, without the GIL: a warm

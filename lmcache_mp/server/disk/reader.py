@@ -238,7 +238,10 @@ class DiskReader:
         if self.mac.of(read.key, target[:read.nbytes]) != read.mac:
             read.outcome = "corrupt"
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float) -> bool:
+        """Cancel the reads; False if one still runs `timeout_s` later (a disk stuck in
+        it): it is abandoned."""
         await self._reads.close()
-        await self.offload.close()
-        self._parallel.shutdown()
+        finished = await self.offload.close(timeout_s)
+        self._parallel.shutdown(wait=finished)
+        return finished

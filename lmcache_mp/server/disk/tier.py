@@ -3,11 +3,14 @@
 The STORE op calls after_store() with the chunks it committed (write-through), the LOOKUP
 op calls before_lookup() before it looks in memory (read-back), CLEAR and the quota ops
 call clearing() (then removals_recorded()) and enforce_cap(), STATS reads snapshot() and
-usage(). The key of the journal's and the chunks' MACs is given by the wiring, which keeps
-it in the server's runtime directory (key_name()), not in the directory it signs. At
-start() the index is rebuilt from the journal on a thread while the server answers (until
-it is whole the disk tier finds nothing and writes nothing: chunks stored meanwhile wait
-in the queue).
+usage(). The wiring claims the directory first (claim_directory(): checked from / and
+locked against a second server), before it creates anything else, and gives the key of
+the journal's and the chunks' MACs, which it keeps in the server's runtime directory
+(key_name()), not in the directory it signs. At start() the index is rebuilt from the
+journal on a thread while the server answers (until it is whole the disk tier finds
+nothing and writes nothing: chunks stored meanwhile wait in the queue). close() is
+bounded: a read or write the disk does not finish is abandoned, and the process exits
+without it.
 """
 
 from __future__ import annotations
@@ -54,21 +57,39 @@ def key_name(directory: Path) -> str:
     replays as nothing there."""
     digest = hashlib.blake2b(os.fsencode(os.path.abspath(directory)), digest_size=8).hexdigest()
     return f"disk-{digest}.key"
+# At shutdown, once the queue's time is up: how long a read or write already running may
+# still take before it is abandoned (a frozen filesystem, a dead device).
+CLOSE_GRACE_S = 1.0
 
 
 class DiskTierError(SetupError):
     """--disk-dir cannot be used: the message names the path and why."""
 
 
+def claim_directory(path: Path) -> PrivateDir:
+    """--disk-dir for this server alone: every component of its path checked from /, the
+    directory made if there is none, and locked; raises DiskTierError (another server
+    holds it: its pid is named)."""
+    try:
+        directory = PrivateDir(path)
+    except UnsafePath as exc:
+        raise DiskTierError(str(exc)) from None
+    try:
+        directory.lock()
+    except UnsafePath as exc:
+        raise DiskTierError(str(exc)) from None
+    return directory
+
+
 class DiskTier:
-    def __init__(self, directory: Path, size: int, queue_limit: int, prefetch_wait_s: float,
-                 store: ChunkStore, registry: Registry, pool: CpuPool,
+    def __init__(self, directory: PrivateDir, size: int, queue_limit: int,
+                 prefetch_wait_s: float, store: ChunkStore, registry: Registry, pool: CpuPool,
                  gpu_view: Callable[[Chunk], torch.Tensor],
                  observe_read: Callable[[float], None], key: bytes):
-        """Opens (or creates) the directory and its files; raises DiskTierError. `key`: the
-        secret of its MACs (any length: it is hashed to 32 bytes)."""
+        """Opens (or creates) the files of the claimed `directory`; raises DiskTierError.
+        `key`: the secret of its MACs (any length: it is hashed to 32 bytes)."""
         secret = hashlib.blake2b(key, digest_size=32, person=b"lmcd-key").digest()
-        self.where = str(directory)
+        self.where = str(directory.path)
         self.counters = DiskCounters()
         self.space = DiskSpace(size, self.counters, self.where,
                                lambda salt: store.quotas.get(salt).reserve)
@@ -77,7 +98,7 @@ class DiskTier:
         except UnsafePath as exc:
             raise DiskTierError(str(exc)) from None
         except OSError as exc:
-            raise DiskTierError(f"{directory}: {exc.strerror or exc}") from None
+            raise DiskTierError(f"{self.where}: {exc.strerror or exc}") from None
         self.store = store
         self._namespaces: dict[tuple[str, Hashable], str] = {}
         mac = ChunkMac(secret)
@@ -91,11 +112,11 @@ class DiskTier:
         self.closed = False
         self._loading: asyncio.Task | None = None
 
-    def _open(self, directory: Path, secret: bytes) -> None:
-        """The directory and its files, for writing; for reading only where the filesystem
+    def _open(self, directory: PrivateDir, secret: bytes) -> None:
+        """The claimed directory's files, for writing; for reading only where the filesystem
         allows no more (the tier then never writes). A key left in the directory by format
         1 is removed: nothing it signed is trusted."""
-        self.directory = PrivateDir(directory)
+        self.directory = directory
         try:
             self.directory.unlink(OLD_KEY_NAME)
             self.data = DataFile(self.directory)
@@ -131,8 +152,10 @@ class DiskTier:
     async def _load(self) -> None:
         started = time.monotonic()
         try:
-            index, allocator, names = await asyncio.get_running_loop().run_in_executor(
-                None, self._rebuild)
+            # On the read threads, which have nothing to read until it is done: close()
+            # abandons it there if the disk never answers.
+            index, allocator, names = await self.reader.offload.run(self._rebuild,
+                                                                    lambda: None)
         except Exception:
             logger.exception("disk tier %s: its journal cannot be read: it starts empty",
                              self.where)
@@ -246,16 +269,27 @@ class DiskTier:
     def snapshot(self) -> DiskCounters:
         return self.space.snapshot()
 
-    async def close(self, drain_s: float) -> None:
-        """Write what is queued (for at most `drain_s`), then stop."""
+    async def close(self, drain_s: float) -> bool:
+        """Write what is queued (for at most `drain_s`), then stop, waiting CLOSE_GRACE_S at
+        most for the reads and writes under way. False if one is still running then: it is
+        abandoned (its chunks are not written), and the files stay open, the directory
+        locked, until the process ends: the thread may yet write to them."""
         self.closed = True
         await self.writer.drain(drain_s)
         if self._loading is not None:
             self._loading.cancel()
             await asyncio.gather(self._loading, return_exceptions=True)
-        await self.reader.close()
-        await self.writer.close()
+        read, written = await asyncio.gather(self.reader.close(CLOSE_GRACE_S),
+                                             self.writer.close(CLOSE_GRACE_S))
+        if not (read and written):
+            logger.warning("disk tier %s: a disk %s under way at shutdown has not returned "
+                           "(waited %g s): it is abandoned%s, and the process will exit "
+                           "without waiting for it", self.where,
+                           "read" if written else "write", CLOSE_GRACE_S,
+                           "" if written else " (its chunks are not written)")
+            return False
         self.data.close()
         self.journal.close()
         self.names.close()
         self.directory.close()
+        return True

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import faults
 from ..cache.chunk import CPU_TIER, Chunk
 from ..cache.pool import CpuPool, aligned
 from ..cache.quotas import QuotaBook
@@ -64,13 +65,6 @@ COMPACT_SLACK = 65536
 # Records one commit can append past the compaction threshold: a batch and SYNC_BYTES of
 # one-extent chunks, and as many removals.
 COMMIT_RECORDS = 2 * (BATCH_BYTES + SYNC_BYTES) // 4096
-# A test's fault point, read when the writer is made: "disk-reuse-unsynced" SIGKILLs the
-# server once a batch that reuses extents of removed chunks has its bytes written, before
-# they are synced or recorded (the window a crash could meet); "disk-einval-once" fails
-# the first batch's write with EINVAL, as a buffer set the kernel refuses would.
-FAULT_ENV = "LMCACHE_MP_TEST_FAULT"
-FAULT_REUSE_UNSYNCED = "disk-reuse-unsynced"
-FAULT_EINVAL_ONCE = "disk-einval-once"
 
 
 def journal_limit(capacity: int) -> int:
@@ -126,7 +120,7 @@ class DiskWriter:
         self._unsynced_bytes = 0
         self._recorded = asyncio.Event()  # set whenever removals were recorded
         self._batch_fault_logged = False
-        self._fault = os.environ.get(FAULT_ENV, "")
+        self._fault = faults.point()  # read once: "disk-einval-once" fires once
 
     def start(self, loaded: asyncio.Event) -> None:
         self._loaded = loaded
@@ -296,11 +290,11 @@ class DiskWriter:
             if len(removals):
                 self.journal.append((), removals)
                 recorded = True
-            if self._fault == FAULT_EINVAL_ONCE:
+            if self._fault == faults.DISK_EINVAL_ONCE:
                 self._fault = ""
                 raise OSError(errno.EINVAL, "a write refused (the test's fault point)")
             self._write_out(placed)
-            if len(removals) and self._fault == FAULT_REUSE_UNSYNCED:
+            if len(removals) and self._fault == faults.DISK_REUSE_UNSYNCED:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def forget() -> None:
@@ -447,14 +441,15 @@ class DiskWriter:
         except OSError as exc:
             self.space.write_failed(exc)
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float) -> bool:
         """Stop writing; what waits is let go (a batch being written, once its thread is
-        done: the tier closes the offload after this)."""
+        done). False if a write still runs `timeout_s` later (a disk stuck in it): it is
+        abandoned, its chunks never recorded nor counted as written."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._forget(list(self._queue))
         self._queue.clear()
-        await self.offload.close()
-        self._parallel.shutdown()
-
+        finished = await self.offload.close(timeout_s)
+        self._parallel.shutdown(wait=finished)
+        return finished

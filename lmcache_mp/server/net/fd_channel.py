@@ -153,7 +153,7 @@ class FdChannel:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Bind and listen at `path`, then serve from `loop`. Raises OSError if `path` is
         something other than a socket, or a socket another process still listens on."""
-        self._remove_stale_socket()
+        self.remove_stale_socket()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             listener.setblocking(False)
@@ -477,8 +477,10 @@ class FdChannel:
 
     # -- the socket file -------------------------------------------------------------------
 
-    def _remove_stale_socket(self) -> None:
-        """Unlink a socket file that a dead server left at `path`; refuse anything else."""
+    def remove_stale_socket(self) -> None:
+        """Unlink a socket file that a dead server left at `path`; OSError for anything else
+        (EADDRINUSE: another process listens on it). start() calls it, and the wiring before
+        it creates anything."""
         try:
             st = os.lstat(self.path)
         except FileNotFoundError:

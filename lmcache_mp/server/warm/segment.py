@@ -33,7 +33,7 @@ from ...sizes import format_size
 from ..cache.chunk import SavedIndex
 from ..cache.pool import ALIGNMENT, CpuPool
 from ..cache.store import ChunkStore
-from ..private_dir import PrivateDir, UnsafePath
+from ..private_dir import PrivateDir, UnsafePath, lock_holder
 from .snapshot import BadSnapshot, checksums, decode, encode, max_snapshot_bytes
 
 logger = logging.getLogger("lmcache_mp.server.warm")
@@ -133,8 +133,10 @@ class WarmStart:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            holder = lock_holder(fd)
             os.close(fd)
-            raise WarmStartError(f"{self.pool_path} is in use by another server") from None
+            raise WarmStartError(f"{self.pool_path} is in use by another server ({holder})"
+                                 ) from None
 
     def _open_existing(self) -> tuple[int | None, str]:
         try:
