@@ -195,7 +195,7 @@ def test_the_pool_is_given_back_before_the_last_line_and_the_exit_follows_it():
         with server.client(admin=True) as admin:
             server.wait_prefault(admin)
         server.proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: "shutdown: done" in server.output(), timeout=60)
+        wait_for(lambda: "shutdown: done" in server.output(), "shutdown: done logged")
         done = time.monotonic()
         code = server.proc.wait(60)  # a bound on a hang only
         exited_after = time.monotonic() - done
