@@ -295,6 +295,20 @@ def test_a_key_file_keeps_the_tier_across_a_reboot_that_empties_the_runtime_dire
     assert KEY_WARNING not in server.output()
 
 
+def test_a_tier_moves_to_a_key_file_with_its_key_copied_there(tmp_path):
+    """The runtime directory's key for the tier, copied (0600) to the file --disk-key-file
+    names: the runtime directory gone, a server with the flag serves the tier's chunks."""
+    directory, runtime = stored_and_stopped(tmp_path)
+    key = tmp_path / "state" / "disk.key"
+    key.parent.mkdir(mode=0o700)
+    shutil.copyfile(Path(runtime) / key_name(directory), key)
+    key.chmod(0o600)
+    shutil.rmtree(runtime)
+    with disk_server(directory, "--disk-key-file", str(key), runtime_dir=runtime) as server:
+        assert loaded(server).disk_loaded_chunks == PROMPT_CHUNKS
+        assert assert_prefix_served(server, *PROMPTS[0]) == PROMPT_CHUNKS
+
+
 def test_a_reboot_that_empties_the_runtime_directory_empties_the_tier_and_says_why(tmp_path):
     """Without --disk-key-file the key is in the runtime directory: removed whole (a reboot
     on a tmpfs), the next server has a new key, finds none of the journal's records signed
