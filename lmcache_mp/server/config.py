@@ -102,6 +102,14 @@ def _beyond_loopback(url: str) -> bool:
         return True
 
 
+def _inside(path: str, directory: str) -> bool:
+    """Whether `path` is `directory` or names something below it, as written or with its
+    links resolved (neither needs to exist)."""
+    tops = {os.path.abspath(directory), os.path.realpath(directory)}
+    return any(name == top or name.startswith(top.rstrip("/") + "/")
+               for name in (os.path.abspath(path), os.path.realpath(path)) for top in tops)
+
+
 def _l2_url(text: str) -> str:
     check_url(text)
     return text
@@ -249,6 +257,18 @@ class Config:
                                    "it, its least recently used chunks (a prompt's end before "
                                    "its start) make room", parse_size, "SIZE",
                                    shown="required with --disk-dir", text=exact_size)
+    disk_key_file: str | None = option(None, "with --disk-dir: the file of the disk tier's key "
+                                       "(the secret of its journal's and chunks' MACs), outside "
+                                       "--disk-dir and on a persistent filesystem, so that the "
+                                       "tier survives a reboot: the default runtime directory "
+                                       "is a tmpfs, and a tier whose key is lost starts empty; "
+                                       "created at the first start (0600, 64 random hex "
+                                       "digits) and read back at every start, refused if it is "
+                                       "a link or open to others; its directory is created "
+                                       "0700, and refused unless it is this user's own and "
+                                       "private", str, "PATH",
+                                       shown="RUNTIME_DIR/disk-HEX.key, created; HEX: a digest "
+                                             "of --disk-dir's path")
     disk_queue_size: int = option(256 * 1024**2, "chunk bytes waiting to be written to the "
                                   "disk tier; past it, chunks are not written (STATS "
                                   "disk_dropped counts them) rather than slowing STOREs",
@@ -341,6 +361,14 @@ class Config:
         if self.disk_size is not None and not 1024**2 <= self.disk_size <= MAX_DISK_SIZE:
             raise ValueError(f"--disk-size must be between 1MiB and 16TiB (the index's "
                              f"offsets), got {self.disk_size} bytes")
+        if self.disk_key_file is not None:
+            if self.disk_dir is None:
+                raise ValueError("--disk-key-file needs --disk-dir")
+            if _inside(self.disk_key_file, self.disk_dir):
+                raise ValueError(f"--disk-key-file {self.disk_key_file} is inside --disk-dir "
+                                 f"{self.disk_dir}: the key must live apart from the files it "
+                                 f"signs; give a file outside it, e.g. "
+                                 f"/var/lib/lmcache-mp/disk.key")
         if self.l2 is None and self.l2_password_file is not None:
             raise ValueError("--l2-password-file needs --l2")
         if self.l2 is None and self.l2_key_file is not None:

@@ -27,7 +27,7 @@ from .net.fd_channel import FdChannel
 from .net.router import Router
 from .observe.metrics import ServerMetrics
 from .ops.dispatcher import Dispatcher
-from .private_dir import PrivateDir
+from .private_dir import PrivateDir, UnsafePath
 from .warm.segment import KEY_NAME, WarmStart
 
 if TYPE_CHECKING:
@@ -118,16 +118,13 @@ def _build(config: Config, access: _Access, quotas: QuotaBook,
     metrics = ServerMetrics()
     disk = None
     if disk_dir is not None:
-        from .disk.tier import DiskTier, key_name
+        from .disk.tier import DiskTier
 
         assert config.disk_size is not None  # Config.validate() requires it
-        # As the snapshot's, the key of the disk tier's MACs lives apart from what it signs,
-        # in the runtime directory: whoever could write the tier's files cannot read it.
-        key = load_or_create_token(Path(config.runtime_dir) / key_name(disk_dir.path),
-                                   0o600, None)
+        key_file, key = _disk_key(disk_dir.path, config.disk_key_file, config.runtime_dir)
         disk = DiskTier(disk_dir, config.disk_size, config.disk_queue_size,
                         config.disk_prefetch_wait, store, registry, pool, chunk_bytes,
-                        metrics.disk_read, key.encode())
+                        metrics.disk_read, key, key_file)
     l2 = None
     if config.l2 is not None:
         from .l2.tier import L2Tier  # redis-py is needed only with --l2
@@ -191,3 +188,24 @@ def _warm_start(config: Config) -> WarmStart | None:
                      config.adopt,
                      Path(config.pool_segment_dir) if config.pool_segment_dir else None,
                      config.copy_threads)
+
+
+def _disk_key(disk_dir: Path, key_file: str | None, runtime_dir: str) -> tuple[Path, bytes]:
+    """The disk tier's key file and key: --disk-key-file, else the runtime directory's key
+    for this --disk-dir; made 0600 at the first start. Raises AccessError or DiskTierError."""
+    from .disk.tier import DiskTierError, key_name
+
+    # As the snapshot's, the key lives apart from what it signs (Config.validate() keeps
+    # --disk-key-file out of --disk-dir): whoever could write the tier's files cannot read it.
+    if key_file is None:
+        path = Path(runtime_dir) / key_name(disk_dir)
+    else:
+        path = Path(key_file)
+        try:  # a directory anyone else could write to could have the key swapped
+            PrivateDir(path.parent).close()
+        except UnsafePath as exc:
+            raise DiskTierError(f"--disk-key-file's directory: {exc}") from None
+    try:
+        return path, load_or_create_token(path, 0o600, None).encode()
+    except OSError as exc:
+        raise DiskTierError(f"its key file {path}: {exc.strerror or exc}") from None

@@ -3,11 +3,16 @@ bytes planted in its data file with a valid CRC-32 are refused; a crash in the w
 an evicted chunk's extent holds another salt's unsynced bytes serves nothing of them; chunks
 of 256 bytes are written and read back; a CLEAR and a shrunk quota last across a restart;
 a padded journal costs no more memory at start-up than a valid one; the key lives outside
-the disk directory (issue 43)."""
+the disk directory (issue 43): in the runtime directory, or in --disk-key-file, which keeps
+the tier across a reboot that empties the runtime directory, and is refused inside the
+disk directory."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -263,3 +268,94 @@ def test_the_key_lives_in_the_runtime_directory_and_an_old_one_is_not_trusted(tm
     # Another runtime directory holds no key for it: nothing the first key signed is used.
     with disk_server(directory) as server:
         assert loaded(server).disk_loaded_chunks == 0
+
+
+KEY_WARNING = "set --disk-key-file to a file on a persistent filesystem"
+
+
+def test_a_key_file_keeps_the_tier_across_a_reboot_that_empties_the_runtime_directory(
+        tmp_path):
+    """--disk-key-file K: the tier written, the server stopped, its runtime directory
+    removed whole (what a reboot does to a tmpfs): a server with the same --disk-dir and K
+    serves every chunk from disk, byte for byte. K is made 0600 in a directory made 0700,
+    and the runtime directory never held a key for the tier."""
+    directory, runtime = tmp_path / "disk", tmp_path / "run"
+    key = tmp_path / "state" / "disk.key"
+    with disk_server(directory, "--disk-key-file", str(key), runtime_dir=str(runtime)) as server:
+        store(server, *PROMPTS[0])
+        written(server, PROMPT_CHUNKS)
+    assert os.stat(key).st_mode & 0o777 == 0o600
+    assert os.stat(key.parent).st_mode & 0o777 == 0o700
+    assert key_name(directory) not in os.listdir(runtime)
+    shutil.rmtree(runtime)
+    with disk_server(directory, "--disk-key-file", str(key), runtime_dir=str(runtime)) as server:
+        assert loaded(server).disk_loaded_chunks == PROMPT_CHUNKS
+        assert assert_prefix_served(server, *PROMPTS[0]) == PROMPT_CHUNKS
+        assert stats(server).disk_hits == PROMPT_CHUNKS  # the restarted pool held none
+    assert KEY_WARNING not in server.output()
+
+
+def test_a_tier_moves_to_a_key_file_with_its_key_copied_there(tmp_path):
+    """The runtime directory's key for the tier, copied (0600) to the file --disk-key-file
+    names: the runtime directory gone, a server with the flag serves the tier's chunks."""
+    directory, runtime = stored_and_stopped(tmp_path)
+    key = tmp_path / "state" / "disk.key"
+    key.parent.mkdir(mode=0o700)
+    shutil.copyfile(Path(runtime) / key_name(directory), key)
+    key.chmod(0o600)
+    shutil.rmtree(runtime)
+    with disk_server(directory, "--disk-key-file", str(key), runtime_dir=runtime) as server:
+        assert loaded(server).disk_loaded_chunks == PROMPT_CHUNKS
+        assert assert_prefix_served(server, *PROMPTS[0]) == PROMPT_CHUNKS
+
+
+def test_a_reboot_that_empties_the_runtime_directory_empties_the_tier_and_says_why(tmp_path):
+    """Without --disk-key-file the key is in the runtime directory: removed whole (a reboot
+    on a tmpfs), the next server has a new key, finds none of the journal's records signed
+    with it, starts the tier empty, and logs one warning naming the cause and the flag."""
+    directory, runtime = stored_and_stopped(tmp_path)
+    shutil.rmtree(runtime)
+    with disk_server(directory, runtime_dir=runtime) as server:
+        assert loaded(server).disk_loaded_chunks == 0
+        assert assert_prefix_served(server, *PROMPTS[0]) == 0
+    warnings = [line for line in server.output().splitlines() if KEY_WARNING in line]
+    assert len(warnings) == 1, server.output()
+    assert f"none of its journal's {PROMPT_CHUNKS} records is signed with the key in " \
+           f"{Path(runtime) / key_name(directory)}" in warnings[0]
+
+
+@pytest.mark.parametrize("inside", ["a file in it", "through a link to it", "a name of one"])
+def test_a_key_file_inside_the_disk_directory_is_refused(tmp_path, inside):
+    """--disk-key-file in --disk-dir (written so, reached through a link to the directory,
+    or naming one of the tier's files) stops the start-up, exit 2, with a line that says
+    so; no key is made and the directory is not touched."""
+    directory = tmp_path / "disk"
+    directory.mkdir(mode=0o700)
+    (tmp_path / "alias").symlink_to(directory, target_is_directory=True)
+    key = {"a file in it": directory / "disk.key", "through a link to it":
+           tmp_path / "alias" / "disk.key", "a name of one": directory / "journal"}[inside]
+    result = subprocess.run(
+        [sys.executable, "-m", "lmcache_mp.server", "--cpu-size", "4MiB", "--disk-dir",
+         str(directory), "--disk-size", "8MiB", "--disk-key-file", str(key),
+         "--runtime-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert f"--disk-key-file {key} is inside --disk-dir {directory}" in result.stderr
+    assert os.listdir(directory) == []
+
+
+def test_a_key_file_in_a_directory_others_may_write_is_refused(tmp_path):
+    """Whoever could write the key's directory could swap the key: a directory open to
+    others stops the start-up, exit 2, naming it; no key is made there."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    result = subprocess.run(
+        [sys.executable, "-m", "lmcache_mp.server", "--cpu-size", "4MiB", "--disk-dir",
+         str(tmp_path / "disk"), "--disk-size", "8MiB", "--disk-key-file",
+         str(shared / "disk.key"), "--runtime-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert f"cannot use the disk tier: --disk-key-file's directory: {shared} has mode 777" \
+        in result.stderr
+    assert os.listdir(shared) == []

@@ -114,3 +114,25 @@ def test_chunks_per_message_cannot_exceed_the_protocol_limit(capsys):
     with pytest.raises(SystemExit):
         Config.from_args(["--max-chunks-per-message", str(MAX_CHUNKS_PER_MESSAGE + 1)], env={})
     assert f"at most {MAX_CHUNKS_PER_MESSAGE}" in capsys.readouterr().err
+
+
+def test_a_disk_key_file_needs_a_disk_dir_and_must_lie_outside_it(tmp_path, capsys):
+    """Beside the disk directory is where it belongs (its parent holding both); the
+    directory itself, or anything below it, is refused, as is a key without a tier."""
+    disk = ["--disk-dir", str(tmp_path / "state" / "disk"), "--disk-size", "1GiB"]
+    beside = str(tmp_path / "state" / "disk.key")
+    assert Config.from_args([*disk, "--disk-key-file", beside], env={}).disk_key_file == beside
+    assert Config.from_args(disk, env={"LMCACHE_MP_DISK_KEY_FILE": beside}).disk_key_file \
+        == beside
+    assert Config.from_args(disk, env={}).disk_key_file is None
+    for key, message in ((str(tmp_path / "state" / "disk"), "is inside --disk-dir"),
+                         (str(tmp_path / "state" / "disk" / "sub" / ".." / "k"),
+                          "is inside --disk-dir"),
+                         (str(tmp_path / "state" / "disk" / "k"), "is inside --disk-dir")):
+        with pytest.raises(SystemExit) as exit_info:
+            Config.from_args([*disk, "--disk-key-file", key], env={})
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        Config.from_args(["--disk-key-file", beside], env={})
+    assert "--disk-key-file needs --disk-dir" in capsys.readouterr().err

@@ -22,10 +22,11 @@ chunks, the writer rewrites it from the index's live records into a new file ren
 the old one, so a crash leaves one or the other, whole (the removals are gone from it:
 their chunks are not among the live records).
 
-The MACs are keyed by a secret the tier keeps outside its directory (in the server's
-runtime directory, see tier.py): a journal or a names file from another directory, or
-written by anyone else, replays as nothing, and so does a record of another format (format
-1 records are bad records). The sequence must equal the record's place, so a record copied
+The MACs are keyed by a secret the tier keeps outside its directory (--disk-key-file, or
+the server's runtime directory, see tier.py): a journal or a names file from another
+directory, or written by anyone else, replays as nothing (counted apart, `unsigned`, when
+it is whole and of this format), and so does a record of another format (format 1 records
+are bad records). The sequence must equal the record's place, so a record copied
 elsewhere in the file is refused too. A crash can leave a torn last record: opening the
 journal cuts it off, so the next append lands right after the last whole one. Replay reads
 the file in blocks of REPLAY_BLOCK records and keeps only the good ones, and at most the
@@ -142,6 +143,7 @@ class Replayed:
     macs: np.ndarray  # (n,) uint32: ChunkMac.of each chunk
     read: int = 0  # whole records replay looked at
     bad: int = 0  # records refused: not a record, another format, a MAC that fails
+    unsigned: int = 0  # of the bad ones, records whole and of this format whose MAC fails
     superseded: int = 0  # good records a later one replaced, overwrote or removed, and removals
     skipped: int = 0  # records before the last `limit` ones, not looked at
 
@@ -297,8 +299,12 @@ class Journal:
             logger.warning("disk journal %s holds %d records, more than a tier of this size "
                            "writes before it compacts its journal (%d): only the last %d are "
                            "replayed", self._directory.path / self._name, total, limit, limit)
-        kept = [table for start in range(first, total, REPLAY_BLOCK)
-                if len(table := self._good_block(start, min(REPLAY_BLOCK, total - start)))]
+        kept, unsigned = [], 0
+        for start in range(first, total, REPLAY_BLOCK):
+            table, failed = self._good_block(start, min(REPLAY_BLOCK, total - start))
+            unsigned += failed
+            if len(table):
+                kept.append(table)
         table = np.concatenate(kept) if kept else np.zeros(0, _RECORD)
         offsets = table["offset"].astype(np.int64)
         nbytes = table["nbytes"].astype(np.int64)
@@ -309,11 +315,12 @@ class Journal:
         read = total - first
         return Replayed(rows["key"], rows["parent"], rows["salt"], offsets[alive],
                         nbytes[alive], rows["chunk_mac"], read=read, bad=read - len(table),
-                        superseded=len(table) - len(rows), skipped=first)
+                        unsigned=unsigned, superseded=len(table) - len(rows), skipped=first)
 
-    def _good_block(self, start: int, count: int) -> np.ndarray:
+    def _good_block(self, start: int, count: int) -> tuple[np.ndarray, int]:
         """Records `start` to `start + count` that are good: whole, of this format, in their
-        place, signed (a copy: the block's buffer is let go)."""
+        place, signed (a copy: the block's buffer is let go); and how many of them were all
+        of that but signed with another key."""
         raw = _read_all(self.fd, count * CHUNK_RECORD_BYTES, start * CHUNK_RECORD_BYTES)
         del raw[len(raw) - len(raw) % CHUNK_RECORD_BYTES:]
         table = np.frombuffer(raw, _RECORD)
@@ -324,8 +331,9 @@ class Journal:
                 & (table["offset"] % ALIGNMENT == 0) & (table["offset"] < _MAX_OFFSET)
                 & (table["nbytes"] > 0))
         candidates = np.flatnonzero(good)
-        good[candidates] = self._macs_match(raw, candidates, table["mac"][candidates])
-        return table[good].copy()
+        signed = self._macs_match(raw, candidates, table["mac"][candidates])
+        good[candidates] = signed
+        return table[good].copy(), len(candidates) - int(np.count_nonzero(signed))
 
     def _macs_match(self, raw: bytearray, rows: np.ndarray, macs: np.ndarray) -> np.ndarray:
         # The one loop a record: hashlib has no batch form, and a copy of the keyed state

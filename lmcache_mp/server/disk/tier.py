@@ -5,10 +5,12 @@ op calls before_lookup() before it looks in memory (read-back), CLEAR and the qu
 call clearing() (then removals_recorded()) and enforce_cap(), STATS reads snapshot() and
 usage(). The wiring claims the directory first (claim_directory(): checked from / and
 locked against a second server), before it creates anything else, and gives the key of
-the journal's and the chunks' MACs, which it keeps in the server's runtime directory
-(key_name()), not in the directory it signs. At start() the index is rebuilt from the
-journal on a thread while the server answers (until it is whole the disk tier finds
-nothing and writes nothing: chunks stored meanwhile wait in the queue). close() is
+the journal's and the chunks' MACs, which it keeps outside the directory it signs: in
+--disk-key-file, or in the server's runtime directory (key_name()). A journal none of
+whose records is signed with the key (a new key file: the runtime directory's, lost in a
+reboot) starts the tier empty, with a warning saying why. At start() the index is rebuilt
+from the journal on a thread while the server answers (until it is whole the disk tier
+finds nothing and writes nothing: chunks stored meanwhile wait in the queue). close() is
 bounded: a read or write the disk does not finish is abandoned, and the process exits
 without it.
 """
@@ -85,11 +87,13 @@ class DiskTier:
     def __init__(self, directory: PrivateDir, size: int, queue_limit: int,
                  prefetch_wait_s: float, store: ChunkStore, registry: Registry, pool: CpuPool,
                  gpu_view: Callable[[Chunk], torch.Tensor],
-                 observe_read: Callable[[float], None], key: bytes):
+                 observe_read: Callable[[float], None], key: bytes, key_file: Path):
         """Opens (or creates) the files of the claimed `directory`; raises DiskTierError.
-        `key`: the secret of its MACs (any length: it is hashed to 32 bytes)."""
+        `key`: the secret of its MACs (any length: it is hashed to 32 bytes), read from
+        `key_file`."""
         secret = hashlib.blake2b(key, digest_size=32, person=b"lmcd-key").digest()
         self.where = str(directory.path)
+        self.key_file = key_file
         self.counters = DiskCounters()
         self.space = DiskSpace(size, self.counters, self.where,
                                lambda salt: store.quotas.get(salt).reserve)
@@ -172,6 +176,12 @@ class DiskTier:
     def _rebuild(self) -> tuple[DiskIndex, ExtentAllocator, list[str]]:
         """A thread: the journal's live records that fit the tier and the file, indexed."""
         replayed = self.journal.replay(journal_limit(self.space.capacity))
+        if replayed.unsigned and replayed.bad == replayed.read:
+            logger.warning("disk tier %s: none of its journal's %d records is signed with the "
+                           "key in %s, so it starts empty: that key file is new or another "
+                           "one (after a reboot with the key on a tmpfs, as the default "
+                           "runtime directory is, set --disk-key-file to a file on a "
+                           "persistent filesystem)", self.where, replayed.read, self.key_file)
         # The salts' names by digest, as the journal's column holds it (a little-endian u64).
         by_digest = {int.from_bytes(digest, "little"): name
                      for digest, name in self.names.load().items()}

@@ -120,7 +120,7 @@ def test_a_journal_signed_with_another_secret_replays_empty(directory):
     journal.append([record(1), record(2)])
     journal.close()
     replayed = Journal.open(directory, NAME, bytes(32)).replay()
-    assert len(replayed) == 0 and (replayed.read, replayed.bad) == (2, 2)
+    assert len(replayed) == 0 and (replayed.read, replayed.bad, replayed.unsigned) == (2, 2, 2)
 
 
 def test_later_records_replace_the_same_key_and_kill_what_they_overwrite(directory):
@@ -309,7 +309,7 @@ def test_replay_reads_at_most_the_last_limit_records_block_by_block(directory):
     journal.close()
     os.truncate(path_of(directory), 64 * count * CHUNK_RECORD_BYTES)
     padded = Journal.open(directory, NAME, SECRET).replay(limit=2 * count)
-    assert len(padded) == 0 and padded.bad == 2 * count
+    assert len(padded) == 0 and padded.bad == 2 * count and padded.unsigned == 0
 
 
 def test_a_chunk_mac_covers_its_key_and_its_bytes():
