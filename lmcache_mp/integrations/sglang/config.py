@@ -7,8 +7,10 @@ from typing import Any
 
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_STAGING_PAGES = 32
-_FIELDS = {"backend_name", "module_path", "class_name", "interface_v1", "url", "cache_salt",
-           "model", "timeout_s", "staging_pages"}
+_FIELDS = {"url", "cache_salt", "model", "timeout_s", "staging_pages"}
+# Read by SGLang itself (its factory, its allocator choice, --file-storage-path), not by us.
+_SGLANG_FIELDS = {"backend_name", "module_path", "class_name", "interface_v1", "allocator",
+                  "file_storage_path", "enable_metadata_cache", "metadata_ttl"}
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class BackendConfig:
         if not extra.get("interface_v1"):
             raise ValueError('lmcache-mp needs "interface_v1": 1 in '
                              '--hicache-storage-backend-extra-config')
-        unknown = sorted(set(extra) - _FIELDS)
+        unknown = sorted(set(extra) - _FIELDS - _SGLANG_FIELDS)
         if unknown:
             raise ValueError(f"unknown field(s) in --hicache-storage-backend-extra-config: "
                              f"{', '.join(unknown)}")

@@ -142,14 +142,17 @@ def test_layouts_it_cannot_read_are_refused_at_start_up_naming_the_flag(server):
         backend(pool, server.url)
 
 
-def test_an_extra_config_without_interface_v1_is_refused(server):
+@pytest.mark.parametrize("fields,refusal", [
+    ({}, "interface_v1"), ({"interface_v1": 1, "urll": "x"}, "urll"),
+    ({"interface_v1": 1, "timeout_s": 0}, "timeout_s")])
+def test_a_wrong_extra_config_is_refused_naming_the_field(fields, refusal):
+    extra = {"backend_name": "lmcache_mp", "class_name": "LMCacheMPStorage",
+             "module_path": "lmcache_mp.integrations.sglang", **fields}
     config = HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
-        model_name="tiny", extra_config={"backend_name": "lmcache_mp", "class_name":
-                                         "LMCacheMPStorage",
-                                         "module_path": "lmcache_mp.integrations.sglang"})
-    with pytest.raises(ValueError, match="interface_v1"):
+        model_name="tiny", extra_config=extra)
+    with pytest.raises(ValueError, match=refusal):
         StorageBackendFactory.create_backend("dynamic", config, None)
 
 
