@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -14,6 +15,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 from .config import BackendConfig, namespace
 from .link import ServerLink
 from .pages import PageCodec
+
+logger = logging.getLogger(__name__)
 
 
 class LMCacheMPStorage(HiCacheStorage):
@@ -57,17 +60,27 @@ class LMCacheMPStorage(HiCacheStorage):
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        if self.link is None:
+        pages = self._pages(keys, host_indices)
+        if self.link is None or pages is None:
             return [False] * len(keys)
-        return self.link.retrieve(keys, self.link.codec.pages_of(host_indices, len(keys)))
+        return self.link.retrieve(keys, pages)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        if self.link is None:
+        pages = self._pages(keys, host_indices)
+        if self.link is None or pages is None:
             return [False] * len(keys)
         prefix = extra_info.prefix_keys if extra_info is not None else None
-        return self.link.store(keys, self.link.codec.pages_of(host_indices, len(keys)),
-                               prefix[-1] if prefix else None)
+        return self.link.store(keys, pages, prefix[-1] if prefix else None)
+
+    def _pages(self, keys: list[str], host_indices: torch.Tensor) -> list[int] | None:
+        if self.link is None:
+            return None
+        pages = self.link.codec.pages_of(host_indices, len(keys))
+        if pages is None:
+            logger.warning("%d host indices do not name %d whole pages of the host pool: "
+                           "nothing moved", host_indices.numel(), len(keys))
+        return pages
 
     # -- the legacy interface: SGLang uses it only without interface_v1, which the
     # constructor refuses; it answers as a store holding nothing would.

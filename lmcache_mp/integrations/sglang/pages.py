@@ -34,6 +34,7 @@ class PageCodec:
             raise ValueError(f"lmcache-mp stores the pages of MHA and MLA host pools, not of "
                              f"{type(pool).__name__} (a hybrid or sparse model's pool)")
         self.page_size: int = pool.page_size
+        self.pool_tokens: int = pool.size
         self.dtype: torch.dtype = pool.dtype
         self.page_bytes = self.page_shape.numel() * self.dtype.itemsize
 
@@ -68,9 +69,17 @@ class PageCodec:
 
     _view: Callable[[int], torch.Tensor]
 
-    def pages_of(self, host_indices: torch.Tensor, count: int) -> list[int]:
-        """The host pages of `count` SGLang pages, from their token indices (page-aligned)."""
-        return [int(i) // self.page_size for i in host_indices[::self.page_size][:count]]
+    def pages_of(self, host_indices: torch.Tensor, count: int) -> list[int] | None:
+        """The host pages of `count` SGLang pages, from their token indices (page_size a
+        page, the first of each page-aligned); None unless there are that many, all in the
+        pool."""
+        if host_indices.numel() != count * self.page_size:
+            return None
+        firsts = host_indices[::self.page_size].tolist()
+        if any(first % self.page_size or not 0 <= first < self.pool_tokens
+               for first in firsts):
+            return None
+        return [first // self.page_size for first in firsts]
 
     def page(self, page: int) -> torch.Tensor:
         """Host page `page` as a (strided) view in canonical order."""

@@ -136,6 +136,19 @@ def test_under_mla_only_the_writer_rank_stores_and_every_rank_loads(server):
     follower.close()
 
 
+def test_host_indices_that_are_not_whole_pages_of_the_pool_move_nothing(server):
+    pool = filled(mha_pool, "layer_first")
+    storage = backend(pool, server.url)
+    keys = page_keys(2)
+    before = pool.kv_buffer.clone()
+    for indices in (tokens_of(0, 1), tokens_of(0, 2) + 1, tokens_of(15, 2)):
+        assert storage.batch_set_v1(keys, indices) == [False, False]
+        assert storage.batch_get_v1(keys, indices) == [False, False]
+    assert storage.batch_exists(keys) == 0
+    assert torch.equal(pool.kv_buffer, before)
+    storage.close()
+
+
 def test_layouts_it_cannot_read_are_refused_at_start_up_naming_the_flag(server):
     pool = mha_pool("page_first_direct", TOKENS, PAGE)
     with pytest.raises(ValueError, match="--hicache-mem-layout"):
