@@ -163,3 +163,12 @@ def test_reused_admission_writes_what_comes_back_after_the_pool_let_it_go(tmp_pa
     measured = data["measured"]
     assert measured["disk"]["chunks_written"] == 72 and measured["disk"]["dropped"] == 0
     assert measured["hit_blocks"] == 28 and measured["disk"]["hit_blocks"] == 0
+
+
+def test_a_malformed_trace_ends_the_run_with_status_2(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 512, "output_length": 1, '
+                    '"hash_ids": [1, 2]}\n')
+    result = bench("--workload", "trace", "--trace", str(path), "--no-progress")
+    assert result.returncode == 2
+    assert f"{path}:1: 2 hash ids for 512 input tokens" in result.stderr
