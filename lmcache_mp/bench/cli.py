@@ -42,6 +42,15 @@ workloads:
                 restart after SIGKILL at --restart-chunks 8KiB chunks (only --requests,
                 --chunks, --batch, --shape, --cpu-size, --disk-dir, --restart-chunks,
                 --seed, --json, --timeout and --no-verify apply)
+  trace         a request trace replayed (--trace FILE, Mooncake's JSONL: 512-token
+                blocks by hash id, one chunk each), each request's LOOKUP then STORE of
+                what it missed, in timestamp order, through a spawned server whose pool
+                holds --pool-share of the trace's distinct blocks (and, with
+                --disk-share, a disk tier; then the pool alone too): hit rates per tier
+                in blocks and tokens, bytes written and read, evictions, beside an
+                unbounded cache's and the optimal bound at the same capacities (only
+                --trace, --trace-limit, --pool-share, --disk-share, --disk-admission,
+                --disk-dir, --json, --timeout and --no-progress apply)
 
   chat with --disk-size: the same conversations twice, with a disk tier under a pool of an
   eighth of the working set and with that pool alone: hit rates with the disk, pool-only
@@ -56,6 +65,7 @@ examples:
   lmcache-mp-bench --workload chat --nodes 2 --adopt-restart   # two servers, one Redis
   lmcache-mp-bench --workload disk --disk-dir /mnt/nvme/bench
   lmcache-mp-bench --workload chat --disk-size 4GiB
+  lmcache-mp-bench --workload trace --trace conversation.jsonl --disk-share 0.5
   lmcache-mp-bench --workload W2 --url   # the server running at this user's default endpoint
   LMCACHE_MP_TOKEN=... LMCACHE_MP_ADMIN_TOKEN=... \
     lmcache-mp-bench --workload W2 --url tcp://127.0.0.1:5555

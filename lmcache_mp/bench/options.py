@@ -21,7 +21,10 @@ from .shapes import SHAPES, KVShape
 
 UNIFORM = ("W1", "W2", "W3")
 SIMULATED = (*UNIFORM, "chat", "multi-tenant")  # simulated engines: workloads/simulated.py
-WORKLOADS = (*SIMULATED, "engine", "warm-restart", "disk")
+WORKLOADS = (*SIMULATED, "engine", "warm-restart", "disk", "trace")
+TRACE_FLAGS = {"workload", "spawn", "trace", "trace_limit", "pool_share", "disk_share",
+               "disk_admission", "disk_dir", "json", "timeout",
+               "progress"}  # what --workload trace takes
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ DEFAULTS = {
     "engine": Defaults(5, None, None, None),
     "warm-restart": Defaults(None, None, None, "8KiB"),
     "disk": Defaults(64, 32, 4, "W2"),
+    "trace": Defaults(None, None, None, None),
 }
 
 
@@ -190,6 +194,24 @@ class BenchOptions:
         False, "with --nodes: keep each node's pool in a shared-memory segment "
         "(--pool-segment), SIGTERM the last node halfway through and start it again with "
         "--adopt require; report its hit rate before and after", action="store_true")
+    trace: Path | None = flag(
+        None, "trace only (and needed there): the request trace to replay, Mooncake's JSONL "
+        "(timestamp, input_length, output_length, hash_ids of 512-token blocks)",
+        metavar="FILE", type=Path)
+    trace_limit: int | None = flag(None, "trace only: replay the first N requests of the file",
+                                   type=positive_int, metavar="N")
+    pool_share: float = flag(
+        0.05, "trace only: the spawned server's pool holds this share of the trace's distinct "
+        "blocks (default 0.05; the pool is 1 MiB at least)", type=positive_float,
+        metavar="FRACTION")
+    disk_share: float | None = flag(
+        None, "trace only: also give the server a disk tier holding this share of the "
+        "trace's distinct blocks (1 MiB at least), and replay the trace on the pool alone "
+        "too", type=positive_float, metavar="FRACTION")
+    disk_admission: str = flag(
+        "write-all", "trace only, with --disk-share: the server's --disk-admission, which "
+        "chunks it writes to its disk tier (write-all, reused; default write-all)",
+        choices=("write-all", "reused"), metavar="POLICY")
 
     @property
     def kv_shape(self) -> KVShape:
@@ -232,6 +254,9 @@ def from_namespace(args: argparse.Namespace) -> BenchOptions:
 def resolve(options: BenchOptions) -> BenchOptions:
     """The workload's defaults filled in; FlagError for flags that do not go together."""
     _check_standalone(options)
+    if options.workload == "trace" or options.trace is not None:
+        _check_trace(options)
+        return dataclasses.replace(options, progress=options.progress and sys.stderr.isatty())
     _check_nodes(options)
     _check_disk(options)
     _check_extras(options)
@@ -267,6 +292,28 @@ def _check_standalone(options: BenchOptions) -> None:
             raise FlagError("--disk-size does not apply to --workload disk: it sizes its tier "
                             "to hold every chunk")
         _check_size("--cpu-size", options.cpu_size)
+
+
+def _check_trace(options: BenchOptions) -> None:
+    """--workload trace takes TRACE_FLAGS only, and --trace FILE."""
+    if options.workload != "trace":
+        raise FlagError("--trace replays a trace: add --workload trace")
+    if options.trace is None:
+        raise FlagError("--workload trace needs --trace FILE")
+    if not options.trace.is_file():
+        raise FlagError(f"--trace: {options.trace} is not a file")
+    if options.disk_share is None and (options.disk_dir is not None
+                                       or options.disk_admission != "write-all"):
+        raise FlagError("--disk-dir and --disk-admission need --disk-share with --workload "
+                        "trace")
+    given = [option.name for option in fields(BenchOptions)
+             if option.name not in TRACE_FLAGS
+             and getattr(options, option.name) != option.default]
+    if given:
+        names = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise FlagError(f"{names}: not for --workload trace (it takes --trace, --trace-limit, "
+                        f"--pool-share, --disk-share, --disk-admission, --disk-dir, --json, "
+                        f"--timeout and --no-progress)")
 
 
 def _check_nodes(options: BenchOptions) -> None:

@@ -21,6 +21,7 @@ from ..quota_spec import Quota, format_quota_flag, parse_cap, parse_quota_flag
 from ..runtime import default_runtime_dir, ipc_url
 from ..sizes import exact_size, parse_size
 from .cache.quotas import QuotaBook, load_quota_file, tomllib
+from .disk.admission import POLICIES as DISK_ADMISSION
 from .l2.keyfile import read_key_file
 from .l2.urls import check_url, read_password_file
 
@@ -277,6 +278,11 @@ class Config:
                                        "chunks read back from the disk tier before it answers "
                                        "with what has landed (the read goes on for the next "
                                        "LOOKUP); 0: never wait", _not_negative(float), "SEC")
+    disk_admission: str = option("write-all", "which committed chunks are written to the disk "
+                                 "tier (docs/disk.md, \"Admission\"): write-all, every one; "
+                                 "reused, a chunk the second time a STORE commits it (stored, "
+                                 "evicted from the pool, asked for again)",
+                                 _choice(*DISK_ADMISSION), "POLICY")
     l2: str | None = option(None, "shared second tier (docs/l2.md): redis://HOST:PORT[/DB], "
                             "rediss://... for TLS, or redis+cluster://HOST:PORT,HOST:PORT,... "
                             "(seed nodes of a Redis Cluster); user:password@ before the host "

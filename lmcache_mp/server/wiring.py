@@ -118,6 +118,7 @@ def _build(config: Config, access: _Access, quotas: QuotaBook,
     metrics = ServerMetrics()
     disk = None
     if disk_dir is not None:
+        from .disk.admission import admission_policy
         from .disk.tier import DiskTier
 
         assert config.disk_size is not None  # Config.validate() requires it
@@ -125,6 +126,7 @@ def _build(config: Config, access: _Access, quotas: QuotaBook,
         disk = DiskTier(disk_dir, config.disk_size, config.disk_queue_size,
                         config.disk_prefetch_wait, store, registry, pool, chunk_bytes,
                         metrics.disk_read, key, key_file)
+        disk.writer.admission = admission_policy(config.disk_admission, config.disk_size)
     l2 = None
     if config.l2 is not None:
         from .l2.tier import L2Tier  # redis-py is needed only with --l2

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..options import BenchOptions
-from . import disk, disk_chat, engine, nodes, simulated, warm_restart
+from . import disk, disk_chat, engine, nodes, simulated, trace, warm_restart
 
 
 def main(options: BenchOptions) -> int:
@@ -13,6 +13,8 @@ def main(options: BenchOptions) -> int:
         return warm_restart.main(options)
     if options.workload == "disk":
         return disk.main(options)
+    if options.workload == "trace":
+        return trace.main(options)
     if options.nodes > 1:
         return nodes.main(options)
     if options.disk_size is not None:

@@ -38,6 +38,7 @@ from ..cache.pool import CpuPool, aligned
 from ..cache.quotas import QuotaBook
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
+from .admission import Admission, WriteAll
 from .files import BATCH_FAULTS, DataFile, staging_buffer
 from .journal import ChunkMac, ChunkRecord, Journal, SaltNames, salt_digest
 from .keys import NO_KEY
@@ -90,6 +91,8 @@ class _Placed:
 
 
 class DiskWriter:
+    admission: Admission = WriteAll()  # which chunks offer() queues: admission.py
+
     def __init__(self, space: DiskSpace, store: ChunkStore, quotas: QuotaBook, pool: CpuPool,
                  gpu_view: Callable[[Chunk], torch.Tensor], data: DataFile, journal: Journal,
                  names: SaltNames, mac: ChunkMac, key_of: Callable[[Chunk], bytes],
@@ -137,6 +140,8 @@ class DiskWriter:
             key = self.key_of(chunk)
             if key in self._queued or space.index.find(key) >= 0:
                 counters.chunks_skipped += 1
+                continue
+            if not self.admission.admit(key):
                 continue
             if counters.queue_bytes + chunk.nbytes > self.queue_limit:
                 counters.dropped += 1
