@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import re
 
 import pytest
 
@@ -21,7 +22,7 @@ from lmcache_mp.server.l2.codec import (
 )
 from lmcache_mp.server.l2.keyfile import L2Keys, read_key_file
 from lmcache_mp.server.l2.ledger import Ledger
-from lmcache_mp.server.l2.urls import check_url, parse_cluster_url
+from lmcache_mp.server.l2.urls import MooncakeUrl, check_url, parse_cluster_url, parse_mooncake_url
 
 from ...utils import FakeClock
 
@@ -47,6 +48,44 @@ def test_a_cluster_url_names_seed_nodes_and_credentials():
     assert parse_cluster_url("rediss+cluster://app:s%40cret@a:7000,[::1]:7001") == (
         [("a", 7000), ("::1", 7001)], "app", "s@cret", True)
     assert parse_cluster_url("redis+cluster://a:7000") == ([("a", 7000)], None, None, False)
+
+
+MOONCAKE = "mooncake://10.0.0.5:50051?local=10.0.0.7&metadata=http://10.0.0.5:8080/metadata"
+
+
+def test_a_mooncake_url_names_the_master_metadata_and_what_this_server_lends():
+    assert parse_mooncake_url(MOONCAKE) == MooncakeUrl(
+        master="10.0.0.5:50051", local="10.0.0.7", metadata="http://10.0.0.5:8080/metadata",
+        protocol="tcp", devices="", segment=1024**3, buffer=128 * 1024**2)
+    rdma = parse_mooncake_url(MOONCAKE.replace("http://10.0.0.5:8080/metadata",
+                                               "etcd://10.0.0.5:2379")
+                              + "&protocol=rdma&devices=mlx5_0,mlx5_1&segment=16GiB&buffer=1GiB")
+    assert (rdma.metadata, rdma.protocol, rdma.devices, rdma.segment, rdma.buffer) == (
+        "etcd://10.0.0.5:2379", "rdma", "mlx5_0,mlx5_1", 16 * 1024**3, 1024**3)
+    assert parse_mooncake_url(MOONCAKE + "&segment=0").segment == 0  # lends nothing
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("mooncake://10.0.0.5?local=a&metadata=http://m", "expected host:port"),
+    ("mooncake://10.0.0.5:0?local=a&metadata=http://m", "out of range"),
+    ("mooncake://u:p@10.0.0.5:1?local=a&metadata=http://m", "no user or password"),
+    ("mooncake://10.0.0.5:1/db?local=a&metadata=http://m", "no path"),
+    ("mooncake://10.0.0.5:1?metadata=http://m", "local= is required"),
+    ("mooncake://10.0.0.5:1?local=a", "metadata= is required"),
+    ("mooncake://10.0.0.5:1?local=a b&metadata=http://m", "host name or address"),
+    ("mooncake://10.0.0.5:1?local=a&metadata=ftp://m", "metadata= must start with"),
+    (MOONCAKE + "&protocol=udp", "tcp or rdma"),
+    (MOONCAKE + "&devices=mlx5_0", "needs protocol=rdma"),
+    (MOONCAKE + "&protocol=rdma&devices=mlx5_0;rm", "RDMA device names"),
+    (MOONCAKE + "&segment=lots", "segment: invalid size"),
+    (MOONCAKE + "&buffer=1MiB", "buffer must be at least"),
+    (MOONCAKE + "&local=b", "local given twice"),
+    (MOONCAKE + "&replicas=2", "unknown option 'replicas'"),
+    (MOONCAKE + "&&", "name=value pairs"),
+])
+def test_mooncake_urls_it_refuses_and_why(url, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        check_url(url)
 
 
 def test_config_checks_l2_flags(tmp_path, capsys):
