@@ -88,6 +88,16 @@ def test_mooncake_urls_it_refuses_and_why(url, says):
         check_url(url)
 
 
+def test_config_takes_a_mooncake_url_and_refuses_a_password_file_with_it(tmp_path, capsys):
+    pytest.importorskip("mooncake")
+    assert Config.from_args(["--l2", MOONCAKE], env={}).l2 == MOONCAKE
+    password = tmp_path / "pw"
+    password.write_text("secret\n")
+    with pytest.raises(SystemExit):
+        Config.from_args(["--l2", MOONCAKE, "--l2-password-file", str(password)], env={})
+    assert "a Mooncake master takes none" in capsys.readouterr().err
+
+
 def test_config_checks_l2_flags(tmp_path, capsys):
     config = Config.from_args(["--l2", "redis+cluster://a:7000,b:7000", "--l2-budget", "1GiB",
                                "--l2-prefetch-wait", "0"], env={})
