@@ -19,13 +19,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from .base import L2, L2Error
+from .base import L2, L2Error, L2Refused
 from .urls import MooncakeUrl, parse_mooncake_url
 
 T = TypeVar("T")
 
 THREADS = 4  # prefetch and write-behind at once, with room for calls stalled on a master
 PROBE_TIMEOUT_S = 1.0
+NO_ROOM = -200  # NO_AVAILABLE_HANDLE: the pool is full of values it may not evict yet
 NOT_FOUND = -704  # OBJECT_NOT_FOUND: removing a key that is gone is no error
 
 
@@ -81,12 +82,15 @@ class MooncakeL2(L2):
 
     async def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], ttl_s: int) -> None:
         """Mooncake has no per-key TTL (`ttl_s` is the tier's ledger's alone): the master
-        evicts when its pool is full. A key already there keeps its first value."""
+        evicts when its pool is full, values whose lease (10 s after a put or a read) has
+        run out. A key already there keeps its first value."""
         if not items:
             return
         names = _names([key for key, _ in items])
         values = [value for _, value in items]
         status = await self._call(lambda store: store.put_batch(names, values))
+        if status == NO_ROOM:
+            raise L2Refused("the pool has no room: values not kept")
         if status != 0:
             raise L2Error(f"put_batch failed ({status})")
 

@@ -23,6 +23,7 @@ MOONCAKE_OPTIONS = ("local", "metadata", "protocol", "devices", "segment", "buff
 METADATA_SCHEMES = ("http://", "https://", "etcd://")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")  # a host or an RDMA device
 MIN_BUFFER = 80 * 1024**2  # above a prefetch window (64 MiB of values) and their headers
+MIN_SEGMENT = 16 * 1024**2  # Mooncake's setup refuses a smaller one (-600)
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,9 @@ def parse_mooncake_url(url: str) -> MooncakeUrl:
                          f"commas, got {devices!r}")
     sizes = {name: size for name, least in (("segment", 0), ("buffer", MIN_BUFFER))
              if (size := _mooncake_size(url, options, name, least)) is not None}
+    if 0 < sizes.get("segment", MIN_SEGMENT) < MIN_SEGMENT:
+        raise ValueError(f"--l2 {url!r}: segment must be 0 (lend nothing) or at least "
+                         f"{MIN_SEGMENT} bytes, got {sizes['segment']}")
     return MooncakeUrl(master=f"{host}:{port}", local=options["local"],
                        metadata=options["metadata"], protocol=protocol, devices=devices,
                        **sizes)

@@ -92,6 +92,54 @@ def test_a_value_put_without_the_servers_key_is_a_miss(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_full_pool_drops_writes_stays_up_and_takes_values_again(monkeypatch):
+    """Two nodes lend 16 MiB each; A writes 40 MiB. What the pool has no room for is
+    dropped (L2 is up: no error, no back-off), what it kept reads back byte-exact, and
+    it takes new values again once the master has evicted old ones."""
+    with mooncake_store(monkeypatch) as store, \
+            run_server("--l2", store.url(segment="16MiB"), *L2_FLAGS) as node_a, \
+            run_server("--l2", store.url(segment="16MiB"), *L2_FLAGS) as node_b, \
+            CacheClient(node_a.url, timeout=10) as client:
+        first = prompt(tag=1730, num_chunks=4)
+        store_through(node_a, first, seed=100)  # into an empty pool
+        written(node_a, 4)
+        rest = [prompt(tag=1731 + i, num_chunks=4) for i in range(19)]
+        with engine(node_a, seed=101) as (engine_client, registration, cache):
+            assert engine_client.store(registration, [
+                TransferItem.build(str(i), hashes, chunk_blocks([0, 1, 2, 3]))
+                for i, hashes in enumerate(rest)]) == [bytes([StoreStatus.STORED] * 4)] * 19
+        stats = wait_for(lambda: (s := client.stats()).l2_queue_chunks == 0
+                         and s.l2_chunks_written + s.l2_dropped == 80 and s,
+                         "every chunk written or dropped")
+        assert stats.l2_chunks_written >= 4 and stats.l2_dropped > 0
+        assert stats.l2_up and stats.l2_errors == 0
+        # A's own memory serves all of it.
+        assert client.lookup(MODEL, 1, [LookupItem.build(str(i), hashes) for i, hashes
+                                        in enumerate([first, *rest])]) == [4] * 20
+        result = run(retrieve_worker, Job(node_b.url, NUM_BLOCKS, None, first,
+                                          chunk_blocks([4, 5, 6, 7])))
+        # The master evicts (values not read lately) to make room: B's run from L2 is what
+        # is left of the prompt's start, byte for byte.
+        assert result.hit == result.retrieved
+        if result.hit:
+            assert torch.equal(result.blocks, expected_blocks(
+                NUM_BLOCKS, 100, chunk_blocks(list(range(result.hit)))))
+        stats = stats_of(node_b)
+        assert (stats.l2_hits, stats.l2_corrupt, stats.l2_errors) == (result.hit, 0, 0)
+        taken = stats.l2_chunks_written
+        with engine(node_a, seed=130) as (engine_client, registration, cache):
+            tag = 1760
+            deadline = time.monotonic() + 120
+            while engine_client.stats().l2_chunks_written == taken:
+                assert time.monotonic() < deadline, "the pool never took values again"
+                tag += 1
+                engine_client.store(registration, [TransferItem.build(
+                    f"f{tag}", prompt(tag=tag, num_chunks=1), chunk_blocks([0]))])
+                time.sleep(0.2)
+        assert client.stats().l2_errors == 0
+
+
+@pytest.mark.slow
 def test_master_killed_mid_run_nodes_serve_alone_and_share_again_when_it_is_back(
         monkeypatch):
     # A wait short beside the master's ~4.3 s stall, and a timeout that ends the stall.

@@ -78,6 +78,7 @@ def test_a_mooncake_url_names_the_master_metadata_and_what_this_server_lends():
     (MOONCAKE + "&devices=mlx5_0", "needs protocol=rdma"),
     (MOONCAKE + "&protocol=rdma&devices=mlx5_0;rm", "RDMA device names"),
     (MOONCAKE + "&segment=lots", "segment: invalid size"),
+    (MOONCAKE + "&segment=8MiB", "segment must be 0 (lend nothing) or at least"),
     (MOONCAKE + "&buffer=1MiB", "buffer must be at least"),
     (MOONCAKE + "&local=b", "local given twice"),
     (MOONCAKE + "&replicas=2", "unknown option 'replicas'"),
