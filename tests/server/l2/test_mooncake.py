@@ -58,6 +58,30 @@ def test_two_nodes_share_one_mooncake_store(monkeypatch):
         two_nodes_share(store.url())
 
 
+def l2_name(chunk_hash: bytes, salt: str = "") -> str:
+    """The Mooncake key of a W2 chunk of kv worker 0 of 1."""
+    return l2_key(namespace(MODEL, GEOMETRY), ChunkKey(MODEL, 1, 0, salt,
+                                                       chunk_hash)).decode()
+
+
+def test_the_budget_removes_this_servers_oldest_values(monkeypatch):
+    chunk = GEOMETRY.chunk_bytes
+    with mooncake_store(monkeypatch) as store, run_server(
+            "--l2", store.url(), *L2_FLAGS, "--l2-budget", str(2 * chunk)) as node:
+        first, second = prompt(tag=1740, num_chunks=2), prompt(tag=1741, num_chunks=1)
+        store_through(node, first, seed=110)
+        written(node, 2)
+        store_through(node, second, seed=111)
+        written(node, 3)
+        # As with Redis: the oldest went, which within a batch is the prompt's end.
+        reader = store.client()
+        assert reader.batch_is_exist([l2_name(first[0]), l2_name(first[1]),
+                                      l2_name(second[0])]) == [1, 0, 1]
+        reader.close()
+        stats = stats_of(node)
+        assert (stats.l2_bytes_held, stats.l2_errors) == (2 * chunk, 0)
+
+
 def test_a_value_put_without_the_servers_key_is_a_miss(tmp_path, monkeypatch):
     """Someone who reaches the master but not the key file puts a value (a checksum, no
     MAC) under a chunk's key first: A cannot replace it (Mooncake keeps a key's first
@@ -67,7 +91,7 @@ def test_a_value_put_without_the_servers_key_is_a_miss(tmp_path, monkeypatch):
     key_file.chmod(0o600)
     flags = ("--l2-key-file", str(key_file), *L2_FLAGS)
     victim = prompt(tag=1701, num_chunks=4)
-    key = l2_key(namespace(MODEL, GEOMETRY), ChunkKey(MODEL, 1, 0, "t", victim[2]))
+    key = l2_name(victim[2], "t").encode()
     payload = bytes([0x5A]) * GEOMETRY.chunk_bytes
     forged = struct.pack("<4sHHQI", b"LMCV", 1, 0, len(payload),
                          zlib.crc32(payload, zlib.crc32(key))) + payload

@@ -3,6 +3,7 @@ the byte budget, the salts' caps, the TTL and what needs no writing again."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
 import re
@@ -11,6 +12,7 @@ import pytest
 
 from lmcache_mp.server.cache.chunk import ChunkKey
 from lmcache_mp.server.config import Config
+from lmcache_mp.server.l2.base import L2Counters, L2Error, L2Refused
 from lmcache_mp.server.l2.codec import (
     CrcFormat,
     MacFormat,
@@ -20,6 +22,7 @@ from lmcache_mp.server.l2.codec import (
     namespace,
     value_format,
 )
+from lmcache_mp.server.l2.health import Health
 from lmcache_mp.server.l2.keyfile import L2Keys, read_key_file
 from lmcache_mp.server.l2.ledger import Ledger
 from lmcache_mp.server.l2.urls import MooncakeUrl, check_url, parse_cluster_url, parse_mooncake_url
@@ -250,3 +253,22 @@ def test_ledger_forgets_expired_values_and_failed_writes():
     assert ledger.bytes_held == 0 and not ledger.known(b"a") and ledger.known(b"theirs")
     clock.now = 15
     assert not ledger.known(b"theirs") and not ledger.by_salt
+
+
+def test_health_backs_off_after_a_failure_but_not_after_a_refusal():
+    """A store that answered "no room" is up: nothing backs off, nothing is counted."""
+    clock = FakeClock()
+    counters = L2Counters()
+    health = Health(counters, "test", timeout_s=5, clock=clock)
+
+    async def fails(error: L2Error) -> None:
+        raise error
+
+    with pytest.raises(L2Refused):
+        asyncio.run(health.call("SET", fails(L2Refused("full"))))
+    assert (counters.errors, counters.up, health.available()) == (0, True, True)
+    with pytest.raises(L2Error):
+        asyncio.run(health.call("SET", fails(L2Error("down"))))
+    assert (counters.errors, counters.up, health.available()) == (1, False, False)
+    clock.now += 0.5  # the first back-off
+    assert health.available()
