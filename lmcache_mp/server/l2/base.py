@@ -18,6 +18,11 @@ class L2Error(ServerCondition):
     """The L2 store failed an operation (unreachable, timed out, refused): retry later."""
 
 
+class L2Refused(L2Error):
+    """The store answered but would not keep the values (no room): it is up, the values
+    are not written, and nothing backs off."""
+
+
 class L2(ABC):
     """A batched key-value store. Every method is one pipelined round trip (per node of a
     cluster) and may raise L2Error; none may block the event loop."""

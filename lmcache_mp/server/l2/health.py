@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from .base import L2Counters, L2Error
+from .base import L2Counters, L2Error, L2Refused
 
 T = TypeVar("T")
 
@@ -42,6 +42,8 @@ class Health:
         backed off) if it fails in any way."""
         try:
             result = await asyncio.wait_for(operation, self.timeout_s)
+        except L2Refused:
+            raise  # the store answered: up, and the caller counts what it refused
         except L2Error as exc:
             self._failed(what, str(exc))
             raise

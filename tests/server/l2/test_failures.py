@@ -1,5 +1,7 @@
 """L2 failing or full: Redis killed and back, corrupt and truncated values, the write-behind
-queue's bound, the byte budget and TTL, and a LOOKUP that does not wait for L2."""
+queue's bound, the byte budget and TTL, and a LOOKUP that does not wait for L2. Valkey
+runs the kill, the corruption and the budget cases too; the rest are Redis's alone (the
+client and its calls are the same)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
 
-from ...redis_servers import redis_server
+from ...redis_servers import SERVERS, redis_server
 from ...utils import run_server, wait_for
 from ...workers import (
     MODEL,
@@ -43,8 +45,9 @@ def l2_keys(redis, hashes) -> list[bytes]:
 
 
 @pytest.mark.slow
-def test_redis_killed_mid_run_l1_serves_and_l2_resumes_when_it_is_back():
-    with redis_server() as redis, run_server("--l2", redis.url, *L2_FLAGS) as node_a, \
+@pytest.mark.parametrize("server", SERVERS)
+def test_redis_killed_mid_run_l1_serves_and_l2_resumes_when_it_is_back(server):
+    with redis_server(server=server) as redis, run_server("--l2", redis.url, *L2_FLAGS) as node_a, \
             run_server("--l2", redis.url, *L2_FLAGS) as node_b:
         before = prompt(tag=1510, num_chunks=2)
         store_through(node_a, before, seed=51)
@@ -89,8 +92,9 @@ def test_redis_killed_mid_run_l1_serves_and_l2_resumes_when_it_is_back():
         assert torch.equal(result.blocks, expected_blocks(NUM_BLOCKS, 53, chunk_blocks([2])))
 
 
-def test_a_corrupt_or_truncated_value_in_redis_is_a_miss():
-    with redis_server() as redis, run_server("--l2", redis.url, *L2_FLAGS) as node_a, \
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_corrupt_or_truncated_value_in_redis_is_a_miss(server):
+    with redis_server(server=server) as redis, run_server("--l2", redis.url, *L2_FLAGS) as node_a, \
             run_server("--l2", redis.url, *L2_FLAGS) as node_b:
         hashes = prompt(tag=1530, num_chunks=4)
         store_through(node_a, hashes, seed=61)
@@ -113,11 +117,13 @@ def test_a_corrupt_or_truncated_value_in_redis_is_a_miss():
         assert stats.l2_corrupt == 2 and stats.l2_hits == 2 and stats.l2_errors == 0
 
 
-def test_queue_bound_budget_and_ttl():
+@pytest.mark.parametrize("server", SERVERS)
+def test_queue_bound_budget_and_ttl(server):
     chunk = 512 * 1024  # W2
     flags = ("--l2-queue-size", str(2 * chunk), "--l2-budget", str(2 * chunk),
              "--l2-ttl", "100")
-    with redis_server() as redis, run_server("--l2", redis.url, *L2_FLAGS, *flags) as node_a, \
+    with redis_server(server=server) as redis, \
+            run_server("--l2", redis.url, *L2_FLAGS, *flags) as node_a, \
             run_server("--l2", redis.url, *L2_FLAGS) as node_b:
         first = prompt(tag=1540, num_chunks=3)
         store_through(node_a, first, seed=71)

@@ -1,5 +1,6 @@
-"""Two servers ("nodes") sharing one Redis, or a Redis Cluster: what one stores, the other
-hits and retrieves byte for byte, with salts apart, through real worker processes."""
+"""Two servers ("nodes") sharing one Redis (or Valkey), or a Redis Cluster: what one stores,
+the other hits and retrieves byte for byte, with salts apart, through real worker
+processes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus
 
-from ...redis_servers import redis_cluster, redis_server
+from ...redis_servers import SERVERS, redis_cluster, redis_server
 from ...utils import run_server, wait_for
 from ...workers import (
     BLOCKS_PER_CHUNK,
@@ -72,8 +73,9 @@ def two_nodes_share(url: str) -> None:
             assert client.stats().l2_chunks_written == 0
 
 
-def test_two_nodes_share_one_redis():
-    with redis_server() as redis:
+@pytest.mark.parametrize("server", SERVERS)
+def test_two_nodes_share_one_redis(server):
+    with redis_server(server=server) as redis:
         two_nodes_share(redis.url)
         keys = redis.client().keys("lmcache-mp:1:*")
         assert len(keys) == 4

@@ -3,13 +3,16 @@ the byte budget, the salts' caps, the TTL and what needs no writing again."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
+import re
 
 import pytest
 
 from lmcache_mp.server.cache.chunk import ChunkKey
 from lmcache_mp.server.config import Config
+from lmcache_mp.server.l2.base import L2Counters, L2Error, L2Refused
 from lmcache_mp.server.l2.codec import (
     CrcFormat,
     MacFormat,
@@ -19,9 +22,10 @@ from lmcache_mp.server.l2.codec import (
     namespace,
     value_format,
 )
+from lmcache_mp.server.l2.health import Health
 from lmcache_mp.server.l2.keyfile import L2Keys, read_key_file
 from lmcache_mp.server.l2.ledger import Ledger
-from lmcache_mp.server.l2.urls import check_url, parse_cluster_url
+from lmcache_mp.server.l2.urls import MooncakeUrl, check_url, parse_cluster_url, parse_mooncake_url
 
 from ...utils import FakeClock
 
@@ -47,6 +51,55 @@ def test_a_cluster_url_names_seed_nodes_and_credentials():
     assert parse_cluster_url("rediss+cluster://app:s%40cret@a:7000,[::1]:7001") == (
         [("a", 7000), ("::1", 7001)], "app", "s@cret", True)
     assert parse_cluster_url("redis+cluster://a:7000") == ([("a", 7000)], None, None, False)
+
+
+MOONCAKE = "mooncake://10.0.0.5:50051?local=10.0.0.7&metadata=http://10.0.0.5:8080/metadata"
+
+
+def test_a_mooncake_url_names_the_master_metadata_and_what_this_server_lends():
+    assert parse_mooncake_url(MOONCAKE) == MooncakeUrl(
+        master="10.0.0.5:50051", local="10.0.0.7", metadata="http://10.0.0.5:8080/metadata",
+        protocol="tcp", devices="", segment=1024**3, buffer=128 * 1024**2)
+    rdma = parse_mooncake_url(MOONCAKE.replace("http://10.0.0.5:8080/metadata",
+                                               "etcd://10.0.0.5:2379")
+                              + "&protocol=rdma&devices=mlx5_0,mlx5_1&segment=16GiB&buffer=1GiB")
+    assert (rdma.metadata, rdma.protocol, rdma.devices, rdma.segment, rdma.buffer) == (
+        "etcd://10.0.0.5:2379", "rdma", "mlx5_0,mlx5_1", 16 * 1024**3, 1024**3)
+    assert parse_mooncake_url(MOONCAKE + "&segment=0").segment == 0  # lends nothing
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("mooncake://10.0.0.5?local=a&metadata=http://m", "expected host:port"),
+    ("mooncake://10.0.0.5:0?local=a&metadata=http://m", "out of range"),
+    ("mooncake://u:p@10.0.0.5:1?local=a&metadata=http://m", "no user or password"),
+    ("mooncake://10.0.0.5:1/db?local=a&metadata=http://m", "no path"),
+    ("mooncake://10.0.0.5:1?metadata=http://m", "local= is required"),
+    ("mooncake://10.0.0.5:1?local=a", "metadata= is required"),
+    ("mooncake://10.0.0.5:1?local=a b&metadata=http://m", "host name or address"),
+    ("mooncake://10.0.0.5:1?local=a&metadata=ftp://m", "metadata= must start with"),
+    (MOONCAKE + "&protocol=udp", "tcp or rdma"),
+    (MOONCAKE + "&devices=mlx5_0", "needs protocol=rdma"),
+    (MOONCAKE + "&protocol=rdma&devices=mlx5_0;rm", "RDMA device names"),
+    (MOONCAKE + "&segment=lots", "segment: invalid size"),
+    (MOONCAKE + "&segment=8MiB", "segment must be 0 (lend nothing) or at least"),
+    (MOONCAKE + "&buffer=1MiB", "buffer must be at least"),
+    (MOONCAKE + "&local=b", "local given twice"),
+    (MOONCAKE + "&replicas=2", "unknown option 'replicas'"),
+    (MOONCAKE + "&&", "name=value pairs"),
+])
+def test_mooncake_urls_it_refuses_and_why(url, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        check_url(url)
+
+
+def test_config_takes_a_mooncake_url_and_refuses_a_password_file_with_it(tmp_path, capsys):
+    pytest.importorskip("mooncake")
+    assert Config.from_args(["--l2", MOONCAKE], env={}).l2 == MOONCAKE
+    password = tmp_path / "pw"
+    password.write_text("secret\n")
+    with pytest.raises(SystemExit):
+        Config.from_args(["--l2", MOONCAKE, "--l2-password-file", str(password)], env={})
+    assert "a Mooncake master takes none" in capsys.readouterr().err
 
 
 def test_config_checks_l2_flags(tmp_path, capsys):
@@ -200,3 +253,22 @@ def test_ledger_forgets_expired_values_and_failed_writes():
     assert ledger.bytes_held == 0 and not ledger.known(b"a") and ledger.known(b"theirs")
     clock.now = 15
     assert not ledger.known(b"theirs") and not ledger.by_salt
+
+
+def test_health_backs_off_after_a_failure_but_not_after_a_refusal():
+    """A store that answered "no room" is up: nothing backs off, nothing is counted."""
+    clock = FakeClock()
+    counters = L2Counters()
+    health = Health(counters, "test", timeout_s=5, clock=clock)
+
+    async def fails(error: L2Error) -> None:
+        raise error
+
+    with pytest.raises(L2Refused):
+        asyncio.run(health.call("SET", fails(L2Refused("full"))))
+    assert (counters.errors, counters.up, health.available()) == (0, True, True)
+    with pytest.raises(L2Error):
+        asyncio.run(health.call("SET", fails(L2Error("down"))))
+    assert (counters.errors, counters.up, health.available()) == (1, False, False)
+    clock.now += 0.5  # the first back-off
+    assert health.available()
