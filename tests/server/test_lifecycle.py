@@ -10,7 +10,7 @@ from lmcache_mp.client import CacheClient, LeaseRef, LookupItem, StoreStatus, Tr
 from lmcache_mp.errors import RequestTimeout
 from lmcache_mp.protocol import StoreReply, StoreRequest
 
-from ..utils import run_server, shm_segments, wait_for
+from ..utils import run_server, shm_segments, started_process, wait_for
 from ..workers import (
     BLOCKS_PER_CHUNK,
     MODEL,
@@ -109,13 +109,13 @@ def test_a_client_killed_mid_store_leaves_no_partial_chunk_and_no_leak():
                      timeout=10)
             wait_for(lambda: client.stats().pending_stores == 0, "the pending stores aborted",
                      timeout=10)
-            wait_for(lambda: not mapped_by(server.proc.pid, segment), "the segment unmapped",
-                     timeout=10)
+            pid = started_process(server).pid
+            wait_for(lambda: not mapped_by(pid, segment), "the segment unmapped", timeout=10)
             stats = client.stats()
             (visible,) = client.lookup(MODEL, 1, [LookupItem.build("check", hashes)])
             assert stats.chunks == visible
             assert stats.bytes_used == visible * W1_CHUNK_BYTES
-            assert not mapped_by(server.proc.pid, segment)
+            assert not mapped_by(started_process(server).pid, segment)
         finally:
             if os.path.exists(f"/dev/shm/{segment}"):
                 os.unlink(f"/dev/shm/{segment}")  # the killed worker could not unlink it

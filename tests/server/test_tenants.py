@@ -12,7 +12,7 @@ import torch
 from lmcache_mp.client import CacheClient, LeaseRef, LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import BadRequest
 
-from ..utils import run_server
+from ..utils import run_server, started_process
 from ..workers import (
     BLOCKS_PER_CHUNK,
     MODEL,
@@ -139,7 +139,8 @@ def test_quotas_change_at_run_time_through_the_admin_command(cache):
 
 def test_the_admin_command_takes_both_quota_forms_and_says_each_error_once():
     with run_server("--cpu-size", "8MiB") as server:
-        for words in (["2MiB", "1MiB"], ["2MiB:1MiB"]):
+        words: tuple[str, ...]
+        for words in (("2MiB", "1MiB"), ("2MiB:1MiB",)):
             result = admin(server.url, "set", "t", *words)
             assert result.returncode == 0, result.stderr
             assert result.stdout == "'t': cap 2.0MiB, reserve 1.0MiB, using 0B (own quota)\n"
@@ -175,14 +176,14 @@ def test_the_quota_file_is_reloaded_on_sighup(cache, tmp_path):
         store(client, registration, "t", prompt(60, 6))
         assert client.quota_get("t").cap == 4 * MiB
         path.write_text('[quotas]\n"t" = "1MiB"\n')
-        server.proc.send_signal(signal.SIGHUP)
+        started_process(server).send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 10
         while client.quota_get("t").cap != MiB:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert client.stats().tenants["t"].bytes_used == MiB
         path.write_text('[quotas]\n"t" = "1MiB:2MiB"\n')
-        server.proc.send_signal(signal.SIGHUP)
+        started_process(server).send_signal(signal.SIGHUP)
         time.sleep(0.5)
         assert client.quota_get("t").cap == MiB  # the bad file changed nothing
     assert "quotas not reloaded" in server.output()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import struct
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -57,7 +58,7 @@ class IndexMachine(RuleBasedStateMachine):
         parent_id = self.pick(parent) if parent >= 0 and self.records else -1
         if parent_id >= 0 and self.evictable(parent_id):
             self.order.remove(parent_id)
-        record = {"key": key(first, self.serial), "parent": parent_id, "salt": salt,
+        record: dict[str, Any] = {"key": key(first, self.serial), "parent": parent_id, "salt": salt,
                   "offset": 4096 * self.serial, "nbytes": nbytes, "crc": self.serial,
                   "holds": 0}
         rid = self.index.add(record["key"], parent_id, salt, record["offset"], nbytes,
