@@ -14,6 +14,7 @@ import threading
 import time
 from collections import Counter
 from functools import partial
+from typing import Any
 
 import msgpack
 import pytest
@@ -223,7 +224,7 @@ LIMITS = {
 }
 
 
-def fastest(call, tries: int = TRIES) -> tuple[float, object]:
+def fastest(call, tries: int = TRIES) -> tuple[float, Any]:
     """The fastest of `tries` runs of call(), and its result: a stall of one try (the
     machine's load) does not count."""
     best, result = float("inf"), None
