@@ -15,6 +15,7 @@ from lmcache_mp import protocol
 from lmcache_mp.client import SharedKVCache, chunk_hashes
 from lmcache_mp.server.cache.pool import ALIGNMENT, aligned
 
+from ..utils import started_process
 from .document import (
     doc_operations,
     fenced_blocks,
@@ -141,7 +142,7 @@ def test_the_quota_model_holds_on_a_real_server(tmp_path: Path) -> None:
 
             # SIGHUP reloads the file as a whole; a lower cap evicts at once.
             quota_file.write_text('[quotas]\n"team-f" = "16KiB"\n')
-            running.proc.send_signal(signal.SIGHUP)
+            started_process(running).send_signal(signal.SIGHUP)
             deadline = time.monotonic() + 10
             while (info := call(sock, 14, "QUOTA_GET",
                                 {"cache_salt": "team-f"}))["cap"] != 16 * KiB:
@@ -152,12 +153,12 @@ def test_the_quota_model_holds_on_a_real_server(tmp_path: Path) -> None:
                 _quota("team-r", MiB, 0, False, 0)  # gone from the file: the default again
             # A file that breaks the rules changes nothing.
             quota_file.write_text('[quotas]\n"team-f" = "1MiB:2MiB"\n')
-            running.proc.send_signal(signal.SIGHUP)
+            started_process(running).send_signal(signal.SIGHUP)
             time.sleep(0.5)
             assert call(sock, 16, "QUOTA_GET", {"cache_salt": "team-f"})["cap"] == 16 * KiB
             # Without the file's entry, the flag's quota applies again.
             quota_file.write_text("[quotas]\n")
-            running.proc.send_signal(signal.SIGHUP)
+            started_process(running).send_signal(signal.SIGHUP)
             deadline = time.monotonic() + 10
             while call(sock, 17, "QUOTA_GET", {"cache_salt": "team-f"})["cap"] != 2 * MiB:
                 assert time.monotonic() < deadline
