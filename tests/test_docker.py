@@ -43,7 +43,8 @@ def test_dockerfile_passes_hadolint():
 def build_args() -> dict[str, str]:
     """The Dockerfile's global ARGs (before the first FROM) and their defaults."""
     text = (DOCKER / "Dockerfile").read_text().split("\nFROM ", 1)[0]
-    return dict(match.groups() for match in re.finditer(r"^ARG (\w+)=(.*)$", text, re.M))
+    return {match.group(1): match.group(2)
+            for match in re.finditer(r"^ARG (\w+)=(.*)$", text, re.M)}
 
 
 def test_dockerfile_takes_its_bases_and_torch_as_build_arguments_defaulting_to_what_users_need():
@@ -107,7 +108,9 @@ def connector_config(args: list[str]) -> dict:
     assert config["kv_load_failure_policy"] == "recompute"
     # vLLM imports kv_connector_module_path and takes the class by name: the module must
     # define it or import it (found without importing vLLM, whose warnings are errors here).
-    origin = importlib.util.find_spec(config["kv_connector_module_path"]).origin
+    spec = importlib.util.find_spec(config["kv_connector_module_path"])
+    assert spec is not None and spec.origin is not None, config["kv_connector_module_path"]
+    origin = spec.origin
     nodes = list(ast.walk(ast.parse(Path(origin).read_text())))
     names = {alias.name for node in nodes if isinstance(node, ast.ImportFrom)
              for alias in node.names}

@@ -58,8 +58,10 @@ def test_the_check_parses_and_bounds_every_stage():
                                                           r'"\$PYTHON"|nvidia-smi)', line)]
     assert unbounded == []
     text = CHECK.read_text()
-    budget = int(re.search(r"^BUDGET=(\d+)", text, re.M).group(1))
-    call = int(re.search(r"timeout_s=(\d+)", text).group(1))
+    budget_line = re.search(r"^BUDGET=(\d+)", text, re.M)
+    call_line = re.search(r"timeout_s=(\d+)", text)
+    assert budget_line and call_line
+    budget, call = int(budget_line.group(1)), int(call_line.group(1))
     # The stages' limits are cut to what is left of the budget, each kill grace on top.
     assert budget + 4 * 10 <= call <= 7 * 60
     assert "give_back" in text

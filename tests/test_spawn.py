@@ -11,7 +11,7 @@ from lmcache_mp import phases
 from lmcache_mp.client import LookupItem
 from lmcache_mp.spawn import ServerProcess
 
-from .utils import run_server, server_process
+from .utils import run_server, server_process, started_process
 from .workers import MODEL, prompt
 
 
@@ -31,9 +31,9 @@ def test_a_forked_server_takes_the_callers_environment_directory_and_log(tmp_pat
         with server.client() as client:
             assert client.stats().capacity_bytes == 48 << 20
             assert client.lookup(MODEL, 1, [LookupItem.build("r", prompt(1, 2))]) == [0]
-        assert server.proc.poll() is None
+        assert started_process(server).poll() is None
         with pytest.raises(subprocess.TimeoutExpired):
-            server.proc.wait(0.1)
+            started_process(server).wait(0.1)
     finally:
         assert server.close() == 0
     assert "configuration:" in server.output()  # info, from the environment, into its log
@@ -55,8 +55,8 @@ def test_exit_codes_and_errors_are_those_of_the_command(forked, tmp_path):
 
     server = make(None, ["--cpu-size", "16MiB"])
     server.start()
-    server.proc.send_signal(signal.SIGKILL)
-    assert server.proc.wait(20) == -signal.SIGKILL
+    started_process(server).send_signal(signal.SIGKILL)
+    assert started_process(server).wait(20) == -signal.SIGKILL
     assert server.close() == -signal.SIGKILL
 
 
@@ -66,6 +66,6 @@ def test_a_server_that_is_not_ready_in_time_is_stopped_and_closed_by_start():
     server = server_process(None, ["--cpu-size", "16MiB"])
     with pytest.raises(RuntimeError, match="wrote no token in 0"):
         server.start(ready_timeout=0.0)
-    assert server.proc.returncode is not None
+    assert started_process(server).returncode is not None
     assert not server.runtime_dir.exists()
-    assert server.close() == server.proc.returncode  # closing again is harmless
+    assert server.close() == started_process(server).returncode  # closing again is harmless

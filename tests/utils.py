@@ -1,6 +1,7 @@
-"""Test helpers: a real server in a subprocess that must exit 0, unique endpoints, salts and
-free ports, a clock the test moves, a wait bounded by what the server counts, raw request ids,
-a count of work."""
+"""Test helpers: a real server in a subprocess that must exit 0 (and its process, once
+started), unique endpoints, salts and free ports, a clock the test moves, a wait bounded by
+what the server counts, raw request ids, a count of work (lines run, or calls made), a
+Registry's tickets where no fd channel runs."""
 
 from __future__ import annotations
 
@@ -11,18 +12,20 @@ import queue
 import random
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Literal, ParamSpec, TypeVar
 
-from lmcache_mp.spawn import ServerProcess
+from lmcache_mp.spawn import ForkedServer, ServerProcess
 
 from .workers import context
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 CLUSTER_BUS_OFFSET = 10000  # a Redis Cluster node also listens on its port + 10000
@@ -56,17 +59,33 @@ class FakeClock:
         return self.now
 
 
+class NoTickets:
+    """A Registry's tickets where no fd channel runs: a memfd handle's ticket names no fd."""
+
+    def peek(self, ticket: bytes) -> None:
+        return None
+
+    def spend(self, ticket: bytes) -> None:
+        raise AssertionError("no ticket was ever valid here")
+
+
 def ipc_url() -> str:
     return f"ipc:///tmp/lmcache-mp-test-{uuid.uuid4().hex[:12]}.sock"
 
 
-def server_process(url: str | None = None, args: list[str] = (),
+def server_process(url: str | None = None, args: Sequence[str] = (),
                    runtime_dir: str | None = None) -> ServerProcess:
     """A real server (the CLI's main()) in a child forked from the tests' forkserver, which
     imported it once: an exec'd one spends seconds importing torch, and the suite starts
     over a hundred. The exec'd start users get is what test_readme, test_config and the
     bench's tests run."""
     return ServerProcess(url, args, runtime_dir, preloaded=context())
+
+
+def started_process(server: ServerProcess) -> subprocess.Popen | ForkedServer:
+    """The process of a server that start() started (a ForkedServer answers as a Popen does)."""
+    assert server.proc is not None, "the server was never started"
+    return server.proc
 
 
 @contextlib.contextmanager
@@ -85,14 +104,25 @@ def run_server(*args: str, url: str | None = None, runtime_dir: str | None = Non
             raise AssertionError(f"server exited with {code}:\n{server.output()}")
 
 
-def wait_for(condition: Callable[[], T], what: str, timeout: float = 60.0) -> T:
+def wait_for(condition: Callable[[], T | Literal[False, 0] | None], what: str,
+             timeout: float = 60.0) -> T:
     """Poll `condition` until it returns something true (a server's counter reaching a
-    figure, say); that value. The timeout only ends a test that would hang: generous."""
+    figure, say); that value (`cond and value` waits for `value`: never False, 0 or None).
+    The timeout only ends a test that would hang: generous."""
     deadline = time.monotonic() + timeout
     while not (result := condition()):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
     return result
+
+
+def counted(calls: list[int], function: Callable[P, T]) -> Callable[P, T]:
+    """`function`, appending to `calls` each time it is called: monkeypatched in, a count of
+    the work a test bounds."""
+    def call(*args: P.args, **kwargs: P.kwargs) -> T:
+        calls.append(1)
+        return function(*args, **kwargs)
+    return call
 
 
 def fresh_salt(prefix: str) -> str:

@@ -12,16 +12,26 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from lmcache_mp.client import CacheClient, LookupItem, SharedKVCache, TransferItem, chunk_hashes
+from lmcache_mp.client import (
+    CacheClient,
+    LookupItem,
+    ParallelStrategy,
+    SharedKVCache,
+    TransferItem,
+    chunk_hashes,
+)
 from lmcache_mp.preload import preloaded_context
 from lmcache_mp.protocol import StoreRequest
 
 # W2 (docs/benchmarks.md): MHA, 4 layers, 2 kv heads x 64, float16, block 16, chunk 256 (512 KiB).
-W2 = dict(layout="mha", num_layers=4, block_size=16, heads=2, head_dim=64, dtype=torch.float16)
+W2: dict[str, Any] = dict(layout="mha", num_layers=4, block_size=16, heads=2, head_dim=64,
+                          dtype=torch.float16)
 CHUNK_SIZE = 256
 BLOCKS_PER_CHUNK = CHUNK_SIZE // W2["block_size"]
 MODEL = "test-model"
@@ -59,7 +69,7 @@ def prompt(tag: int, num_chunks: int) -> list[bytes]:
     return chunk_hashes(tokens, CHUNK_SIZE)
 
 
-def chunk_blocks(chunk_slots: list[int]) -> list[int]:
+def chunk_blocks(chunk_slots: Iterable[int]) -> list[int]:
     """Block ids for chunks placed in the given chunk-sized slots of a cache."""
     return [slot * BLOCKS_PER_CHUNK + b for slot in chunk_slots for b in range(BLOCKS_PER_CHUNK)]
 
@@ -74,7 +84,7 @@ class Job:
     cache_salt: str = ""
     request_id: str = "req"
     shape: dict | None = None
-    parallel: object = None  # a ParallelStrategy, for rank_worker
+    parallel: ParallelStrategy | None = None  # for rank_worker
     engine: str = ""  # the engine secret of its CacheClient (see the module docstring)
     token: str | None = None  # the engine token (tcp:// servers); None: runtime.find_token's
 
@@ -186,6 +196,7 @@ def rank_worker(job: Job, conn) -> None:
     from lmcache_mp.client import WorkerAdapter
 
     parallel = job.parallel
+    assert parallel is not None, "a rank worker's job says its rank"
     shape = job.shape or W2
     seed = None if job.seed is None else job.seed + parallel.worker_id
     with make_cache(job.num_blocks, seed, shape) as cache, _client(
@@ -193,7 +204,8 @@ def rank_worker(job: Job, conn) -> None:
         adapter = WorkerAdapter(client, MODEL, parallel, load_timeout=10)
         adapter.register_kv_cache(cache)
         conn.send("ready")
-        stores, loads = set(), set()
+        stores: set[str] = set()
+        loads: set[str] = set()
         while True:
             command, *args = conn.recv()
             if command == "exit":
@@ -238,7 +250,8 @@ class WorkerProcess:
             raise TimeoutError(f"worker {self.process.pid} sent nothing for {timeout} s")
         return self.conn.recv()
 
-    def finish(self, timeout: float = 30.0) -> int:
+    def finish(self, timeout: float = 30.0) -> int | None:
+        """The worker's exit code; None if it is still running after `timeout`."""
         self.conn.send("exit")
         self.process.join(timeout)
         return self.process.exitcode

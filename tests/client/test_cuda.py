@@ -99,6 +99,7 @@ def test_allocator_settings_are_read_from_either_variable_case_blind():
 def test_memory_cuda_ipc_cannot_share_is_refused_with_what_to_change(conf, words):
     settings = allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": conf})
     refusal = export_refusal(3, False, settings)
+    assert refusal is not None
     assert refusal.startswith("tensor 3 lies in GPU memory that CUDA IPC cannot share")
     assert words in refusal
 

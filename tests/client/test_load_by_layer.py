@@ -51,6 +51,7 @@ def test_the_server_says_every_layer_but_the_last_before_its_reply():
     with run_server() as server, make_cache(NUM_BLOCKS, 8) as cache, \
             CacheClient(server.url, timeout=30) as client:
         registration = stored(client, cache, hashes, source).registration
+        assert registration is not None
         seen: list[int] = []
         receive = client._on_push
 

@@ -51,7 +51,7 @@ def test_a_single_worker_is_its_own_leader_and_shard():
 def test_frozen():
     strategy = ParallelStrategy(False, 2, 0, 2)
     with pytest.raises(AttributeError):
-        strategy.worker_id = 1
+        strategy.worker_id = 1  # type: ignore[misc]  # read-only: the refusal under test
 
 
 @pytest.mark.parametrize("kwargs, message", [

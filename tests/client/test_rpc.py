@@ -13,7 +13,7 @@ from lmcache_mp.client import CacheClient, LookupItem, RpcClient, StoreStatus, T
 from lmcache_mp.errors import RequestTimeout, ServerUnavailable
 from lmcache_mp.protocol import PingReply, PingRequest, StatsReply, StatsRequest, StoreRequest
 
-from ..utils import ipc_url, lines_run, run_server, server_process
+from ..utils import ipc_url, lines_run, run_server, server_process, started_process
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
 
 W1 = dict(layout="mha", num_layers=32, block_size=16, heads=8, head_dim=128, dtype=torch.float16)
@@ -102,7 +102,7 @@ def test_a_late_reply_is_dropped_not_given_to_the_next_call():
 
 
 def test_many_threads_share_one_client_and_get_their_own_replies(server):
-    errors = []
+    errors: list[tuple[int, Exception]] = []
 
     def work(n: int) -> None:
         try:
@@ -140,19 +140,20 @@ def test_replies_a_caller_leaves_unread_reach_their_futures(server):
             assert not not_done and all(isinstance(f.result(), PingReply) for f in done)
 
 
-def test_wait_reads_replies_on_the_waiting_thread_and_ends_at_its_timeout(server):
+def test_wait_reads_replies_on_the_waiting_thread_and_ends_at_its_timeout(server, monkeypatch):
     """RpcClient.wait leads the socket itself: each reply is resolved on the thread that
     waits (no hand-off from the background thread), also while the background thread was
     leading when the wait began; and a wait ends at its timeout, not at the reply."""
     with RpcClient(server.url) as client:
         client.call(PingRequest())  # HELLO is answered: nothing else in flight
         for _ in range(20):
-            resolved_on = []
+            resolved_on: list[str] = []
             futures = [client.submit(PingRequest()) for _ in range(3)]
+            # bound now: a callback that runs late appends to its own round's list
+            def note_thread(_: object, out: list[str] = resolved_on) -> None:
+                out.append(threading.current_thread().name)
             for future in futures:
-                # bound now: a callback that runs late appends to its own round's list
-                future.add_done_callback(
-                    lambda _, out=resolved_on: out.append(threading.current_thread().name))
+                future.add_done_callback(note_thread)
             client.wait(futures, 10)
             assert all(future.done() for future in futures)
             if resolved_on == [threading.current_thread().name] * 3:
@@ -162,15 +163,15 @@ def test_wait_reads_replies_on_the_waiting_thread_and_ends_at_its_timeout(server
 
     with server_process() as srv, RpcClient(srv.url, timeout=30) as client:
         client.call(PingRequest())
-        pumps = {}
+        pumps: dict[str, int] = {}
         pump = client._pump
 
         def counted_pump(*args) -> None:
             name = threading.current_thread().name
             pumps[name] = pumps.get(name, 0) + 1
             pump(*args)
-        client._pump = counted_pump
-        srv.proc.send_signal(signal.SIGSTOP)  # it cannot answer
+        monkeypatch.setattr(client, "_pump", counted_pump)
+        started_process(srv).send_signal(signal.SIGSTOP)  # it cannot answer
         try:
             future = client.submit(PingRequest())
             time.sleep(0.1)  # the background thread leads for it meanwhile
@@ -185,7 +186,7 @@ def test_wait_reads_replies_on_the_waiting_thread_and_ends_at_its_timeout(server
             # back at once, again and again (hundreds of pumps), until the waiter won a race.
             assert pumps.get("lmcache-mp-rpc", 0) <= 3, pumps
         finally:
-            srv.proc.send_signal(signal.SIGCONT)
+            started_process(srv).send_signal(signal.SIGCONT)
         client.wait([future], 10)
         assert isinstance(future.result(), PingReply)
 
@@ -219,9 +220,9 @@ def test_calls_sent_to_a_server_that_dies_fail_on_the_lost_connection():
     try:
         with server.client(timeout=120) as client:
             client.ping()
-            os.kill(server.proc.pid, signal.SIGSTOP)
+            os.kill(started_process(server).pid, signal.SIGSTOP)
             pending = client.rpc.submit(PingRequest())
-            killer = threading.Timer(0.2, server.proc.kill)
+            killer = threading.Timer(0.2, started_process(server).kill)
             started = time.monotonic()
             killer.start()
             with pytest.raises(ServerUnavailable, match="lost the connection"):

@@ -37,6 +37,16 @@ def engine_blocks(start: int, end: int) -> tuple[int, ...]:
     return tuple(ENGINE_BLOCKS[start:end])
 
 
+def planned_retrieve(plan: StepPlan) -> RetrieveSpec:
+    assert plan.retrieve is not None, "the step plans no retrieve"
+    return plan.retrieve
+
+
+def planned_store(plan: StepPlan) -> StoreSpec:
+    assert plan.store is not None, "the step plans no store"
+    return plan.store
+
+
 def blocks_for(num_tokens: int) -> int:
     return -(-num_tokens // LAYOUT.block_size)
 
@@ -93,7 +103,7 @@ def test_the_engines_blocks_in_the_first_chunk_are_placeholders_in_the_retrieve_
     tracker = make_tracker()
     tracker.record_lookup(num_vllm_hit_tokens=20 * 16, num_lmcache_hit_chunks=3)
     tracker.allocate(engine_blocks(0, 100))
-    retrieve = tracker.plan_step(PROMPT_TOKENS - 48 * 16).retrieve
+    retrieve = planned_retrieve(tracker.plan_step(PROMPT_TOKENS - 48 * 16))
     assert retrieve.block_ids == engine_blocks(16, 48)
     assert retrieve.loaded_block_ids == engine_blocks(20, 48)
     assert retrieve.target_block_ids == [SKIP_BLOCK] * 4 + list(engine_blocks(20, 48))
@@ -107,7 +117,7 @@ def test_store_spec_becomes_a_transfer_item():
     tracker = make_tracker()
     tracker.record_lookup(num_vllm_hit_tokens=0, num_lmcache_hit_chunks=0)
     tracker.allocate(engine_blocks(0, 100))
-    item = tracker.plan_step(PROMPT_TOKENS).store.transfer_item()
+    item = planned_store(tracker.plan_step(PROMPT_TOKENS)).transfer_item()
     assert unpack_hashes(item.chunk_hashes, "") == list(tracker.chunk_hashes)
     assert unpack_block_ids(item.block_ids, "") == list(engine_blocks(0, 96))
     assert item.cache_salt == SALT
@@ -156,7 +166,7 @@ def test_chunked_prefill_stores_every_full_chunk_exactly_once(vllm_blocks, our_c
     hit_tokens = max(vllm_blocks * 16, our_chunks * 256)
     computed = hit_tokens
     allocated = 0
-    stored_chunks = []
+    stored_chunks: list[int] = []
     for step, (scheduled, expected) in enumerate(steps):
         computed += scheduled
         # vLLM allocates blocks as tokens need them; tokens scheduled alone must bound the
@@ -286,7 +296,7 @@ def store_first_chunks(client, registration, cache_salt: str, num_tokens: int, t
     writer = make_tracker(num_tokens, "writer", tag, cache_salt)
     lookup(client, writer)
     writer.allocate(list(range(blocks_for(num_tokens))))
-    store = writer.plan_step(num_tokens).store
+    store = planned_store(writer.plan_step(num_tokens))
     assert client.store(registration, [store.transfer_item()]) == [
         bytes([StoreStatus.STORED] * len(store.chunk_hashes))]
     assert writer.finish() is None
@@ -308,7 +318,7 @@ def test_holds_of_aborted_or_unneeded_lookups_are_released_and_none_leak(client,
     assert client.stats().leases_held == 1
     engine_has_more.allocate(list(range(49)))
     plan = engine_has_more.plan_step(10)
-    assert plan.retrieve is None and plan.store is None
+    assert plan.retrieve is None and plan.store is None and plan.release is not None
     assert client.end_session(plan.release.request_id, plan.release.cache_salt) == 3
     assert engine_has_more.finish() is None
     assert client.stats().leases_held == 0
@@ -320,19 +330,19 @@ def test_a_preempted_request_retrieves_what_it_stored_into_its_new_blocks(client
     assert lookup(client, tracker) == 0
     first_blocks = list(range(38))
     tracker.allocate(first_blocks)
-    store = tracker.plan_step(600).store
+    store = planned_store(tracker.plan_step(600))
     assert client.store(registration, [store.transfer_item()]) == [bytes([StoreStatus.STORED] * 2)]
 
     assert lookup(client, tracker) == 512  # preempted: vLLM asks again
     new_blocks = list(range(NUM_BLOCKS - 1, NUM_BLOCKS - 1 - blocks_for(1124), -1))
     tracker.allocate(new_blocks)
     plan = tracker.plan_step(1124 - 512)
-    assert client.retrieve(registration, [plan.retrieve.transfer_item()]) == [2]
+    assert client.retrieve(registration, [planned_retrieve(plan).transfer_item()]) == [2]
     assert client.stats().leases_held == 0  # the retrieve consumed the lookup's hold
     assert torch.equal(cache.blocks(new_blocks[:32]).view(torch.uint8),
                        expected_blocks(NUM_BLOCKS, 7, first_blocks[:32]))
-    assert plan.store.first_chunk_index == 2  # chunks 0 and 1 are not sent again
-    assert client.store(registration, [plan.store.transfer_item()]) == [
+    assert planned_store(plan).first_chunk_index == 2  # chunks 0 and 1 are not sent again
+    assert client.store(registration, [planned_store(plan).transfer_item()]) == [
         bytes([StoreStatus.STORED] * 2)]
     assert client.lookup(MODEL, 1, [held(tracker)]) == [4]
     assert client.release([tracker.lease]) == 4  # the check above held all four
@@ -411,7 +421,7 @@ def test_blocks_of_one_token_load_a_whole_prompt_hit_into_one_block_fewer():
     tracker = RequestTracker("one", tokens(3, 512), layout, SALT)
     assert tracker.record_lookup(num_vllm_hit_tokens=0, num_lmcache_hit_chunks=2) == 511
     tracker.allocate(list(range(511)))  # what vLLM allocates for the 511 tokens it takes
-    retrieve = tracker.plan_step(0).retrieve
+    retrieve = planned_retrieve(tracker.plan_step(0))
     assert retrieve.block_ids == tuple(range(511)) and retrieve.skip_trailing_blocks == 1
     assert retrieve.target_block_ids == list(range(511)) + [SKIP_BLOCK]
     assert retrieve.loaded_block_ids == tuple(range(511))

@@ -17,7 +17,7 @@ from lmcache_mp.client import (
     WorkerAdapter,
 )
 
-from ..utils import ipc_url, run_server, server_process
+from ..utils import ipc_url, run_server, server_process, started_process
 from ..workers import MLA, MODEL, chunk_blocks, expected_blocks, make_cache, prompt
 
 NUM_BLOCKS = 8 * 16
@@ -86,9 +86,9 @@ def test_waiting_for_a_store_ends_at_once_when_the_server_dies():
         with make_cache(NUM_BLOCKS, 5) as cache, server.client(timeout=30) as client:
             adapter = WorkerAdapter(client, MODEL, ALONE, load_timeout=120)
             adapter.register_kv_cache(cache)
-            os.kill(server.proc.pid, signal.SIGSTOP)
+            os.kill(started_process(server).pid, signal.SIGSTOP)
             adapter.start_store([TransferItem.build("r", prompt(301, 2), chunk_blocks([0, 1]))])
-            killer = threading.Timer(0.2, server.proc.kill)
+            killer = threading.Timer(0.2, started_process(server).kill)
             started = time.monotonic()
             killer.start()
             adapter.wait_for_stores(["r"])
@@ -128,16 +128,18 @@ def test_the_first_store_after_a_server_restart_is_sent_again_and_lands():
         server.start()
         try:
             adapter.register_kv_cache(cache)
+            assert adapter.registration is not None
             stale_id = adapter.registration.instance_id
             adapter.start_store([TransferItem.build("a", first, chunk_blocks([0, 1]))])
             finished(adapter, 0, "a")
-            server.proc.kill()
+            started_process(server).kill()
             server.close()
             server = server_process(url, ["--cpu-size", "64MiB", "--log-level", "warning"])
             server.start()
             client.ping()  # connected to the new server (a STORE sent before would be skipped)
             adapter.start_store([TransferItem.build("b", second, source)])
             finished(adapter, 0, "b")
+            assert adapter.registration is not None
             assert adapter.registration.instance_id != stale_id
             assert client.lookup(MODEL, 1, [LookupItem.build("b", second)]) == [3]
             with make_cache(NUM_BLOCKS, None) as target_cache, \

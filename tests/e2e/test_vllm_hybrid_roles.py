@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Literal
 
 import pytest
 
@@ -45,7 +46,7 @@ def split(python, tmp_path_factory) -> Iterator[Split]:
     write_model_with(python, root / "model", seed=3, shape=HYBRID)
     with run_server("--chunk-size", str(CHUNK_SIZE), "--cpu-size", "64MiB") as server, \
             ExitStack() as stack:
-        def engine(role: str) -> EngineProcess:
+        def engine(role: Literal["kv_producer", "kv_consumer"]) -> EngineProcess:
             settings = EngineSettings(str(root / "model"), server_url=server.url,
                                       chunk_size=CHUNK_SIZE, cache_name="e2e-hybrid",
                                       kv_role=role)

@@ -149,7 +149,9 @@ def worker_connector(vllm_config, kvcc: KVCacheConfig, rank: int):
     config = copy.deepcopy(vllm_config)
     config.parallel_config.rank = rank  # as vLLM's worker sets it
     connector = LMCacheMPServerConnector(config, KVConnectorRole.WORKER, kvcc)
-    with connector.get_mem_pool_context():
+    mem_pool = connector.get_mem_pool_context()
+    assert mem_pool is not None  # on the CPU: the cache goes in shared memory
+    with mem_pool:
         caches = allocate_kv_cache(kvcc, torch.device("cpu"), KVCacheLayout.LBHNC)
     connector.register_kv_caches(caches)
     return connector, [caches[name] for tensor in kvcc.kv_cache_tensors for name in tensor.layers]
@@ -326,7 +328,7 @@ def engine_of(connector) -> str:
 
 # -- vLLM's scheduler, end to end ----------------------------------------------------------------
 
-SYNC = {}  # the default sync_load_max_bytes: these tests' loads (~1.5 MiB) are sync
+SYNC: dict[str, int] = {}  # the default sync_load_max_bytes: these tests' loads (~1.5 MiB) are sync
 ASYNC = {"sync_load_max_bytes": 0}
 
 
@@ -1245,8 +1247,11 @@ def test_what_vllms_own_prefix_cache_covers_is_neither_looked_up_nor_held(engine
 def test_the_connectors_log_lines_go_to_vllms_handlers(server):
     """vLLM configures handlers on its `vllm` logger only; ours reach them too."""
     seen: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = seen.append
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+    handler = Seen()
     logging.getLogger("vllm").addHandler(handler)
     try:
         config = hand_config(server.url)

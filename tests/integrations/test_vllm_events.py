@@ -32,11 +32,11 @@ class Subscriber:
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
 
     def events(self) -> list:
-        socket = zmq.Context.instance().socket(zmq.DEALER)  # the publisher's context
+        socket: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)  # the publisher's
         try:
             socket.connect(self.config.replay_endpoint)
             socket.send_multipart((b"", (0).to_bytes(8, "big")))
-            events = []
+            events: list = []
             while True:
                 assert socket.poll(10_000), "no replay"
                 _, _, seq, payload = socket.recv_multipart()

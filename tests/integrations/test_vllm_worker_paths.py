@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ..utils import ipc_url, run_server, server_process
+from ..utils import ipc_url, run_server, server_process, started_process
 from .test_vllm import (
     BLOCK,
     FullAttentionSpec,
@@ -52,7 +52,7 @@ def test_with_the_server_gone_preemptions_and_finished_requests_wait_for_nothing
         meta = scheduler.build_connector_meta(scheduler_output(
             new=[(preempted, placed["preempted"]), (finished, placed["finished"])],
             num_scheduled={"preempted": 4 * 256, "finished": 2 * 256}))
-        os.kill(server.proc.pid, signal.SIGSTOP)
+        os.kill(started_process(server).pid, signal.SIGSTOP)
         worker.bind_connector_metadata(meta)
         worker.wait_for_save()  # the STORE is sent; the stopped server never reads it
         worker.clear_connector_metadata()
@@ -63,7 +63,7 @@ def test_with_the_server_gone_preemptions_and_finished_requests_wait_for_nothing
         output.preempted_req_ids = {"preempted"}
         meta = scheduler.build_connector_meta(output)
         assert meta.preempted == ["preempted"] and meta.await_stores == ["finished"]
-        killer = threading.Timer(0.2, server.proc.kill)
+        killer = threading.Timer(0.2, started_process(server).kill)
         started = time.monotonic()
         killer.start()
         (sending, _, _), = worker_step([worker], meta, finished={"finished"})
@@ -94,7 +94,7 @@ def test_the_first_store_after_a_server_restart_lands_and_loads_byte_for_byte():
                                                     dtype=torch.uint8, generator=generator))
     try:
         write_chunks(scheduler, worker, "before", prompt(33, 2 * 256), list(range(32)))
-        server.proc.kill()
+        started_process(server).kill()
         server.close()
         server = server_process(url, ["--cpu-size", "64MiB", "--log-level", "warning"])
         server.start()

@@ -38,7 +38,8 @@ def section(heading: str) -> list[str]:
 
 
 def fenced_blocks(lines: list[str], language: str) -> list[str]:
-    blocks, current = [], None
+    blocks: list[str] = []
+    current: list[str] | None = None
     for line in lines:
         if current is None and line.strip() == f"```{language}":
             current = []
@@ -69,6 +70,14 @@ def table_after(lines: list[str], marker: str, skip_prose: bool = False) -> list
     header, separator, *body = rows
     assert set("".join(separator)) <= set("- "), f"not a table separator: {separator}"
     return body
+
+
+def table_at(lines: list[str], marker: str, skip_prose: bool = False) -> list[list[str]]:
+    """table_after's rows where the document must have that table: its absence fails, naming
+    the marker."""
+    rows = table_after(lines, marker, skip_prose)
+    assert rows is not None, f"no table right after {marker!r}"
+    return rows
 
 
 def doc_operations() -> dict[str, list[str]]:
@@ -102,9 +111,12 @@ def type_name(tp: Any) -> str:
 
 
 def default_text(f: dataclasses.Field) -> str:
-    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif callable(f.default_factory):  # not MISSING
+        value = f.default_factory()
+    else:
         return "required"
-    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     if isinstance(value, bytes):
         return f'hex"{value.hex()}"'
     return "nil" if value is None else json.dumps(value)

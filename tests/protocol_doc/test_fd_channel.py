@@ -9,6 +9,7 @@ import os
 import re
 import socket
 from pathlib import Path
+from typing import Any
 
 import msgpack
 
@@ -106,9 +107,10 @@ def test_the_fd_channel_works_as_documented(server: ServerProcess, tmp_path: Pat
                 binding = hello(owner, engine="fd-engine", n=1)["fd_binding"]
                 (bound,) = _fd_channel_request(path, [kv.segment.fd],
                                                BOUND_FD_CHANNEL_MAGIC + binding)["tickets"]
-                register = {"model": "fd-model", "kv_world_size": 1, "kv_worker_id": 0,
-                            "layout": "mla", "block_size": 128, "layers": [
-                                dict(dataclasses.asdict(h), ticket=bound) for h in kv.handles()]}
+                register: dict[str, Any] = {
+                    "model": "fd-model", "kv_world_size": 1, "kv_worker_id": 0,
+                    "layout": "mla", "block_size": 128, "layers": [
+                        dict(dataclasses.asdict(h), ticket=bound) for h in kv.handles()]}
                 err = refused(other, 2, "REGISTER_KV_CACHE", register)
                 assert err["code"] == "bad_request" and "another engine" in err["message"]
                 reg = call(owner, 2, "REGISTER_KV_CACHE", register)

@@ -33,7 +33,7 @@ from .document import (
     parse_messages,
     section,
     substitute,
-    table_after,
+    table_at,
 )
 from .wire import (
     REPLY_TIMEOUT_MS,
@@ -58,8 +58,8 @@ def _push_section() -> list[str]:
 
 def test_push_messages_and_load_done_match_the_code() -> None:
     # The frames of a push message: request id 0, status ok, a map with `event`.
-    frames = {row[0]: row[1] for row in table_after(_push_section(), "The server sends",
-                                                     skip_prose=True)}
+    frames = {row[0]: row[1] for row in table_at(_push_section(), "The server sends",
+                                                  skip_prose=True)}
     notice = protocol.LoadDone(7, [protocol.LoadDoneItem("r", "", 1)])
     wire = protocol.push_frames(notice)
     assert protocol.PUSH_REQUEST_ID == 0 and wire[:2] == [bytes(8), protocol.STATUS_OK]
@@ -73,10 +73,11 @@ def test_push_messages_and_load_done_match_the_code() -> None:
     for event, message in protocol.PUSH_MESSAGES.items():
         (lines,) = [lines for heading, lines in _subsections(_push_section()).items()
                     if heading == event]
-        rows = table_after(lines, "**Fields**")
+        rows = table_at(lines, "**Fields**")
         assert [tuple(row[:2]) for row in rows] == [(path, tp) for path, tp, _ in
                                                     code_fields(message)]
         (event_row,) = [row for row in rows if row[0] == "event"]
+        assert dataclasses.is_dataclass(message)
         assert message.__dataclass_fields__["event"].default == event
         assert f'"{event}"' in event_row[2]
 
@@ -85,7 +86,7 @@ def test_push_messages_and_load_done_match_the_code() -> None:
     assert "none yet" not in flat and "may appear in a later version" not in flat
     assert "recorded, no effect in version 1" not in flat
     assert "In version 1 a RETRIEVE writes only" not in flat
-    stats_rows = [row[0] for row in table_after(doc_operations()["STATS"], "**Reply**")]
+    stats_rows = [row[0] for row in table_at(doc_operations()["STATS"], "**Reply**")]
     assert "instances[].loads_pushed" in stats_rows
 
 
@@ -148,7 +149,7 @@ def test_mla_example_exchange_replays_against_a_real_server() -> None:
     # Exactly one push: LOAD_DONE to the follower, its fields in the table's order.
     (push,) = [m for m in messages if m[1] == "S" and m[2] == rid(0)]
     assert push[0] == "follower" and push[3] == "ok"
-    load_done_rows = table_after(_subsections(_push_section())["LOAD_DONE"], "**Fields**")
+    load_done_rows = table_at(_subsections(_push_section())["LOAD_DONE"], "**Fields**")
     assert list(push[4]) == [row[0] for row in load_done_rows if "." not in row[0]]
     assert push[4]["event"] == "LOAD_DONE"
     # Every request gets its reply on its own connection, in order there.
@@ -166,6 +167,7 @@ def test_mla_example_exchange_replays_against_a_real_server() -> None:
         with running_server() as running, \
                 _connections(running.url, "leader", "follower") as sockets:
             for connection, side, request_id, word, payload in messages:
+                assert connection is not None, "each message here names its connection"
                 sock = sockets[connection]
                 if side == "C":
                     request = substitute(payload, bound)
@@ -342,7 +344,7 @@ def test_an_mla_leaders_retrieve_lands_in_its_own_engines_followers_only() -> No
                      "loads_pushed": 0}]
             assert list(stats["instances"][0]) == [
                 row[0].removeprefix("instances[].") for row in
-                table_after(doc_operations()["STATS"], "**Reply**")
+                table_at(doc_operations()["STATS"], "**Reply**")
                 if row[0].startswith("instances[].")]
             for name, instance_id in zip(names, (leader_id, follower_id, other_id, intruder_id)):
                 assert call(sockets[name], 6, "UNREGISTER_KV_CACHE",

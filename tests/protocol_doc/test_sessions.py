@@ -11,6 +11,7 @@ import json
 import re
 import struct
 import uuid
+from typing import Any
 
 import msgpack
 import zmq
@@ -48,9 +49,9 @@ def test_sessions_roles_and_engines_work_as_documented(server: ServerProcess) ->
     S = protocol.StoreStatus
     kv = SharedKVCache("mha", num_layers=1, num_blocks=8, block_size=128, heads=1, head_dim=8)
     hashes = chunk_hashes(list(range(5000, 5512)), 256)
-    admin_ops = {"CLEAR": {}, "QUOTA_SET": {"cache_salt": "x", "cap": None},
-                 "QUOTA_GET": {"cache_salt": "x"}, "QUOTA_DELETE": {"cache_salt": "x"},
-                 "QUOTA_LIST": {}}
+    admin_ops: dict[str, dict[str, Any]] = {
+        "CLEAR": {}, "QUOTA_SET": {"cache_salt": "x", "cap": None},
+        "QUOTA_GET": {"cache_salt": "x"}, "QUOTA_DELETE": {"cache_salt": "x"}, "QUOTA_LIST": {}}
     assert set(admin_ops) == protocol.ADMIN_OPS
     try:
         with dealer(server.url) as fresh, session(server, admin=True) as admin, \
@@ -61,8 +62,9 @@ def test_sessions_roles_and_engines_work_as_documented(server: ServerProcess) ->
             # Before HELLO: every op but HELLO and PING is unauthenticated, whatever its
             # payload (it is not even decoded); all of them are counted.
             for n, op in enumerate(["LOOKUP", "STATS", "QUOTA_LIST", "END_SESSION"]):
-                payload = {"model": "m", "kv_world_size": 1, "items": []} if op == "LOOKUP" \
-                    else {"request_id": "r"} if op == "END_SESSION" else {}
+                payload: dict[str, Any] = (
+                    {"model": "m", "kv_world_size": 1, "items": []} if op == "LOOKUP"
+                    else {"request_id": "r"} if op == "END_SESSION" else {})
                 assert refused(fresh, 10 + n, op, payload) == \
                     {"code": "unauthenticated", "message": no_session}, op
             assert refused(fresh, 14, "LOOKUP", b"\xc1", raw=True)["code"] == "unauthenticated"

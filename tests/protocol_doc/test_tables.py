@@ -27,6 +27,7 @@ from .document import (
     fenced_blocks,
     section,
     table_after,
+    table_at,
 )
 
 # ---------------------------------------------------------------------------
@@ -47,10 +48,10 @@ def test_every_op_is_documented_with_its_exact_fields() -> None:
 def test_every_handle_kind_is_documented_with_its_exact_fields() -> None:
     lines = section("## KV cache handles and layouts")
     for cls in typing.get_args(protocol.TensorHandle):
-        rows = table_after(lines, f"**`{cls.KIND}` handle**", skip_prose=True)
+        rows = table_at(lines, f"**`{cls.KIND}` handle**", skip_prose=True)
         assert [tuple(row[:3]) for row in rows] == code_fields(cls), cls.KIND
-    (layers_row,) = [row for row in table_after(doc_operations()["REGISTER_KV_CACHE"],
-                                                "**Request**") if row[0] == "layers"]
+    (layers_row,) = [row for row in table_at(doc_operations()["REGISTER_KV_CACHE"],
+                                             "**Request**") if row[0] == "layers"]
     assert all(f"{cls.KIND} handle" in layers_row[3]
                for cls in typing.get_args(protocol.TensorHandle))
     # The unsupported-kind message the document quotes is the decoder's.
@@ -65,7 +66,7 @@ def test_every_handle_kind_is_documented_with_its_exact_fields() -> None:
 
 
 def test_error_codes_status_bytes_and_dtypes_match_the_code() -> None:
-    error_rows = table_after(section("## Errors"), "An `err` reply", skip_prose=True)
+    error_rows = table_at(section("## Errors"), "An `err` reply", skip_prose=True)
     codes = [row[0] for row in error_rows]
     assert sorted(codes) == sorted(errors.ERROR_CLASSES)
     assert {"unauthenticated", "forbidden"} <= set(codes)
@@ -78,7 +79,7 @@ def test_error_codes_status_bytes_and_dtypes_match_the_code() -> None:
     assert marked == protocol.ADMIN_OPS
 
     statuses = {int(row[0]): row[1]
-                for row in table_after(doc_operations()["STORE"], "Status bytes")}
+                for row in table_at(doc_operations()["STORE"], "Status bytes")}
     expected = {value: name for name, value in vars(protocol.StoreStatus).items()
                 if not name.startswith("_")}
     assert statuses == expected
@@ -98,7 +99,7 @@ def test_error_codes_status_bytes_and_dtypes_match_the_code() -> None:
 
 
 def _limit_rows() -> list[list[str]]:
-    return table_after(section("## Limits"), "The server checks every limit", skip_prose=True)
+    return table_at(section("## Limits"), "The server checks every limit", skip_prose=True)
 
 
 def _limits_markdown() -> str:
@@ -130,13 +131,13 @@ def test_the_limits_table_is_protocol_LIMITS_row_by_row() -> None:
         text = re.sub(r"\s+", " ", " ".join(doc_operations()[op]))
         value = LIMITS["TRANSFER_SLICE_CHUNKS"].value
         assert f"`TRANSFER_SLICE_CHUNKS` ({value})" in text, op
-    hello_rows = {row[0]: row[2] for row in table_after(doc_operations()["HELLO"], "**Reply**")}
+    hello_rows = {row[0]: row[2] for row in table_at(doc_operations()["HELLO"], "**Reply**")}
     assert f"({protocol.MAX_ITEMS_PER_MESSAGE})" in hello_rows["max_items_per_message"]
     assert f"(default {protocol.MAX_CHUNKS_PER_MESSAGE})" in hello_rows["max_chunks_per_message"]
 
 
 def test_documented_limits_match_the_code() -> None:
-    rows = {row[0]: row[1] for row in table_after(section("## Limits"), "Other rules on values:")}
+    rows = {row[0]: row[1] for row in table_at(section("## Limits"), "Other rules on values:")}
     assert rows["request_id fields"].startswith(f"at most {MAX_REQUEST_ID_CHARS} characters")
     assert rows["cache_salt"].startswith(f"0 to {protocol.MAX_SALT_CHARS} characters")
     assert rows["model"].startswith(f"1 to {protocol.MAX_MODEL_CHARS} characters")
@@ -151,11 +152,11 @@ def test_documented_limits_match_the_code() -> None:
     assert rows["quota reserve"].startswith("0 to cap bytes; all salts' reservations together "
                                             "at most the pool size")
     register = doc_operations()["REGISTER_KV_CACHE"]
-    (ws_row,) = [row for row in table_after(register, "**Request**") if row[0] == "kv_world_size"]
+    (ws_row,) = [row for row in table_at(register, "**Request**") if row[0] == "kv_world_size"]
     assert f"1 to {MAX_KV_WORLD_SIZE}" in ws_row[3]
-    (tp_row,) = [row for row in table_after(register, "**Request**") if row[0] == "tp_rank"]
+    (tp_row,) = [row for row in table_at(register, "**Request**") if row[0] == "tp_rank"]
     assert f"0 to {MAX_KV_WORLD_SIZE - 1}" in tp_row[3]
-    (ws_row,) = [row for row in table_after(doc_operations()["LOOKUP"], "**Request**")
+    (ws_row,) = [row for row in table_at(doc_operations()["LOOKUP"], "**Request**")
                  if row[0] == "kv_world_size"]
     assert f"1 to {MAX_KV_WORLD_SIZE}" in ws_row[3]
     # Nothing may say that ids are counted, or that an old id can name someone else's cache.

@@ -19,6 +19,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import torch
@@ -95,7 +96,7 @@ def _agent_main(conn, uid: int | None) -> None:
         try:
             args = [state[a.name] if isinstance(a, Ref) else a for a in args]
             kwargs = {k: state[v.name] if isinstance(v, Ref) else v for k, v in kwargs.items()}
-            answer = ("ok", fn(state, *args, **kwargs))
+            answer: tuple = ("ok", fn(state, *args, **kwargs))
         except BaseException as exc:  # sent back to the test, which decides
             answer = ("err", exc, traceback.format_exc())
         try:
@@ -246,12 +247,12 @@ class RawClient:
         self.socket.send_multipart([rid(request_id), op.encode(), payload])
         return request_id
 
-    def recv(self) -> tuple[int, bytes, object]:
+    def recv(self) -> tuple[int, bytes, Any]:
         frames = self.socket.recv_multipart()
         assert len(frames) == 3, frames
         return struct.unpack("<Q", frames[0])[0], frames[1], msgpack.unpackb(frames[2])
 
-    def call(self, op: str, payload) -> tuple[bytes, object]:
+    def call(self, op: str, payload) -> tuple[bytes, Any]:
         sent = self.send(op, payload)
         request_id, status, body = self.recv()
         assert request_id == sent

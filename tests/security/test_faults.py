@@ -12,6 +12,7 @@ import os
 import signal
 import time
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from lmcache_mp.client import LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.protocol import RetrieveRequest, StoreRequest
 
-from ..utils import run_server, server_process, wait_for
+from ..utils import run_server, server_process, started_process, wait_for
 from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, prompt
 from .agents import (
     Agent,
@@ -96,8 +97,9 @@ def churn(state, tag: int, rounds: int, die: tuple[str, int] | None = None) -> d
     raised."""
     client, conn, report = state["c"], state["conn"], state["report"]
     registration, inbox = state["reg"], state["inbox_reg"]
-    summary = {"rounds": 0, "errors": Counter(), "longest_call": 0.0, "mismatches": []}
-    told = []
+    summary: dict[str, Any] = {"rounds": 0, "errors": Counter(), "longest_call": 0.0,
+                               "mismatches": []}
+    told: list[str] = []
 
     def stop_asked() -> bool:
         if not told and conn.poll():
@@ -117,6 +119,7 @@ def churn(state, tag: int, rounds: int, die: tuple[str, int] | None = None) -> d
             summary["longest_call"] = max(summary["longest_call"], time.monotonic() - started)
 
     def vanish_during(request) -> None:
+        assert die is not None
         pending = client.rpc.submit(request, timeout=30)
         client.stats()
         report(("dying", die[0], not pending.done()))
@@ -192,7 +195,7 @@ def test_killed_workers_leave_nothing_behind_then_sigterm_under_load_drains():
     deaths = {0: ("STORE", 1), 1: ("RETRIEVE", 1), 2: ("LOOKUP", 1), 3: None}
     seeds = {tag: 500 + tag for tag in deaths}
     with run_server(*SERVER_ARGS) as server, server.client(admin=True) as admin:
-        pid = server.proc.pid
+        pid = started_process(server).pid
         admin.ping()  # connected: its descriptor in the server is part of the count
         fds_before = open_fds(pid)
         workers = {tag: start_worker(f"worker{tag}", server.url, seeds[tag]) for tag in deaths}
@@ -270,8 +273,8 @@ def test_a_killed_server_leaves_its_socket_files_until_cleaned_and_a_restart_ser
         for tag, worker in workers.items():
             worker.send(churn, tag, 10_000)
             killed_ids[tag] = worker.wait_progress(lambda value: value[0] == "ack")[3]
-        server.proc.kill()
-        assert server.proc.wait(10) == -signal.SIGKILL
+        started_process(server).kill()
+        assert started_process(server).wait(10) == -signal.SIGKILL
         # A killed server unlinks nothing: its socket files are left behind.
         assert (runtime_dir / "server.sock").is_socket() and (runtime_dir / "fd.sock").is_socket()
         time.sleep(CALL_TIMEOUT_S + 0.5)  # the workers' calls time out meanwhile

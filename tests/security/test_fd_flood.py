@@ -65,11 +65,12 @@ def flood(state, path: str, sockets: int) -> dict:
             if key.fileobj == pipe.fileno():
                 pipe.recv()
                 for other in list(selector.get_map().values()):
-                    if other.fileobj != pipe.fileno():
+                    if isinstance(other.fileobj, socket.socket):  # not the pipe's fileno
                         other.fileobj.close()
                 selector.close()
                 return {"opened": opened, "closed": closed}
             selector.unregister(key.fileobj)
+            assert isinstance(key.fileobj, socket.socket)
             key.fileobj.close()  # the server hung up on it: take its place again
             closed += 1
             open_one()

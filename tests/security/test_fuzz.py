@@ -55,6 +55,7 @@ from lmcache_mp.protocol import (
     HelloRequest,
     RegisterKVCacheRequest,
     RetrieveRequest,
+    TensorHandle,
 )
 
 from ..utils import rid, run_server
@@ -321,13 +322,13 @@ def _typed(tp: Any) -> st.SearchStrategy:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         options = [o for o in typing.get_args(tp) if o is not type(None)]
-        inner = st.one_of([message_maps(o) if dataclasses.is_dataclass(o) else _typed(o)
-                           for o in options])
+        inner = st.one_of([message_maps(o) if isinstance(o, type) and dataclasses.is_dataclass(o)
+                           else _typed(o) for o in options])
         return inner if len(options) == len(typing.get_args(tp)) else st.none() | inner
     if origin is list:
         (item,) = typing.get_args(tp)
         return item_lists(_typed(item))
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return message_maps(tp)
     return {int: ints, float: floats, str: texts, bytes: binaries, bool: st.booleans()}[tp]
 
@@ -376,8 +377,9 @@ def message_maps(cls: type) -> st.SearchStrategy:
         hints = typing.get_type_hints(cls, vars(protocol))
         names = [f.name for f in dataclasses.fields(cls)]
 
-        strategies = {n: st.deferred(lambda n=n: _field_strategy(cls, n, hints[n]))
-                      for n in names}
+        def deferred(n: str) -> st.SearchStrategy:
+            return st.deferred(lambda: _field_strategy(cls, n, hints[n]))
+        strategies = {n: deferred(n) for n in names}
 
         @st.composite
         def build(draw) -> dict:
@@ -661,7 +663,8 @@ class Harness:
         """Use up every ticket an example was given, so that the server holds no descriptor
         for them; a ticket a fuzzed registration used must be refused (single use)."""
         for ticket in self.unsettled:
-            handles = [replace(h, ticket=ticket) for h in self.fuzz_cache.handles()]
+            handles: list[TensorHandle] = [replace(h, ticket=ticket)
+                                           for h in self.fuzz_cache.handles()]
             request = RegisterKVCacheRequest(FUZZ_MODEL, 1, 0, "mha", FUZZ_BLOCK_SIZE, handles)
             frames = [rid(next(self.ids)), b"REGISTER_KV_CACHE", protocol.pack(request)]
             self.main.socket.send_multipart(frames)
@@ -679,7 +682,8 @@ class Harness:
     def register_fuzzer(self) -> None:
         """The fuzzer's own registration, made properly, so that its STOREs go deep."""
         (ticket,) = send_fds(self.fd_socket, [self.fuzz_cache.segment.fd], REPLY_TIMEOUT_S)
-        handles = [replace(h, ticket=ticket) for h in self.fuzz_cache.handles()]
+        handles: list[TensorHandle] = [replace(h, ticket=ticket)
+                                       for h in self.fuzz_cache.handles()]
         reply = self.call(self.main, RegisterKVCacheRequest(FUZZ_MODEL, 1, 0, "mha",
                                                             FUZZ_BLOCK_SIZE, handles))
         self.own_id = reply.instance_id
@@ -810,7 +814,7 @@ class Harness:
                     f"{op}: the fuzzer's own registration was lost: {error.message}"
             return
         self.counts[f"{op}:ok"] = self.counts.get(f"{op}:ok", 0) + 1
-        assert envelope is None, (frames[:2], "answered ok")
+        assert envelope is None and op is not None, (frames[:2], "answered ok")
         result = protocol.unpack(OPS[op].reply, payload)
         request = protocol.unpack(OPS[op].request, frames[2])
         assert op in ("HELLO", "PING") or sock.session, f"{op} served without a session"

@@ -25,7 +25,7 @@ from ..server.l2.test_shared_tier import (
     store_through,
     written,
 )
-from ..utils import run_server, server_process
+from ..utils import run_server, server_process, started_process
 from ..workers import Job, chunk_blocks, expected_blocks, prompt, retrieve_worker, run
 from .agents import NOBODY
 
@@ -196,5 +196,5 @@ def test_unsafe_key_files_are_refused_at_start_up(tmp_path):
                                       "--l2-key-file", path])
         with pytest.raises(RuntimeError):
             server.start()
-        refusals[label] = (server.proc.returncode, words in server.output())
+        refusals[label] = (started_process(server).returncode, words in server.output())
     assert refusals == {label: (2, True) for label in refusals}

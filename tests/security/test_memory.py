@@ -17,6 +17,7 @@ import socket
 import stat
 import uuid
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -111,17 +112,22 @@ def fd_targets(pid: int) -> list[str]:
 # ---------------------------------------------------------------------------
 # Shrinking: the one thing that turned a worker's memory into a server crash.
 
+def errno_name(exc: OSError) -> str:
+    assert exc.errno is not None, exc
+    return errno.errorcode[exc.errno]
+
+
 def try_to_resize(state, cache: str) -> dict:
     """A registered worker tries to shrink (and grow) the memfd the server maps."""
     fd = state[cache].segment.fd
-    outcomes = {}
+    outcomes: dict[str, Any] = {}
     for label, size in (("shrink to 0", 0), ("shrink by a page", os.fstat(fd).st_size - 4096),
                         ("grow", os.fstat(fd).st_size * 2)):
         try:
             os.ftruncate(fd, size)
             outcomes[label] = "resized"
         except OSError as exc:
-            outcomes[label] = errno.errorcode[exc.errno]
+            outcomes[label] = errno_name(exc)
     outcomes["size"] = os.fstat(fd).st_size
     return outcomes
 
@@ -148,7 +154,7 @@ def offer_shrinkable_memory(state, url: str, fd_socket: str) -> dict:
     """The outsider: hand the fd channel memory it can shrink, then register it anyway with a
     ticket of its own making, then shrink it (as it would have mid-copy)."""
     size = 16 * 2 * 16 * 2 * 64 * 2 * 4  # a W2 cache of 16 blocks, 4 layers
-    outcomes = {}
+    outcomes: dict[str, Any] = {}
     with RawClient(url) as raw:
         raw.hello()
         for label, fd in shrinkable_fds(size).items():
@@ -213,12 +219,13 @@ def transfer_then_vanish(state, op: str, hashes: list[bytes], block_ids: list[in
         "vanish", hashes, block_ids)]), timeout=60)
     stats = client.stats()  # answered in order: the server has the transfer by then
     # Still copying: a STORE is pending at the server (or, either op, not answered yet).
-    report = {"in_flight": stats.pending_stores > 0 or not pending.done(), "name": cache.name}
+    report: dict[str, Any] = {"in_flight": stats.pending_stores > 0 or not pending.done(),
+                              "name": cache.name}
     try:
         os.ftruncate(cache.segment.fd, 0)
         report["shrink"] = "shrunk"
     except OSError as exc:
-        report["shrink"] = errno.errorcode[exc.errno]
+        report["shrink"] = errno_name(exc)
     segment = cache.segment
     cache.close()
     segment.mapping.close()  # no views remain: this unmaps it now
@@ -315,7 +322,7 @@ def test_a_worker_that_closes_its_segment_or_dies_mid_transfer_harms_nobody(
 
 def register_by_name(state, url: str, attempts: dict[str, dict]) -> dict:
     """The outsider: REGISTER_KV_CACHE with handles that name memory instead of passing it."""
-    outcomes = {}
+    outcomes: dict[str, Any] = {}
     with RawClient(url) as raw:
         raw.hello()
         for label, handle in attempts.items():
@@ -421,7 +428,7 @@ def unfit_fds() -> dict[str, int]:
 
 
 def offer_unfit_fds(state, fd_socket: str) -> dict[str, str]:
-    outcomes = {}
+    outcomes: dict[str, Any] = {}
     for label, fd in unfit_fds().items():
         try:
             outcomes[label] = f"TICKETED {send_fds(fd_socket, [fd], timeout=10)}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import signal
 import time
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,7 @@ from lmcache_mp.protocol import (
     UnregisterKVCacheRequest,
 )
 
-from ..utils import rid, run_server, server_process, wait_for
+from ..utils import rid, run_server, server_process, started_process, wait_for
 from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, prompt
 from .agents import RawClient, new_cache, raw_bytes
 
@@ -104,6 +105,11 @@ def test_refused_requests_count_and_keep_registrations_alive(server):
                  what="the silent worker's registration dropped")
 
 
+def float64(instance_id: float) -> Any:
+    """An id as a float64 on the wire; typed Any, as the request dataclasses say int."""
+    return float(instance_id)
+
+
 def test_an_instance_id_sent_as_an_integral_float64_is_accepted(server):
     """JavaScript's msgpack encoders send integers above 2^32 as float64."""
     with server.client(timeout=10) as client, new_cache(2 * BLOCKS_PER_CHUNK, 4, W2) as source, \
@@ -114,18 +120,18 @@ def test_an_instance_id_sent_as_an_integral_float64_is_accepted(server):
                                             block_size=16)
         assert sent.instance_id > 2**32 or received.instance_id > 2**32  # random 53-bit ids
         hashes = prompt(41, 2)
-        assert client.rpc.call(StoreRequest(float(sent.instance_id), [TransferItem.build(
+        assert client.rpc.call(StoreRequest(float64(sent.instance_id), [TransferItem.build(
             "f", hashes, chunk_blocks([0, 1]))])) == StoreReply([bytes([StoreStatus.STORED] * 2)])
         client.lookup(MODEL, 1, [LookupItem.build("f", hashes, hold=True)])
-        assert client.rpc.call(RetrieveRequest(float(received.instance_id), [TransferItem.build(
+        assert client.rpc.call(RetrieveRequest(float64(received.instance_id), [TransferItem.build(
             "f", hashes, chunk_blocks([1, 0]))])) == RetrieveReply([2])
         assert raw_bytes(target.blocks(chunk_blocks([1, 0]))) == \
             raw_bytes(source.blocks(chunk_blocks([0, 1])))
         for wrong in (1.5, float(2**53 + 2), float("nan")):  # not integral, or not exact
             with pytest.raises(BadRequest, match="`instance_id`: expected int, got float"):
-                client.rpc.call(UnregisterKVCacheRequest(wrong))
+                client.rpc.call(UnregisterKVCacheRequest(float64(wrong)))
         for registration in (sent, received):
-            client.rpc.call(UnregisterKVCacheRequest(float(registration.instance_id)))
+            client.rpc.call(UnregisterKVCacheRequest(float64(registration.instance_id)))
         assert client.stats().registrations == 0
 
 
@@ -194,11 +200,11 @@ def test_requests_sent_just_before_sigterm_are_each_answered():
     with run_server() as stopping, RawClient(stopping.url, timeout_ms=20_000) as raw:
         raw.hello()
         sent = {raw.send("PING", {}) for _ in range(900)}
-        stopping.proc.send_signal(signal.SIGTERM)
+        started_process(stopping).send_signal(signal.SIGTERM)
         outcomes: dict[int, str] = {}
         while sent - outcomes.keys():
             request_id, status, body = raw.recv()
             assert request_id in sent and request_id not in outcomes
             outcomes[request_id] = "ok" if status == b"ok" else body["code"]
         assert set(outcomes.values()) <= {"ok", "shutting_down"}
-        assert stopping.proc.wait(20) == 0
+        assert started_process(stopping).wait(20) == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import pytest
 
@@ -49,7 +50,7 @@ def wire(request: RegisterKVCacheRequest) -> dict:
 def steal(state, url: str, requests: dict[str, dict], binding: bytes) -> dict:
     """The thief, on a session of its own: REGISTER each request (the victim's handles and
     a ticket it learnt), and ask for a ticket of its own memory under the victim's binding."""
-    outcomes = {}
+    outcomes: dict[str, Any] = {}
     with RawClient(url) as raw:
         hello = raw.hello(engine="thief-engine")
         for label, request in requests.items():

@@ -24,7 +24,7 @@ from lmcache_mp.client import CacheClient, LookupItem, StoreStatus
 from lmcache_mp.server.warm.segment import SHM_DIR, segment_dir
 
 from .. import workers
-from ..utils import run_server, server_process
+from ..utils import run_server, server_process, started_process
 from ..workers import MODEL, Job, chunk_blocks, prompt, retrieve_worker, run, store_worker
 from .agents import NOBODY
 
@@ -81,8 +81,8 @@ def test_a_forged_snapshot_is_never_adopted(name, tmp_path, outsider_agent):
     server = server_process(None, ["--cpu-size", "64MiB", "--pool-segment", name], runtime)
     with server:
         stored(server, victim, seed=71, salt="tenant-a")
-        server.proc.kill()  # a crash: no snapshot of its own
-        server.proc.wait()
+        started_process(server).kill()  # a crash: no snapshot of its own
+        started_process(server).wait()
     forgery = forged_old_snapshot(victim[0])
     planted = outsider_agent.run(plant_as_outsider, str(SHM_DIR / f"{name}.snapshot"),
                                  str(segment_dir() / f"{name}.snapshot"), forgery)

@@ -2,6 +2,7 @@
 serving."""
 
 import re
+from typing import Any
 
 import msgpack
 import pytest
@@ -124,11 +125,13 @@ def test_bad_registrations_are_refused_with_the_reason(client):
             with pytest.raises(BadRequest, match=None) as error:
                 client.register_kv_cache(handles, model=MODEL, layout="mha", block_size=16)
             assert words in str(error.value), (handles, str(error.value))
-        for overrides, words in [({"block_size": 32}, "differs from block_size"),
-                                 ({"block_size": 48}, "divide the chunk size"),
-                                 ({"layout": "gqa"}, "`layout`"),
-                                 ({"kv_worker_id": 3}, "not in [0, 1)"),
-                                 ({"model": ""}, "`model`")]:
+        refusals: list[tuple[dict[str, Any], str]] = [
+            ({"block_size": 32}, "differs from block_size"),
+            ({"block_size": 48}, "divide the chunk size"),
+            ({"layout": "gqa"}, "`layout`"),
+            ({"kv_worker_id": 3}, "not in [0, 1)"),
+            ({"model": ""}, "`model`")]
+        for overrides, words in refusals:
             with pytest.raises(BadRequest) as error:
                 register(client, cache, **overrides)
             assert words in str(error.value)

@@ -147,6 +147,7 @@ def test_a_chunk_whose_blocks_are_all_skipped_writes_nothing(head_dim):
     (rows from HostRows.WIDE_ROW_BYTES up are assigned as byte rows, narrower ones put)."""
     layers, _ = _mha_layers(3, 20, (0, 1, 2, 3, 4), head_dim=head_dim)
     host = HostRows.of(layers, None, block_dim=1)
+    assert host is not None
     geometry = _host_geometry(layers, 2)
     assert (host._byte_rows is not None) == (head_dim == 128)
     before = [layer.clone() for layer in layers]

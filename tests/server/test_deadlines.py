@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from lmcache_mp.protocol import RetrieveRequest, StoreRequest, StoreStatus, TransferItem
 
@@ -14,7 +15,7 @@ from ..workers import prompt
 from .test_streams import CLIENT, Rig, blocks
 
 
-async def answer(rig: Rig, pending) -> object:
+async def answer(rig: Rig, pending) -> Any:
     """The reply to a request whose deadline, counted from dispatch, has passed before its
     first copy could be queued; the fake device finishes whatever was queued."""
     task = asyncio.ensure_future(pending)

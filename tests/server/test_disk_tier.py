@@ -17,7 +17,7 @@ import torch
 
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus
 
-from ..utils import run_server, server_process, wait_for
+from ..utils import run_server, server_process, started_process, wait_for
 from ..workers import (
     BLOCKS_PER_CHUNK,
     MODEL,
@@ -131,7 +131,7 @@ def test_a_restart_serves_every_chunk_whose_write_completed_before_sigkill(tmp_p
         for hashes, seed in PROMPTS[3:]:
             store(server, hashes, seed, settle=False)
         completed = stats(server).disk_chunks_written
-        server.proc.kill()
+        started_process(server).kill()
     finally:
         assert server.close() == -9
     with disk_server(directory, runtime_dir=str(runtime)) as server:

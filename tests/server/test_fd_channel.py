@@ -34,7 +34,7 @@ from lmcache_mp.protocol import (
 from lmcache_mp.server.net.access import Sessions
 from lmcache_mp.server.net.fd_channel import FdChannel
 
-from ..utils import FakeClock, run_server
+from ..utils import FakeClock, run_server, started_process
 from ..workers import (
     BLOCKS_PER_CHUNK,
     Job,
@@ -410,13 +410,13 @@ def test_a_killed_worker_is_unregistered_and_unmapped_at_once_not_at_its_timeout
         with WorkerProcess(abandoned_store_worker, job) as worker:
             segment = worker.receive()
             assert admin.stats().registrations == 1
-            assert f"/memfd:{segment}" in _maps(server.proc.pid)
+            assert f"/memfd:{segment}" in _maps(started_process(server).pid)
             worker.process.kill()
             worker.process.join()
             killed = time.monotonic()
         # Its STORE may still be copying: the mapping goes once that has finished.
         _until(lambda: admin.stats().registrations == 0, timeout=10)
-        _until(lambda: f"/memfd:{segment}" not in _maps(server.proc.pid), timeout=10)
+        _until(lambda: f"/memfd:{segment}" not in _maps(started_process(server).pid), timeout=10)
         assert time.monotonic() - killed < 30  # half the worker timeout: not by silence
         assert admin.stats().pending_stores == 0
 

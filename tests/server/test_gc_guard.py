@@ -40,7 +40,8 @@ def guard():
 
 def store_chunks(store: ChunkStore, count: int) -> list:
     keys = [ChunkKey("m", 1, 0, "", os.urandom(16)) for _ in range(count)]
-    chunks = [r.chunk for r in store.reserve_run(keys, 4096, "g")]
+    chunks = [r.chunk for r in store.reserve_run(keys, 4096, "g") if r.chunk is not None]
+    assert len(chunks) == count
     store.commit_many(chunks)
     return chunks
 

@@ -151,8 +151,9 @@ class TorchOrder(FakeDevice):
             self.access(stream, [(src, False), (dst, True)])
             _merge(self.clock(target), self.clock(stream))  # and the target for the copy
         elif to_gpu is not None or from_gpu is not None:
-            self.access(self.stream_on(to_gpu if to_gpu is not None else from_gpu),
-                        [(src, False), (dst, True)])
+            gpu = to_gpu if to_gpu is not None else from_gpu
+            assert gpu is not None  # one of the two, by the condition
+            self.access(self.stream_on(gpu), [(src, False), (dst, True)])
 
     def kernel(self, out: torch.Tensor | None, inputs: list[torch.Tensor]) -> None:
         """An index kernel writing `out` (None: scratch) from `inputs`, on their GPU."""
@@ -211,6 +212,8 @@ class GpuRig(Rig):
     """A Rig on a TorchOrder whose workers live on the GPUs the test names; the GPU tier is
     on GPU 0 and the pool on the host. Run its requests with run(), which watches the
     copier's thread."""
+
+    device: TorchOrder
 
     def __init__(self, copier: type = StreamCopier, **kwargs):
         super().__init__(device=TorchOrder(), copier=copier, **kwargs)

@@ -118,7 +118,7 @@ def test_a_client_killed_mid_store_leaves_no_partial_chunk_and_no_leak():
             (visible,) = client.lookup(MODEL, 1, [LookupItem.build("check", hashes)])
             assert stats.chunks == visible
             assert stats.bytes_used == visible * W1_CHUNK_BYTES
-            assert not mapped_by(server.proc.pid, segment)
+            assert not mapped_by(started_process(server).pid, segment)
         finally:
             if os.path.exists(f"/dev/shm/{segment}"):
                 os.unlink(f"/dev/shm/{segment}")  # the killed worker could not unlink it

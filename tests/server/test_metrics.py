@@ -11,7 +11,7 @@ from lmcache_mp.errors import BadRequest
 from lmcache_mp.server.observe.exporter import OTHER, TenantLabels
 
 from ..redis_servers import redis_server
-from ..utils import free_port, lines_run, run_server, wait_for
+from ..utils import NoTickets, free_port, lines_run, run_server, wait_for
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
 from .http_probe import get, samples, scrape, value
 from .l2.test_failures import l2_keys
@@ -219,11 +219,13 @@ def dispatcher_with_salts(salts):
     store = ChunkStore(pool.allocator, 60.0)
     for i in range(salts):
         key = ChunkKey(MODEL, 1, 0, f"salt-{i}", i.to_bytes(16, "little"))
-        store.commit(store.reserve(key, 4096, "g").chunk)
+        chunk = store.reserve(key, 4096, "g").chunk
+        assert chunk is not None
+        store.commit(chunk)
     store.quotas.set("configured-only", Quota(cap=8192, reserve=4096))
     sessions = Sessions("engine-token-0123456789", "admin-token-0123456789", False)
     return Dispatcher(Config(cpu_size=salts * 4096), store, pool,
-                      Registry(256, time.monotonic, lambda ticket: None, None),
+                      Registry(256, time.monotonic, NoTickets(), None),
                       CopyEngine(1), sessions, "", push=lambda client, message: None)
 
 

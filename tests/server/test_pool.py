@@ -10,6 +10,13 @@ from lmcache_mp.server.cache.pool import ALIGNMENT, CpuPool, ExtentAllocator
 from ..utils import lines_run
 
 
+def _allocate(allocator: ExtentAllocator, size: int) -> int:
+    """An allocation that must fit."""
+    offset = allocator.allocate(size)
+    assert offset is not None, f"no room for {size} bytes"
+    return offset
+
+
 def test_allocates_aligned_extents_until_full():
     allocator = ExtentAllocator(10 * ALIGNMENT)
     offsets = [allocator.allocate(ALIGNMENT - 1) for _ in range(10)]
@@ -20,7 +27,7 @@ def test_allocates_aligned_extents_until_full():
 
 def test_free_coalesces_neighbours():
     allocator = ExtentAllocator(8 * ALIGNMENT)
-    a, b, c = (allocator.allocate(2 * ALIGNMENT) for _ in range(3))
+    a, b, c = (_allocate(allocator, 2 * ALIGNMENT) for _ in range(3))
     allocator.free(a, 2 * ALIGNMENT)
     allocator.free(c, 2 * ALIGNMENT)
     assert allocator.largest_free() == 2 * ALIGNMENT + 2 * ALIGNMENT  # c merged with the tail
@@ -31,7 +38,7 @@ def test_free_coalesces_neighbours():
 
 def test_double_free_is_refused():
     allocator = ExtentAllocator(4 * ALIGNMENT)
-    offset = allocator.allocate(ALIGNMENT)
+    offset = _allocate(allocator, ALIGNMENT)
     allocator.free(offset, ALIGNMENT)
     with pytest.raises(ValueError, match="double free"):
         allocator.free(offset, ALIGNMENT)
@@ -47,9 +54,9 @@ def test_random_churn_never_overlaps_or_exceeds_capacity():
             allocator.free(offset, live.pop(offset))
         else:
             size = rng.choice([1, 2, 3]) * ALIGNMENT
-            offset = allocator.allocate(size)
-            if offset is not None:
-                live[offset] = size
+            placed = allocator.allocate(size)
+            if placed is not None:
+                live[placed] = size
         spans = sorted((o, o + s) for o, s in live.items())
         assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
         assert allocator.used == sum(live.values()) <= allocator.capacity
@@ -107,7 +114,7 @@ def test_a_pool_full_of_holes_allocates_without_scanning_them():
     eviction loop tries again after each chunk it evicts."""
     holes = 5_000
     allocator = ExtentAllocator((2 * holes + 64) * ALIGNMENT)
-    pages = [allocator.allocate(ALIGNMENT) for _ in range(2 * holes)]
+    pages = [_allocate(allocator, ALIGNMENT) for _ in range(2 * holes)]
     for offset in pages[::2]:
         allocator.free(offset, ALIGNMENT)
     (big, too_big), lines = lines_run(
@@ -138,8 +145,10 @@ class FakePinner:
         self.on_register = lambda: None
 
     def register(self, address: int, length: int) -> None:
-        if self.fail_at is not None and address - self.base == self.fail_at:
-            raise RuntimeError("cudaErrorMemoryAllocation: out of memory")
+        if self.fail_at is not None:
+            assert self.base is not None, "_pinned_pool tells the pinner its pool's address"
+            if address - self.base == self.fail_at:
+                raise RuntimeError("cudaErrorMemoryAllocation: out of memory")
         self.registered.append((address, length))
         self.on_register()
 
@@ -175,7 +184,9 @@ def test_pieces_fall_on_extent_boundaries(monkeypatch):
     pool.start_prefault()
     assert pool.prefault_done.wait(10)
     assert [length for _, length in pinner.registered] == [2 * ALIGNMENT] * 3 + [ALIGNMENT]
-    assert all((address - pinner.base) % ALIGNMENT == 0 for address, _ in pinner.registered)
+    base = pinner.base
+    assert base is not None
+    assert all((address - base) % ALIGNMENT == 0 for address, _ in pinner.registered)
     assert pool.pinned_bytes == pool.capacity
     pool.close()
 

@@ -12,7 +12,7 @@ import pytest
 from lmcache_mp.client import StoreStatus, TransferItem
 from lmcache_mp.errors import BadRequest
 
-from ..utils import free_port, run_server
+from ..utils import free_port, run_server, started_process
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
 from .http_probe import get, scrape, value
 
@@ -63,12 +63,12 @@ def test_not_ready_while_shutting_down():
             storing.start()
             while observer.stats().pending_stores == 0:
                 assert storing.is_alive()
-            server.proc.send_signal(signal.SIGTERM)
+            started_process(server).send_signal(signal.SIGTERM)
             seen = poll(port, "/readyz", lambda status, body: status != 200)
             storing.join(120)
         assert seen[-1] == (503, "shutting down\n")
         assert list(results[0][0]) == [StoreStatus.STORED] * chunks
-        assert server.proc.wait(120) == 0
+        assert started_process(server).wait(120) == 0
 
 
 def test_not_healthy_while_the_loop_is_stuck(tmp_path):
@@ -87,7 +87,7 @@ def test_not_healthy_while_the_loop_is_stuck(tmp_path):
                     "--loop-stall-timeout", "1") as server:
         feeder.join(60)
         assert get(port, "/healthz") == (200, "ok\n")
-        server.proc.send_signal(signal.SIGHUP)
+        started_process(server).send_signal(signal.SIGHUP)
         seen = poll(port, "/healthz", lambda status, body: status != 200)
         assert seen[-1][0] == 503 and "has not turned for" in seen[-1][1]
         status, body = get(port, "/metrics")

@@ -18,7 +18,7 @@ from lmcache_mp.errors import InternalError
 from lmcache_mp.protocol import CudaIpcHandle, LookupItem, LookupRequest, RegisterKVCacheRequest
 from lmcache_mp.server.memory.cuda_ipc import CudaIpcSupport, MappingThread, SharedAllocations
 
-from .test_streams import BLOCK, CLIENT, UUID, Rig
+from .test_streams import BLOCK, CLIENT, UUID, Rig, answered
 
 OTHER = b"another client"
 _BOUND_S = 30.0  # how long the open waits for the test before it gives up
@@ -29,7 +29,7 @@ class SlowOpen:
 
     def __init__(self, rig: Rig):
         self.rig, self.started, self.go = rig, threading.Event(), threading.Event()
-        self.released_in_time = None
+        self.released_in_time: bool | None = None
 
     def __call__(self, handle: bytes, index: int):
         self.started.set()
@@ -54,8 +54,8 @@ def _request(rig: Rig) -> RegisterKVCacheRequest:
 
 
 def _lookup(rig: Rig, client: bytes) -> int:
-    return rig.dispatcher.handle(client, "LOOKUP", LookupRequest(
-        "m", 1, [LookupItem.build("q", [b"\x01" * 16])])).hits[0]
+    return answered(rig.dispatcher.handle(client, "LOOKUP", LookupRequest(
+        "m", 1, [LookupItem.build("q", [b"\x01" * 16])]))).hits[0]
 
 
 def test_a_slow_ipc_open_holds_up_no_other_reply():

@@ -7,7 +7,7 @@ from lmcache_mp.errors import Unauthenticated
 from lmcache_mp.server.net import access
 from lmcache_mp.server.net.access import SESSION_IDLE_S, Sessions
 
-from ..utils import FakeClock
+from ..utils import FakeClock, counted
 
 
 def full_sessions(monkeypatch, cap):
@@ -31,9 +31,8 @@ def test_a_hello_at_the_cap_forgets_idle_sessions(monkeypatch):
 
 def test_a_flood_of_hellos_at_the_cap_looks_at_every_session_once_a_second(monkeypatch):
     sessions, clock = full_sessions(monkeypatch, 200)
-    scans = []
-    expire = sessions.expire
-    monkeypatch.setattr(sessions, "expire", lambda *args: scans.append(1) or expire(*args))
+    scans: list[int] = []
+    monkeypatch.setattr(sessions, "expire", counted(scans, sessions.expire))
     for i in range(1000):
         with pytest.raises(Unauthenticated):
             sessions.open(b"flood-%d" % i, "", "")

@@ -9,7 +9,7 @@ from lmcache_mp.server.cache.quotas import Quota, QuotaBook
 from lmcache_mp.server.cache.scan import PrefixScan
 from lmcache_mp.server.cache.store import ChunkStore
 
-from ..utils import FakeClock, lines_run
+from ..utils import FakeClock, counted, lines_run
 
 ENGINE = b"engine"  # leases belong to an engine (access.Session.engine)
 
@@ -463,10 +463,12 @@ def test_a_chunk_under_each_of_many_salts_leaves_evictions_cheap(clock, monkeypa
     salts = 1_000
     store = make_store(clock, chunks=salts)
     for i in range(salts):
-        store.commit(store.reserve(key(i, salt=f"salt-{i}"), CHUNK, GEOMETRY).chunk)
+        chunk = store.reserve(key(i, salt=f"salt-{i}"), CHUNK, GEOMETRY).chunk
+        assert chunk is not None
+        store.commit(chunk)
     first = eviction._Order.first
-    looks = []
-    monkeypatch.setattr(eviction._Order, "first", lambda order: looks.append(1) or first(order))
+    looks: list[int] = []
+    monkeypatch.setattr(eviction._Order, "first", counted(looks, first))
     put(store, [key(salts + i, salt="new") for i in range(100)])
     assert store.evictions_by_cause["pool_full"] == 100
     assert [store.lookup("m", 1, f"salt-{i}", [h(i)]) for i in range(200)] == \
@@ -544,7 +546,7 @@ def test_runs_reserve_and_commit_as_one_chunk_at_a_time_does(clock, seed):
         salt = rng.choice(["", "", "capped"])
         draw = rng.random()
         if draw < 0.03:
-            op = ("cap", rng.randint(0, 6))
+            op: tuple = ("cap", rng.randint(0, 6))
         elif draw < 0.06:
             op = ("clear", salt)
         elif draw < 0.2:

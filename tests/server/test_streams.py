@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
+from collections.abc import Awaitable
+from typing import Any
 
 import pytest
 import torch
@@ -29,6 +32,7 @@ from lmcache_mp.protocol import (
     RetrieveRequest,
     StoreRequest,
     StoreStatus,
+    TensorHandle,
     TransferItem,
     UnregisterKVCacheRequest,
 )
@@ -43,6 +47,7 @@ from lmcache_mp.server.memory.registry import Registry
 from lmcache_mp.server.net.access import Sessions
 from lmcache_mp.server.ops.dispatcher import Dispatcher
 
+from ..utils import NoTickets
 from ..workers import prompt
 
 UUID = "58b8f8a1-0c3d-4e5f-8a9b-0123456789ab"
@@ -55,6 +60,7 @@ PER_CHUNK = 256 // BLOCK
 class FakeEvent:
     def __init__(self, done: bool = False):
         self.done = done
+        self.clock: dict[str, int] = {}  # the recording stream's, on an OrderedDevice
 
 
 class FakeDevice:
@@ -122,7 +128,7 @@ class Rig:
         support = CudaIpcSupport(self.shared.open,
                                  lambda uuid: 0 if normalize_uuid(uuid) == UUID else None,
                                  self.copier.new_lane)
-        self.registry = Registry(256, time.monotonic, lambda ticket: None, support)
+        self.registry = Registry(256, time.monotonic, NoTickets(), support)
         self.pushed: list = []
         self.sessions = sessions = Sessions("engine-token-0123456789", "admin-token-0123456789",
                                             token_required=False)
@@ -157,19 +163,20 @@ class Rig:
         layer = torch.empty(shape, dtype=DTYPES[dtype])
         nbytes = layer.numel() * layer.element_size()
         handle = self.allocation(tag, 4096 + LAYERS * nbytes, seed)
-        handles = [CudaIpcHandle(handle, 4096 + i * nbytes, "GPU-" + UUID.upper(),
-                                 list(shape), list(layer.stride()), dtype)
-                   for i in range(LAYERS)]
+        handles: list[TensorHandle] = [
+            CudaIpcHandle(handle, 4096 + i * nbytes, "GPU-" + UUID.upper(), list(shape),
+                          list(layer.stride()), dtype)
+            for i in range(LAYERS)]
         reply = self.dispatcher.handle(client, "REGISTER_KV_CACHE", RegisterKVCacheRequest(
             "m", 1, 0, layout, BLOCK, handles, tp_rank, "g", store_event))
         typed = self.memory[handle][4096:].view(DTYPES[dtype])
         views = [typed[i * layer.numel():(i + 1) * layer.numel()].view(shape)
                  for i in range(LAYERS)]
-        return reply.instance_id, views
+        return answered(reply).instance_id, views
 
     def hits(self, hashes: list[bytes]) -> int:
-        return self.dispatcher.handle(CLIENT, "LOOKUP", LookupRequest(
-            "m", 1, [LookupItem.build("x", hashes)])).hits[0]
+        return answered(self.dispatcher.handle(CLIENT, "LOOKUP", LookupRequest(
+            "m", 1, [LookupItem.build("x", hashes)]))).hits[0]
 
 
 def blocks(views: list[torch.Tensor], ids: list[int], dim: int) -> torch.Tensor:
@@ -403,7 +410,13 @@ def test_registering_the_same_memory_twice_opens_it_once_and_closes_it_after_bot
     assert [entry[0] for entry in rig.log] == ["open", "close"] and len(rig.shared) == 0
 
 
-async def released(rig: Rig, request) -> object:
+def answered(reply: Any | Awaitable[Any]) -> Any:
+    """The dispatcher's reply to an op it answers at once (not an awaitable of one)."""
+    assert not inspect.isawaitable(reply), "answered later: await it"
+    return reply
+
+
+async def released(rig: Rig, request) -> Any:
     """The dispatcher's reply to `request`, its device work released as it is queued."""
     task = asyncio.ensure_future(request)
     while not task.done():
@@ -494,8 +507,7 @@ def test_the_loop_sleeps_while_the_device_copies():
         rig.device.release()
         await asyncio.wait_for(task, 5)
         return cpu / wall
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        busy = runner.run(scenario())
+    busy = uvloop.run(scenario())  # as the server runs its loop (asyncio.Runner is 3.11's)
     rig.copier.shutdown()
     assert busy < 0.2, f"the loop thread was busy {busy:.0%} of the time"
 
@@ -508,7 +520,7 @@ class OrderedDevice(FakeDevice):
 
     def __init__(self):
         super().__init__()
-        self.current = None
+        self.current: str | None = None
         self.clocks: dict[str, dict[str, int]] = {}
         self.log: list[tuple[str, int, dict[str, int], str, bool]] = []
 
@@ -532,9 +544,11 @@ class OrderedDevice(FakeDevice):
             clock[other] = max(clock.get(other, 0), tick)
 
     def touch(self, buffer: str, writes: bool) -> None:
-        clock = self.clocks.setdefault(self.current, {})
-        clock[self.current] = clock.get(self.current, 0) + 1
-        self.log.append((self.current, clock[self.current], dict(clock), buffer, writes))
+        stream = self.current
+        assert stream is not None, "a staging chunk is copied on a stream the copier uses"
+        clock = self.clocks.setdefault(stream, {})
+        clock[stream] = clock.get(stream, 0) + 1
+        self.log.append((stream, clock[stream], dict(clock), buffer, writes))
 
     def ordered(self, first, then) -> bool:
         """Whether the device runs log entry `then` only after `first` has finished."""

@@ -139,7 +139,8 @@ def test_quotas_change_at_run_time_through_the_admin_command(cache):
 
 def test_the_admin_command_takes_both_quota_forms_and_says_each_error_once():
     with run_server("--cpu-size", "8MiB") as server:
-        for words in (["2MiB", "1MiB"], ["2MiB:1MiB"]):
+        words: tuple[str, ...]
+        for words in (("2MiB", "1MiB"), ("2MiB:1MiB",)):
             result = admin(server.url, "set", "t", *words)
             assert result.returncode == 0, result.stderr
             assert result.stdout == "'t': cap 2.0MiB, reserve 1.0MiB, using 0B (own quota)\n"

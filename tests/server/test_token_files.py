@@ -26,6 +26,7 @@ def test_a_client_never_reads_a_token_file_half_written(tmp_path):
             load_or_create_token(Path({str(tmp_path)!r}) / str(i) / "token", 0o600, None)
     """)], stdin=subprocess.PIPE, text=True)
     short = []
+    assert writer.stdin is not None  # stdin=PIPE
     try:
         writer.stdin.write("\n")
         writer.stdin.close()

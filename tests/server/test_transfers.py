@@ -86,6 +86,7 @@ def test_several_clients_at_once_each_get_their_own_bytes():
                 job.cache_salt) for job in jobs])
         for job, result in zip(jobs, results):
             assert (result.hit, result.retrieved) == (4, 4)
+            assert job.seed is not None
             assert torch.equal(result.blocks, expected_blocks(NUM_BLOCKS, job.seed, job.block_ids))
         with CacheClient(server.url) as client:
             stats = client.stats()

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -171,7 +172,7 @@ def test_rewrite_keeps_the_old_journal_whole_until_the_rename(directory, monkeyp
     journal.append([record(n) for n in range(10)] + [record(1, offset=200 * 8192)])
     live = journal.replay()
     before = path_of(directory).read_bytes()
-    seen = {}
+    seen: dict[str, Any] = {}  # the old file's bytes, the new file's records
     rename = directory.replace
 
     def failing(source, target):

@@ -152,6 +152,13 @@ def test_keys_keep_models_geometries_ranks_and_salts_apart():
     assert key not in others and len(others) == 6
 
 
+def opened(values: ValueFormat, key: bytes, value: bytes, size: int) -> bytes:
+    """The payload of a value the format must vouch for."""
+    payload = values.payload(key, value, size)
+    assert payload is not None, "not vouched for"
+    return bytes(payload)
+
+
 def sealed(values: ValueFormat, key: bytes, payload: bytes) -> bytes:
     value = values.buffer(len(payload))
     value[values.header_bytes:] = payload
@@ -168,7 +175,7 @@ def test_values_verify_and_anything_else_is_a_miss(name):
     values = FORMATS[name]
     key, payload = b"k", bytes(range(256)) * 8
     value = sealed(values, key, payload)
-    assert bytes(values.payload(key, value, len(payload))) == payload
+    assert opened(values, key, value, len(payload)) == payload
     flipped = bytearray(value)
     flipped[values.header_bytes + 100] ^= 1
     for wrong_key, bad, size in [(b"k2", value, len(payload)),  # copied under another key
@@ -199,13 +206,13 @@ def test_a_keyed_server_takes_only_values_signed_by_its_keys():
     signed_old = sealed(MacFormat(L2Keys(OLD, None)), key, payload)
     signed_new = sealed(MacFormat(L2Keys(NEW, OLD)), key, payload)
     rotating = MacFormat(L2Keys(NEW, OLD))  # new signs, old still verifies
-    assert bytes(rotating.payload(key, signed_old, len(payload))) == payload
-    assert bytes(rotating.payload(key, signed_new, len(payload))) == payload
+    assert opened(rotating, key, signed_old, len(payload)) == payload
+    assert opened(rotating, key, signed_new, len(payload)) == payload
     rolled_in = MacFormat(L2Keys(OLD, NEW))  # the first step: old signs, new verifies
-    assert bytes(rolled_in.payload(key, signed_new, len(payload))) == payload
+    assert opened(rolled_in, key, signed_new, len(payload)) == payload
     done = MacFormat(L2Keys(NEW, None))  # the old key dropped
     assert done.payload(key, signed_old, len(payload)) is None
-    assert bytes(done.payload(key, signed_new, len(payload))) == payload
+    assert opened(done, key, signed_new, len(payload)) == payload
     # The key id names the key: another key's MAC under it, or an unknown id, is no chunk.
     forged = bytearray(sealed(MacFormat(L2Keys(OTHER, None)), key, payload))
     assert done.payload(key, bytes(forged), len(payload)) is None
