@@ -22,7 +22,7 @@ from .scheduler import SchedulerSide
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -172,6 +172,23 @@ class LMCacheMPServerConnector(KVConnectorBase_V1, SupportsHMA):
         """Worker, once, after vLLM allocated its KV cache; waits for the server (bounded by
         `timeout`) and raises if the cache cannot be registered."""
         self._on_worker("register_kv_caches").register_kv_caches(kv_caches)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """vLLM, at start-up with --enable-sleep-mode: the workers follow the KV cache's
+        remap (unregister_kv_caches, restore_kv_caches)."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """Worker, when sleep mode frees the KV cache (sleep, or discarding kv_cache): waits
+        for this rank's open transfers (bounded by their deadlines), then unregisters every
+        mapping of the cache from the server. Idempotent."""
+        self._on_worker("unregister_kv_caches").unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """Worker, when sleep mode's wake-up has reallocated the KV cache: registers it
+        again, with new handles. Idempotent."""
+        self._on_worker("restore_kv_caches").restore_kv_caches()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Worker, every step, first of its hooks, before the forward pass that may reuse
