@@ -343,6 +343,7 @@ class WorkerSide:
                 with contextlib.suppress(LMCacheMPError):
                     self.client.unregister(registration)
         self.client.close()
+        self._kv_caches = {}  # vLLM's tensors over the segments: their memory goes with them
         for segment in self._segments:
             segment.close()
         self._segments = []
