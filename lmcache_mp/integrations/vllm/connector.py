@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -121,6 +122,14 @@ class LMCacheMPServerConnector(KVConnectorBase_V1, SupportsHMA):
         that loads (for the load, then for the rest of the prompt)."""
         self._on_scheduler("update_state_after_alloc").update_state_after_alloc(
             request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int
+                                       ) -> dict[CacheHitSource, int]:
+        """Scheduler, after update_state_after_alloc of a request that loads, for vLLM's
+        prefix-cache metrics: the tokens by the server tier each came from (the server's
+        memory as host, its disk tier as disk, L2 as external_unspecified)."""
+        return self._on_scheduler("get_external_cache_hit_sources").external_hit_sources(
+            request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepMetadata:
         """Scheduler, once at the end of every schedule() call: this step's StepMetadata."""
