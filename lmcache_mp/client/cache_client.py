@@ -275,9 +275,12 @@ class CacheClient:
     # step, a forward pass) that must never block on the server.
 
     def lookup_async(self, model: str, kv_world_size: int, items: list[LookupItem],
-                     timeout: float | None = None, wait: float = 0.0) -> Future[LookupReply]:
-        """`wait`: seconds to wait for the reply before returning (RpcClient.submit)."""
-        return self.rpc.submit(LookupRequest(model, kv_world_size, items), timeout, wait=wait)
+                     timeout: float | None = None, wait: float = 0.0,
+                     tiers: bool = False) -> Future[LookupReply]:
+        """`wait`: seconds to wait for the reply before returning (RpcClient.submit);
+        `tiers`: ask for the hits' tiers (LookupReply.hit_tiers)."""
+        return self.rpc.submit(LookupRequest(model, kv_world_size, items, tiers), timeout,
+                               wait=wait)
 
     def store_async(self, registration: Registration, items: list[TransferItem],
                     budget: float) -> Future[StoreReply]:

@@ -6,6 +6,8 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
 
+import msgspec
+
 from ..errors import LMCacheMPError
 from ..protocol import LeaseRef, LookupItem, LookupReply
 from .cache_client import CacheClient
@@ -38,6 +40,9 @@ class SchedulerAdapter:
         # each request's LOOKUP: in flight (its Future) or answered (its hit, in chunks),
         # kept until forget(), release() or end_session()
         self._lookups: dict[str, Future[LookupReply] | int] = {}
+        # each answered LOOKUP's hits by tier (LookupReply.hit_tiers), while its answer is
+        # kept; absent where the server did not count them
+        self._tiers: dict[str, tuple[int, int, int]] = {}
         # lookups dropped while in flight: their hold is released once the reply arrives
         self._release_on_reply: dict[str, tuple[Future[LookupReply], str]] = {}
         # a wait for a reply ran out (the server is slow or gone): lookups wait no more
@@ -73,7 +78,7 @@ class SchedulerAdapter:
             wait = wait_s if not self._replies_late else 0.0
             try:
                 state = self.client.lookup_async(self.model, self.parallel.kv_world_size,
-                                                 [item], wait=wait)
+                                                 [item], wait=wait, tiers=True)
             except LMCacheMPError as exc:
                 logger.warning("lookup for %s not sent: %s", request_id, exc)
                 return 0
@@ -83,13 +88,26 @@ class SchedulerAdapter:
         if not state.done():
             return None
         try:
-            (hit,) = state.result().hits
+            reply = state.result()
+            (hit,) = reply.hits
             self._replies_late = False
         except LMCacheMPError as exc:
             logger.warning("lookup for %s failed, treating it as a miss: %s", request_id, exc)
             hit = 0
+        else:
+            tiers = reply.hit_tiers
+            if not isinstance(tiers, msgspec.UnsetType) and len(tiers) == 1 \
+                    and len(tiers[0]) == 3 and sum(tiers[0]) == hit:
+                memory, disk, l2 = tiers[0]
+                self._tiers[request_id] = (memory, disk, l2)
         self._lookups[request_id] = hit
         return hit
+
+    def hit_tiers(self, request_id: str) -> tuple[int, int, int] | None:
+        """The kept answer's hit chunks by where the server found them: (in its memory,
+        read back from disk, pulled from L2), in that order along the prompt; None where
+        the server did not count them (an older server) or no answer is kept."""
+        return self._tiers.get(request_id)
 
     def asked(self, request_id: str) -> bool:
         """Whether the request has a LOOKUP in flight or an answer kept."""
@@ -104,6 +122,7 @@ class SchedulerAdapter:
         """Drop the request's kept answer, not its hold (a RETRIEVE consumes that): its next
         lookup() sends a new LOOKUP."""
         self._lookups.pop(request_id, None)
+        self._tiers.pop(request_id, None)
 
     def release(self, request_id: str, cache_salt: str | None) -> None:
         """Drop the request's answer and holds: it was aborted, or the engine will not load
@@ -137,6 +156,7 @@ class SchedulerAdapter:
         """Forget the request's lookup; True if it is still in flight (its hold, if any,
         is released when the reply comes)."""
         state = self._lookups.pop(request_id, None)
+        self._tiers.pop(request_id, None)
         if state is not None and not isinstance(state, int) and not state.done():
             self._release_on_reply[request_id] = (state, cache_salt or "")
             return True

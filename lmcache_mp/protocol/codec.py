@@ -369,12 +369,15 @@ def _bounded_decoder(tp: Any, bounds: msgspec.Meta) -> Decoder:
 
 
 def _union_decoder(options: tuple[Any, ...]) -> Decoder:
-    """`X | None`, or a tagged union of dataclasses: told apart by their `kind` field, and
-    without one, the first."""
+    """`X | None`, `X | UnsetType` (a field left out when unset), or a tagged union of
+    dataclasses: told apart by their `kind` field, and without one, the first."""
     if type(None) in options:
         (inner,) = [o for o in options if o is not type(None)]
         inner_decoder = _decoder(inner)
         return lambda value: None if value is None else inner_decoder(value)
+    if msgspec.UnsetType in options:  # a field left out when unset: present, it is the other
+        (inner,) = [o for o in options if o is not msgspec.UnsetType]
+        return _decoder(inner)
     by_kind = {cls.KIND: cls for cls in options}
 
     def decode_tagged(value: Any) -> Any:

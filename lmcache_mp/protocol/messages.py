@@ -251,11 +251,16 @@ class LookupRequest:
     model: Model
     kv_world_size: KvWorldSize
     items: Items[LookupItem]
+    tiers: bool = False  # ask for LookupReply.hit_tiers (a server that predates it ignores it)
 
 
 @dataclass
 class LookupReply:
     hits: list[int]  # per item: leading chunks stored for every kv worker
+    # Asked for (LookupRequest.tiers): per item, where its hits were when the LOOKUP came,
+    # [in the server's memory, read back from disk, pulled from L2], summing to its hits.
+    # Left out (UNSET) when not asked for or not counted (a sliced LOOKUP that read back).
+    hit_tiers: list[list[int]] | msgspec.UnsetType = msgspec.UNSET
 
 
 @dataclass

@@ -165,7 +165,7 @@ class Engine:
     def __init__(self, model_dir: str, url: str, tp: int = 1, block_size: int = BLOCK,
                  num_blocks: int = NUM_BLOCKS, cache_dtype: str = "auto", kv_spec=None,
                  policy: str = "recompute", kv_role: str = "kv_both", kv_events=None,
-                 kv_groups=None, **extra):
+                 kv_groups=None, log_stats: bool = False, **extra):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.config = VllmConfig(
@@ -190,7 +190,7 @@ class Engine:
         self.cache_groups = [group_of[name] for tensor in kvcc.kv_cache_tensors
                              for name in tensor.layers]
         self.scheduler = Scheduler(self.config, kvcc, StructuredOutputManager(self.config),
-                                   block_size=block_size)
+                                   block_size=block_size, log_stats=log_stats)
         self.workers = [worker_connector(self.config, kvcc, rank) for rank in range(tp)]
         # As vLLM's engine core does: block hashes are what its own prefix cache looks up.
         hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
@@ -205,6 +205,8 @@ class Engine:
         self.statuses: dict[str, list[RequestStatus]] = {}
         self.reports: list[KVConnectorOutput] = []
         self.reads_layers = True  # whether a forward pass calls wait_for_layer_load, as vLLM's
+        # external hits by source, as vLLM's metrics get them (SchedulerStats; log_stats)
+        self.hits_by_source: dict = {}
 
     def add(self, request_id: str, tokens: list[int], cache_salt: str | None = None,
             max_tokens: int = 2, **kwargs) -> Request:
@@ -256,7 +258,12 @@ class Engine:
         self.metas.append(output.kv_connector_metadata)
         merged = self.aggregator.aggregate(runner_outputs)
         self.reports.append(merged.kv_connector_output)
-        self.scheduler.update_from_output(output, merged)
+        for outputs in self.scheduler.update_from_output(output, merged).values():
+            stats = outputs.scheduler_stats  # only with log_stats
+            connector_stats = stats.connector_prefix_cache_stats if stats else None
+            for source, hits in (connector_stats.hits_by_source.items()
+                                 if connector_stats else ()):
+                self.hits_by_source[source] = self.hits_by_source.get(source, 0) + hits
 
     def _forward(self, request_id, start, count, caches, rank) -> None:
         tokens = self.scheduler.requests[request_id].all_token_ids

@@ -77,3 +77,27 @@ def test_a_prefill_engine_hands_the_prompt_to_a_decode_engine(engines, server):
     assert counts(server, decode) == (0, 1)
     assert tenant_chunks(server, salt) == 4
     assert stats(server).leases_held == 0
+
+
+def store_copies(server) -> tuple[int, int, int]:
+    """(chunks held, bytes STORE placed, STOREs whose copies ran), by the server's counts."""
+    now = stats(server)
+    histogram = now.copy_time.get("store")
+    return now.chunks, now.bytes_stored, sum(histogram.counts) if histogram else 0
+
+
+def test_a_producer_storing_chunks_the_server_holds_copies_nothing(engines, server):
+    """A prefill engine never looks up, so it stores a prompt the server holds again: each
+    chunk is ALREADY_STORED, and the server copies nothing (no STORE's copies run)."""
+    salt = fresh_salt("roles")
+    tokens = prompt(85, 3 * 256 + 40)
+    first = engines(kv_role="kv_producer")
+    first.add("p1", tokens, salt)
+    first.run_until_idle()
+    chunks, stored, copies = store_copies(server)
+    assert tenant_chunks(server, salt) == 3 and copies >= 2
+    second = engines(kv_role="kv_producer")
+    second.add("p2", tokens, salt)
+    second.run_until_idle()
+    assert counts(server, second) == (2, 0)  # it sent both STOREs
+    assert store_copies(server) == (chunks, stored, copies)

@@ -11,6 +11,8 @@ import typing
 from pathlib import Path
 from typing import Any, Union
 
+import msgspec
+
 from lmcache_mp import protocol
 
 DOC_PATH = Path(__file__).resolve().parent.parent.parent / "docs" / "protocol.md"
@@ -94,6 +96,9 @@ def doc_operations() -> dict[str, list[str]]:
 def type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
+        if msgspec.UnsetType in typing.get_args(tp):  # a field left out when unset
+            (inner,) = [arg for arg in typing.get_args(tp) if arg is not msgspec.UnsetType]
+            return type_name(inner)
         options = [arg for arg in typing.get_args(tp) if arg is not type(None)]
         if len(options) > 1:  # a tagged union of maps, documented kind by kind
             assert all(dataclasses.is_dataclass(o) for o in options)
@@ -119,6 +124,8 @@ def default_text(f: dataclasses.Field) -> str:
         return "required"
     if isinstance(value, bytes):
         return f'hex"{value.hex()}"'
+    if value is msgspec.UNSET:
+        return "left out"
     return "nil" if value is None else json.dumps(value)
 
 

@@ -22,13 +22,14 @@ from .scheduler import SchedulerSide
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -122,6 +123,14 @@ class LMCacheMPServerConnector(KVConnectorBase_V1, SupportsHMA):
         self._on_scheduler("update_state_after_alloc").update_state_after_alloc(
             request, blocks, num_external_tokens)
 
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int
+                                       ) -> dict[CacheHitSource, int]:
+        """Scheduler, after update_state_after_alloc of a request that loads, for vLLM's
+        prefix-cache metrics: the tokens by the server tier each came from (the server's
+        memory as host, its disk tier as disk, L2 as external_unspecified)."""
+        return self._on_scheduler("get_external_cache_hit_sources").external_hit_sources(
+            request, num_external_tokens)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepMetadata:
         """Scheduler, once at the end of every schedule() call: this step's StepMetadata."""
         return self._on_scheduler("build_connector_meta").build_connector_meta(scheduler_output)
@@ -172,6 +181,23 @@ class LMCacheMPServerConnector(KVConnectorBase_V1, SupportsHMA):
         """Worker, once, after vLLM allocated its KV cache; waits for the server (bounded by
         `timeout`) and raises if the cache cannot be registered."""
         self._on_worker("register_kv_caches").register_kv_caches(kv_caches)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """vLLM, at start-up with --enable-sleep-mode: the workers follow the KV cache's
+        remap (unregister_kv_caches, restore_kv_caches)."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """Worker, when sleep mode frees the KV cache (sleep, or discarding kv_cache): waits
+        for this rank's open transfers (bounded by their deadlines), then unregisters every
+        mapping of the cache from the server. Idempotent."""
+        self._on_worker("unregister_kv_caches").unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """Worker, when sleep mode's wake-up has reallocated the KV cache: registers it
+        again, with new handles. Idempotent."""
+        self._on_worker("restore_kv_caches").restore_kv_caches()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Worker, every step, first of its hooks, before the forward pass that may reuse

@@ -32,6 +32,7 @@ from .groups import (
     store_items,
 )
 from .metadata import LoadSpec, StepMetadata
+from .sources import hit_sources
 from .tracking import StoredTokens, VllmRequestTracker
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -152,7 +154,21 @@ class SchedulerSide:
         # The hold stays until update_state_after_alloc.
         to_load = tracker.record_lookup(num_vllm_hit_tokens=num_computed_tokens,
                                         num_lmcache_hit_chunks=hit, from_chunk=from_chunk)
+        tracker.hit_tiers = self.adapter.hit_tiers(request.request_id)
         return to_load, to_load > self.sync_load_max_tokens
+
+    def external_hit_sources(self, request: Request, num_external_tokens: int
+                             ) -> dict[CacheHitSource, int]:
+        """Scheduler, after update_state_after_alloc of a request that loads: the tokens
+        vLLM takes of our hit, by the server tier each one's chunk was in when the LOOKUP
+        came (sources.py)."""
+        tracker = self.trackers.get(request.request_id)
+        if tracker is None:
+            return hit_sources(None, 0, 0, 0, num_external_tokens)
+        return hit_sources(tracker.hit_tiers, tracker.lookup_from_chunk,
+                           self.layout.chunk_size,
+                           tracker.num_vllm_hit_blocks * self.layout.block_size,
+                           num_external_tokens)
 
     def _tracker(self, request: Request) -> VllmRequestTracker | None:
         """The request's tracker, made at its first lookup; None if it cannot be cached."""

@@ -65,6 +65,8 @@ class VllmRequestTracker(RequestTracker):
     # every group of one block size as many blocks (a window group its null block for
     # those it keeps no KV in)
     more_block_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # the last LOOKUP's hit chunks by server tier (SchedulerAdapter.hit_tiers), if counted
+    hit_tiers: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

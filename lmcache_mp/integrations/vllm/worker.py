@@ -70,6 +70,8 @@ class WorkerSide:
         self._by_layer = False
         self._layer_index: dict[str, int] = {}
         self._layer_read: LayerByLayerRead | None = None
+        # what register_kv_caches got: registered again after sleep mode's wake-up
+        self._kv_caches: dict[str, torch.Tensor] = {}
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -91,6 +93,7 @@ class WorkerSide:
         layout = "mla" if self.parallel.use_mla else "mha"
         if not kv_caches:
             raise ValueError("register_kv_caches: vLLM gave no KV cache tensors")
+        self._kv_caches = dict(kv_caches)
         per_group = [self._group_tensors(group, kv_caches) for group in self.groups]
         devices = {t.device.type for tensors in per_group for t in tensors}
         if devices == {"cuda"}:
@@ -161,6 +164,35 @@ class WorkerSide:
             if len(self.groups) == 1:
                 self._layer_index[name] = seen[key]
         return tensors
+
+    # -- sleep mode ---------------------------------------------------------------------------
+
+    def unregister_kv_caches(self) -> None:
+        """Worker, when vLLM's sleep mode is about to free the KV cache's memory: waits for
+        every transfer still open on this rank (each at most until its deadline, after
+        which the server touches its blocks no more), then unregisters every group's
+        cache from the server, which maps none of it from then on. Until
+        restore_kv_caches no transfer can start (_require_registration). Idempotent."""
+        open_ids = list(self.requests)
+        self.adapter.wait_for_stores(open_ids)
+        self.adapter.wait_for_loads(open_ids)
+        self._collect()
+        for adapter in self.adapter.adapters:
+            registration, adapter.registration = adapter.registration, None
+            if registration is not None:
+                with contextlib.suppress(LMCacheMPError):  # a server gone maps nothing
+                    self.client.unregister(registration)
+        self._store_event = None
+
+    def restore_kv_caches(self) -> None:
+        """Worker, after sleep mode's wake-up reallocated the KV cache: registers the
+        same tensors again, with new handles (on a GPU the memory behind them is new), as
+        new instances on the server. Idempotent: nothing while registered."""
+        if None not in self.adapter.registrations:
+            return
+        if not self._kv_caches:
+            raise RuntimeError("restore_kv_caches: register_kv_caches never ran")
+        self.register_kv_caches(self._kv_caches)
 
     # -- every step --------------------------------------------------------------------------
 
@@ -300,7 +332,8 @@ class WorkerSide:
     def _require_registration(self) -> None:
         if None in self.adapter.registrations:
             raise RuntimeError("the KV cache is not registered: vLLM must call "
-                               "register_kv_caches before the first step")
+                               "register_kv_caches before the first step, and "
+                               "restore_kv_caches after sleep mode freed the cache")
 
     def shutdown(self) -> None:
         """Worker, once, at shutdown: unregisters and closes the KV cache's segments (their
@@ -310,6 +343,7 @@ class WorkerSide:
                 with contextlib.suppress(LMCacheMPError):
                     self.client.unregister(registration)
         self.client.close()
+        self._kv_caches = {}  # vLLM's tensors over the segments: their memory goes with them
         for segment in self._segments:
             segment.close()
         self._segments = []

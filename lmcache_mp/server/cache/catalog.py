@@ -143,6 +143,19 @@ class Catalog:
         return [self._by_scope.get((model, kv_world_size, worker, cache_salt), _NO_CHUNKS)
                 for worker in range(kv_world_size)]
 
+    def resident_run(self, model: str, kv_world_size: int, cache_salt: str,
+                     hashes: Sequence[bytes]) -> int:
+        """Leading chunks of `hashes` in memory now for every kv worker: a probe that
+        counts, refreshes and holds nothing (LOOKUP's count of the hits memory held before
+        a lower tier read the rest back)."""
+        scopes = self._scopes(model, kv_world_size, cache_salt)
+        run = 0
+        for chunk_hash in hashes:
+            if self._probe(scopes, chunk_hash) is None:
+                break
+            run += 1
+        return run
+
     @staticmethod
     def _probe(scopes: list[dict[bytes, Chunk]], chunk_hash: bytes) -> list[Chunk] | None:
         """The visible chunk of every kv worker for one hash, or None if any is missing."""

@@ -64,12 +64,18 @@ class LookupOp:
             if disk is not None:
                 read_back = disk.before_lookup(req.model, req.kv_world_size, items)
                 if read_back is not None:
-                    return self._after_disk(read_back, req, parsed, items, probes)
+                    in_memory = self._resident(req, items, probes) if req.tiers else None
+                    return self._after_disk(read_back, req, parsed, items, probes, in_memory)
             if l2 is not None:
                 prefetch = l2.before_lookup(req.model, req.kv_world_size, items)
                 if prefetch is not None:
-                    return self._after(prefetch, req, parsed, probes)
-        return self._now(req, parsed, probes)
+                    in_memory = self._resident(req, items, probes) if req.tiers else None
+                    return self._after(prefetch, req, parsed, probes, in_memory)
+        reply = self._now(req, parsed, probes)
+        if not req.tiers:
+            return reply
+        return (_in_memory(reply) if isinstance(reply, LookupReply)
+                else self._sliced_in_memory(reply))
 
     def _now(self, req: LookupRequest, parsed: Parsed, probes: int
              ) -> LookupReply | Awaitable[LookupReply]:
@@ -81,24 +87,48 @@ class LookupOp:
             return reply
         return self._sliced(req, parsed)
 
+    def _resident(self, req: LookupRequest, items: list[tuple[str, tuple[bytes, ...]]],
+                  probes: int) -> list[int] | None:
+        """Per item, its leading chunks in memory before a lower tier reads back (one more
+        probe per chunk hash and kv worker); None for a LOOKUP too large to probe at once:
+        its hits' tiers are not counted."""
+        if probes > LOOKUP_SLICE_PROBES:
+            return None
+        resident_run = self.ctx.store.resident_run
+        return [resident_run(req.model, req.kv_world_size, salt, hashes)
+                for salt, hashes in items]
+
+    @staticmethod
+    async def _sliced_in_memory(reply: Awaitable[LookupReply]) -> LookupReply:
+        """A sliced LOOKUP for which no lower tier read back: every hit was in memory."""
+        return _in_memory(await reply)
+
     async def _after_disk(self, read_back: Awaitable[None], req: LookupRequest, parsed: Parsed,
-                          items: list[tuple[str, tuple[bytes, ...]]], probes: int
-                          ) -> LookupReply:
+                          items: list[tuple[str, tuple[bytes, ...]]], probes: int,
+                          in_memory: list[int] | None) -> LookupReply:
         """What the disk had is in memory (or the bounded wait is over): L2 for the rest."""
         await read_back
         l2 = self.ctx.l2
         prefetch = l2.before_lookup(req.model, req.kv_world_size, items) if l2 else None
+        after_disk = None
         if prefetch is not None:
+            after_disk = self._resident(req, items, probes) if in_memory is not None else None
             await prefetch
         reply = self._now(req, parsed, probes)
-        return reply if isinstance(reply, LookupReply) else await reply
+        done = reply if isinstance(reply, LookupReply) else await reply
+        if in_memory is not None:
+            done.hit_tiers = _split(done.hits, in_memory, after_disk)
+        return done
 
     async def _after(self, prefetch: Awaitable[None], req: LookupRequest, parsed: Parsed,
-                     probes: int) -> LookupReply:
+                     probes: int, in_memory: list[int] | None) -> LookupReply:
         """Look in L1 once L2's chunks have landed there, or the bounded wait is over."""
         await prefetch
         reply = self._now(req, parsed, probes)
-        return reply if isinstance(reply, LookupReply) else await reply
+        done = reply if isinstance(reply, LookupReply) else await reply
+        if in_memory is not None:
+            done.hit_tiers = _split(done.hits, in_memory, in_memory)
+        return done
 
     async def _sliced(self, req: LookupRequest, parsed: Parsed) -> LookupReply:
         """A LOOKUP of many probes, LOOKUP_SLICE_PROBES at a time between other clients'
@@ -123,3 +153,22 @@ class LookupOp:
                 scan.abandon()
             raise
         return LookupReply(hits)
+
+
+def _in_memory(reply: LookupReply) -> LookupReply:
+    """No lower tier read back for this LOOKUP: every hit was in memory."""
+    reply.hit_tiers = [[hit, 0, 0] for hit in reply.hits]
+    return reply
+
+
+def _split(hits: list[int], in_memory: list[int], after_disk: list[int] | None
+           ) -> list[list[int]]:
+    """Per item [in memory, from disk, from L2]: its leading chunks in memory before the
+    read-backs, then those in memory after the disk's (None: L2 pulled nothing), then the
+    rest of its hits."""
+    tiers = []
+    for i, hit in enumerate(hits):
+        memory = min(in_memory[i], hit)
+        disk = hit - memory if after_disk is None else max(memory, min(after_disk[i], hit)) - memory
+        tiers.append([memory, disk, hit - memory - disk])
+    return tiers

@@ -84,11 +84,16 @@ class StoreOp:
                        if r.chunk is not None]
             demotions = [r.demotion for r in reservations if r.demotion is not None]
             stamp = phases.add("STORE", "server index", stamp, len(places))
-            errors = await copies_for(instance).store(ctx, instance, transfers, pending,
-                                                      demotions, deadline, submitted)
-            ctx.metrics.copied("store", time.perf_counter() - copy_started)
-            log_copy_failures("STORE", errors)
-            stamp = phases.add("STORE", "server copy", stamp, len(pending))
+            errors: list = []
+            # Chunks the server holds already (a prefill engine never looks up, so it
+            # stores them again) cost the index probe and the reply: no copy, no wait on
+            # the worker's device or a copy lane.
+            if pending or demotions:
+                errors = await copies_for(instance).store(ctx, instance, transfers, pending,
+                                                          demotions, deadline, submitted)
+                ctx.metrics.copied("store", time.perf_counter() - copy_started)
+                log_copy_failures("STORE", errors)
+                stamp = phases.add("STORE", "server copy", stamp, len(pending))
         except DeviceStalled as stall:
             # The device may still write into those chunks; when it is done, demotions landed.
             stall.after(partial(abort_all, True))
