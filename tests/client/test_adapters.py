@@ -151,7 +151,8 @@ def test_an_unreachable_server_degrades_to_misses_skips_and_load_errors():
         adapter.start_store([TransferItem.build("r", hashes, chunk_blocks([0, 1, 2]))])
         adapter.start_load([TransferItem.build("r", hashes, chunk_blocks([3, 4, 5]))])
         deadline = time.monotonic() + HANG_S
-        stores, loads = set(), set()
+        stores: set[str] = set()
+        loads: set[str] = set()
         while not (stores and loads):
             assert time.monotonic() < deadline
             done_stores, done_loads = adapter.get_finished()

@@ -658,7 +658,8 @@ def test_a_preempted_requests_store_is_read_before_its_blocks_are_reused(server)
 
 # -- failures and misuse ---------------------------------------------------------------------
 
-def test_an_unreachable_server_gives_misses_and_a_clear_start_up_error_in_bounded_time():
+def test_an_unreachable_server_gives_misses_and_a_clear_start_up_error_in_bounded_time(
+        monkeypatch):
     config = hand_config(ipc_url(), lookup_timeout=0.3, timeout=0.3, lookup_wait=0.25)
     scheduler = LMCacheMPServerConnector(config, KVConnectorRole.SCHEDULER, None)
     worker = LMCacheMPServerConnector(config, KVConnectorRole.WORKER, None)
@@ -668,10 +669,15 @@ def test_an_unreachable_server_gives_misses_and_a_clear_start_up_error_in_bounde
         # One step with 20 new requests: only the first waits its lookup_wait for a reply
         # that does not come (20 waits would take 5 s). Counted by the waits asked of the
         # client, not timed.
+        assert scheduler._scheduler is not None
         client = scheduler._scheduler.adapter.client
-        waits, lookup_async = [], client.lookup_async
-        client.lookup_async = lambda *args, wait: waits.append(wait) or lookup_async(
-            *args, wait=wait)
+        waits: list[float] = []
+        lookup_async = client.lookup_async
+
+        def recording(*args, **kwargs):
+            waits.append(kwargs["wait"])
+            return lookup_async(*args, **kwargs)
+        monkeypatch.setattr(client, "lookup_async", recording)
         assert [scheduler.get_num_new_matched_tokens(r, 0) for r in requests] == [
             (None, False)] * 20
         assert waits == [0.25] + [0.0] * 19

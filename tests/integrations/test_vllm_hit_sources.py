@@ -2,6 +2,8 @@
 real scheduler, against a real server with a disk tier: a hit the server held in memory is
 host, one it read back from disk is disk; and the split of a hit over the tiers."""
 
+from functools import partial
+
 import pytest
 
 # First: test_vllm imports vLLM for the CPU, its import-time warnings silenced.
@@ -15,6 +17,11 @@ from ..utils import run_server, wait_for
 HOST, DISK, UNSPECIFIED = (CacheHitSource.HOST, CacheHitSource.DISK,
                            CacheHitSource.EXTERNAL_UNSPECIFIED)
 CHUNK = 256
+
+
+def written_at_least(server, chunks: int) -> bool:
+    """Whether the server has written `chunks` chunks to its disk tier (wait_for's test)."""
+    return stats(server).disk_chunks_written >= chunks
 
 
 def hits_by_source(engine) -> dict:
@@ -33,7 +40,7 @@ def test_hits_from_the_servers_memory_are_host_and_from_its_disk_disk(model_dir,
             for count, (name, tokens) in enumerate(prompts.items(), start=1):
                 writer.add(name, tokens)
                 writer.run_until_idle()
-                wait_for(lambda count=count: stats(server).disk_chunks_written >= 3 * count,
+                wait_for(partial(written_at_least, server, 3 * count),
                          "the prompt's chunks on disk")
         finally:
             writer.close()

@@ -14,7 +14,7 @@ from lmcache_mp import protocol
 from lmcache_mp.client import SharedKVCache, chunk_hashes
 from lmcache_mp.server.cache.pool import ALIGNMENT, aligned
 
-from ..utils import wait_for
+from ..utils import started_process, wait_for
 from .document import (
     doc_operations,
     fenced_blocks,
@@ -141,7 +141,7 @@ def test_the_quota_model_holds_on_a_real_server(tmp_path: Path) -> None:
 
             # SIGHUP reloads the file as a whole; a lower cap evicts at once.
             quota_file.write_text('[quotas]\n"team-f" = "16KiB"\n')
-            running.proc.send_signal(signal.SIGHUP)
+            started_process(running).send_signal(signal.SIGHUP)
             info = wait_for(lambda: (reply := call(sock, 14, "QUOTA_GET", {
                 "cache_salt": "team-f"}))["cap"] == 16 * KiB and reply, "the reload")
             assert info == _quota("team-f", 16 * KiB, 0, True, 2 * footprint)
@@ -149,13 +149,13 @@ def test_the_quota_model_holds_on_a_real_server(tmp_path: Path) -> None:
                 _quota("team-r", MiB, 0, False, 0)  # gone from the file: the default again
             # A file that breaks the rules changes nothing.
             quota_file.write_text('[quotas]\n"team-f" = "1MiB:2MiB"\n')
-            running.proc.send_signal(signal.SIGHUP)
+            started_process(running).send_signal(signal.SIGHUP)
             # Its error in the log says the reload was tried (and refused).
             wait_for(lambda: "SIGHUP: quotas not reloaded" in running.output(), "the refusal")
             assert call(sock, 16, "QUOTA_GET", {"cache_salt": "team-f"})["cap"] == 16 * KiB
             # Without the file's entry, the flag's quota applies again.
             quota_file.write_text("[quotas]\n")
-            running.proc.send_signal(signal.SIGHUP)
+            started_process(running).send_signal(signal.SIGHUP)
             wait_for(lambda: call(sock, 17, "QUOTA_GET", {"cache_salt": "team-f"})["cap"]
                      == 2 * MiB, "the second reload")
             assert call(sock, 18, "UNREGISTER_KV_CACHE", {"instance_id": reg["instance_id"]}) == {}

@@ -184,7 +184,7 @@ def test_a_client_that_reads_late_still_gets_every_reply(server: ServerProcess) 
             served = call(watcher, 2, "STATS", {})["requests"]["STATS"]
             return served - answered - polls >= count  # less the watcher's own before this
         wait_for(all_answered, "every STATS answered")  # while nobody reads
-        got = set()
+        got: set[bytes] = set()
         while len(got) < count:
             assert sock.poll(REPLY_TIMEOUT_MS), f"{len(got)} of {count} replies arrived"
             reply_id, status, _ = sock.recv_multipart()

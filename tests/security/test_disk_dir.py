@@ -17,7 +17,7 @@ import torch
 from lmcache_mp.client import CacheClient, StoreStatus
 from lmcache_mp.server.faults import ENV as FAULT_ENV
 
-from ..utils import run_server, server_process, wait_for
+from ..utils import run_server, server_process, started_process, wait_for
 from ..workers import (
     BLOCKS_PER_CHUNK,
     Job,
@@ -153,7 +153,7 @@ def test_a_second_server_on_the_same_directory_is_refused_and_the_first_serves_o
         wait_for(lambda: stats(first).disk_chunks_written == PROMPT_CHUNKS, "the writes")
         log = refusal(disk_dir)
         assert f"cannot use the disk tier: {disk_dir} is in use by another server " \
-               f"(pid {first.proc.pid})" in log
+               f"(pid {started_process(first).pid})" in log
         assert served(first, hashes, 91) == PROMPT_CHUNKS
         store(first, later, seed=92)
         wait_for(lambda: stats(first).disk_chunks_written == 2 * PROMPT_CHUNKS, "the writes")

@@ -26,8 +26,7 @@ from .agents import Agent
 
 # One block of one layer is a chunk (--chunk-size 16): 2 (K, V) x 16 tokens x 1 head x 4
 # x 2 bytes = 256 bytes.
-TINY = dict(layout="mha", num_layers=1, block_size=16, heads=1, head_dim=4,
-            dtype=torch.float16)
+TINY_LAYOUT, TINY_BLOCK_SIZE = "mha", 16  # one layer, one head of 4: a 256-byte chunk
 EXTENT = 4096
 MAX_SALTS = 1 << 16
 WAIT_S = 600.0  # only ends a hang: tens of thousands of chunks written on a loaded machine
@@ -39,12 +38,11 @@ def store_salts(state, url: str, salts: list[str], tag: str) -> int:
     were STORED."""
     if "client" not in state:
         state["client"] = CacheClient(url, timeout=120)
-        cache = state["cache"] = SharedKVCache(TINY["layout"], TINY["num_layers"], 1,
-                                               TINY["block_size"], TINY["heads"],
-                                               TINY["head_dim"], TINY["dtype"])
+        cache = state["cache"] = SharedKVCache(TINY_LAYOUT, 1, 1, TINY_BLOCK_SIZE, 1, 4,
+                                               torch.float16)
         state["registration"] = state["client"].register_kv_cache(
-            cache.handles(), model="salts", layout=TINY["layout"],
-            block_size=TINY["block_size"])
+            cache.handles(), model="salts", layout=TINY_LAYOUT,
+            block_size=TINY_BLOCK_SIZE)
     client, stored = state["client"], 0
     for start in range(0, len(salts), MAX_ITEMS_PER_MESSAGE):
         items = [TransferItem.build(f"{tag}-{n}", [os.urandom(16)], [0], salt)

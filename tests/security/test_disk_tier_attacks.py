@@ -37,7 +37,7 @@ from ..server.test_disk_tier import (
     stored_and_stopped,
     written,
 )
-from ..utils import run_server, server_process
+from ..utils import run_server, server_process, started_process
 from ..workers import (
     Job,
     WorkerProcess,
@@ -119,7 +119,7 @@ def test_a_crash_while_an_evicted_chunks_extent_holds_new_bytes_serves_none_of_t
                                                        chunk_blocks([0]), cache_salt="b")) \
                 as worker:
             worker.receive()
-            server.proc.wait(timeout=60)
+            started_process(server).wait(timeout=60)
     finally:
         assert server.close() == -9, server.output()
     monkeypatch.delenv("LMCACHE_MP_TEST_FAULT")
@@ -195,7 +195,7 @@ def test_a_clear_lasts_across_a_restart(tmp_path, cleared, stop):
             removed = admin.clear(cleared)
         assert removed == PROMPT_CHUNKS * (1 if cleared else 2)
         if stop == "SIGKILL":
-            server.proc.kill()
+            started_process(server).kill()
     finally:
         assert server.close() == (-9 if stop == "SIGKILL" else 0)
     with disk_server(directory, runtime_dir=str(runtime)) as server:
@@ -218,7 +218,7 @@ def test_a_shrunk_quota_lasts_across_a_sigkill(tmp_path):
         with server.client(admin=True) as admin:
             admin.quota_set("capped", 2 * CHUNK_BYTES)
         assert stats(server).tenants["capped"].disk_chunks == 2
-        server.proc.kill()
+        started_process(server).kill()
     finally:
         assert server.close() == -9
     with disk_server(directory, runtime_dir=str(runtime)) as server:

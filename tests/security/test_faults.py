@@ -242,8 +242,8 @@ def test_killed_workers_leave_nothing_behind_then_sigterm_under_load_drains():
             survivor.run(register, "inbox_reg", "c", "inbox")
             survivor.send(churn, 3, 10_000)
             survivor.wait_progress(lambda value: value[0] == "ack")
-            server.proc.send_signal(signal.SIGTERM)
-            assert server.proc.wait(SHUTDOWN_TIMEOUT_S + HANG_S) == 0
+            started_process(server).send_signal(signal.SIGTERM)
+            assert started_process(server).wait(SHUTDOWN_TIMEOUT_S + HANG_S) == 0
             assert not (server.runtime_dir / "server.sock").exists()
             assert not (server.runtime_dir / "fd.sock").exists()
             time.sleep(0.5)  # the survivor meets the stopped server

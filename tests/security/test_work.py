@@ -15,6 +15,7 @@ import threading
 import time
 from collections import Counter
 from functools import partial
+from typing import Any
 
 import msgpack
 import pytest
@@ -219,7 +220,7 @@ LIMITS = {
 }
 
 
-def server_cpu(raw: RawClient, call) -> tuple[float, object]:
+def server_cpu(raw: RawClient, call) -> tuple[float, Any]:
     """CPU seconds the server's process spent over TRIES runs of call() (round trips on
     `raw`), by its own count in STATS; and call()'s result."""
     before, result = raw.call("STATS", {})[1]["cpu_seconds"], None

@@ -15,7 +15,14 @@ from lmcache_mp.protocol import StoreReply, StoreRequest
 from lmcache_mp.server.cache.pool import CpuPool
 from lmcache_mp.spawn import ForkedServer
 
-from ..utils import ipc_url, run_server, server_process, shm_segments, wait_for
+from ..utils import (
+    ipc_url,
+    run_server,
+    server_process,
+    shm_segments,
+    started_process,
+    wait_for,
+)
 from ..workers import (
     BLOCKS_PER_CHUNK,
     MODEL,
@@ -113,7 +120,8 @@ def test_a_client_killed_mid_store_leaves_no_partial_chunk_and_no_leak():
             # and the STORE's pending chunks once the copies already running are done.
             wait_for(lambda: client.stats().registrations == 0, "no registration")
             wait_for(lambda: client.stats().pending_stores == 0, "no pending store")
-            wait_for(lambda: not mapped_by(server.proc.pid, segment), "the segment unmapped")
+            pid = started_process(server).pid
+            wait_for(lambda: not mapped_by(pid, segment), "the segment unmapped")
             stats = client.stats()
             (visible,) = client.lookup(MODEL, 1, [LookupItem.build("check", hashes)])
             assert stats.chunks == visible
@@ -194,10 +202,10 @@ def test_the_pool_is_given_back_before_the_last_line_and_the_exit_follows_it():
     try:
         with server.client(admin=True) as admin:
             server.wait_prefault(admin)
-        server.proc.send_signal(signal.SIGTERM)
+        started_process(server).send_signal(signal.SIGTERM)
         wait_for(lambda: "shutdown: done" in server.output(), "shutdown: done logged")
         done = time.monotonic()
-        code = server.proc.wait(60)  # a bound on a hang only
+        code = started_process(server).wait(60)  # a bound on a hang only
         exited_after = time.monotonic() - done
     finally:
         server.close()
@@ -211,7 +219,9 @@ def test_the_pool_is_given_back_before_the_last_line_and_the_exit_follows_it():
 def shmem_kib() -> int:
     """Shared memory this process has mapped and touched (/proc/self/status RssShmem)."""
     with open("/proc/self/status") as status:
-        return int(re.search(r"RssShmem:\s+(\d+) kB", status.read()).group(1))
+        found = re.search(r"RssShmem:\s+(\d+) kB", status.read())
+    assert found is not None
+    return int(found.group(1))
 
 
 def test_give_back_frees_an_anonymous_pools_memory_but_keeps_a_segments_bytes(tmp_path):

@@ -4,6 +4,8 @@ not asked for, the reply is as before."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import msgspec
 
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus
@@ -39,6 +41,11 @@ def lookup_tiers(client: CacheClient, hashes, tiers: bool = True):
     return reply.hits, reply.hit_tiers
 
 
+def written_at_least(client: CacheClient, chunks: int) -> bool:
+    """Whether the server has written `chunks` chunks to its disk tier (wait_for's test)."""
+    return client.stats().disk_chunks_written >= chunks
+
+
 def test_hits_read_back_from_disk_count_as_disk_then_as_memory(tmp_path):
     # A pool of 4 MiB holds 8 chunks of 512 KiB: 4 prompts of 4 push the first out.
     with run_server("--cpu-size", "4MiB", "--disk-dir", str(tmp_path / "disk"),
@@ -47,8 +54,8 @@ def test_hits_read_back_from_disk_count_as_disk_then_as_memory(tmp_path):
         prompts = [prompt(tag=4700 + i, num_chunks=PROMPT_CHUNKS) for i in range(4)]
         for count, hashes in enumerate(prompts, start=1):
             store(server, hashes, seed=count)
-            wait_for(lambda count=count: client.stats().disk_chunks_written
-                     >= PROMPT_CHUNKS * count, "the prompt on disk")
+            wait_for(partial(written_at_least, client, PROMPT_CHUNKS * count),
+                     "the prompt on disk")
         with make_cache(NUM_BLOCKS, None) as cache:
             registration = _register(client, cache, W2)  # read-backs need a registered cache
             assert lookup_tiers(client, prompts[-1]) == ([4], [[4, 0, 0]])

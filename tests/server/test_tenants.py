@@ -12,7 +12,7 @@ import torch
 from lmcache_mp.client import CacheClient, LeaseRef, LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import BadRequest
 
-from ..utils import run_server, wait_for
+from ..utils import run_server, started_process, wait_for
 from ..workers import (
     BLOCKS_PER_CHUNK,
     MODEL,
@@ -176,11 +176,11 @@ def test_the_quota_file_is_reloaded_on_sighup(cache, tmp_path):
         store(client, registration, "t", prompt(60, 6))
         assert client.quota_get("t").cap == 4 * MiB
         path.write_text('[quotas]\n"t" = "1MiB"\n')
-        server.proc.send_signal(signal.SIGHUP)
+        started_process(server).send_signal(signal.SIGHUP)
         wait_for(lambda: client.quota_get("t").cap == MiB, "the reload")
         assert client.stats().tenants["t"].bytes_used == MiB
         path.write_text('[quotas]\n"t" = "1MiB:2MiB"\n')
-        server.proc.send_signal(signal.SIGHUP)
+        started_process(server).send_signal(signal.SIGHUP)
         # Its error in the log says the reload was tried (and refused).
         wait_for(lambda: "quotas not reloaded" in server.output(), "the refusal")
         assert client.quota_get("t").cap == MiB  # the bad file changed nothing

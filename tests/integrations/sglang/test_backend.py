@@ -12,7 +12,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-from ...utils import server_process, wait_for
+from ...utils import server_process, started_process, wait_for
 from .hostpools import mha_pool, mla_pool
 
 PAGE = 4
@@ -180,8 +180,8 @@ def test_a_killed_server_gives_misses_and_caching_resumes_after_its_restart(tmp_
     keys = page_keys(4)
     try:
         assert writer.batch_set_v1(keys[:2], tokens_of(0, 2)) == [True] * 2
-        first.proc.kill()
-        first.proc.wait()
+        started_process(first).kill()
+        started_process(first).wait()
         # Dead server: every call answers, as a miss or a failed store.
         assert reader.batch_exists(keys) == 0
         assert reader.batch_get_v1(keys[:2], tokens_of(8, 2)) == [False] * 2

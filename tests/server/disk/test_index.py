@@ -57,11 +57,10 @@ class IndexMachine(RuleBasedStateMachine):
         parent_id = self.pick(parent) if parent >= 0 and self.records else -1
         if parent_id >= 0 and self.evictable(parent_id):
             self.order.remove(parent_id)
-        record = {"key": key(first, self.serial), "parent": parent_id, "salt": salt,
-                  "offset": 4096 * self.serial, "nbytes": nbytes, "mac": self.serial,
-                  "holds": 0}
-        rid = self.index.add(record["key"], parent_id, salt, record["offset"], nbytes,
-                             record["mac"])
+        record_key, offset = key(first, self.serial), 4096 * self.serial
+        record = {"key": record_key, "parent": parent_id, "salt": salt, "offset": offset,
+                  "nbytes": nbytes, "mac": self.serial, "holds": 0}
+        rid = self.index.add(record_key, parent_id, salt, offset, nbytes, self.serial)
         assert rid not in self.records
         self.records[rid] = record
         self.order.append(rid)

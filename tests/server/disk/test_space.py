@@ -103,7 +103,7 @@ def test_a_salt_with_nothing_on_disk_gives_its_id_back():
     keys = fill(disk, 2, salt="gone")
     sid = disk.salt_ids["gone"]
     placed = disk.allocate("gone", CHUNK, None)
-    assert placed == (sid, placed[1])
+    assert placed is not None and placed == (sid, placed[1])
     for chunk_key in reversed(keys):
         disk.drop(disk.index.find(chunk_key))
     assert disk.salt_ids["gone"] == sid  # a write in flight keeps it
