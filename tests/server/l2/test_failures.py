@@ -38,6 +38,23 @@ def engine(server, seed: int | None):
         client.unregister(registration)
 
 
+def store_until_l2_resumes(client: CacheClient, registration, tag: int, written: int,
+                           hang_s: float) -> list[bytes]:
+    """One new chunk at a time until the server writes to L2 again (past `written` chunks),
+    as a tier that backed off tries again; the last prompt stored. `hang_s` only ends a
+    hang."""
+    deadline = time.monotonic() + hang_s
+    after: list[bytes] = []
+    while client.stats().l2_chunks_written == written:
+        assert time.monotonic() < deadline, "L2 never resumed"
+        tag += 1
+        after = prompt(tag=tag, num_chunks=1)
+        client.store(registration, [TransferItem.build(f"a{tag}", after, chunk_blocks([2]))])
+        time.sleep(0.2)
+    assert client.stats().l2_up
+    return after
+
+
 def l2_keys(redis, hashes) -> list[bytes]:
     """The L2 keys of `hashes`, in prompt order (one kv worker)."""
     keys = redis.client().keys("lmcache-mp:1:*")
@@ -76,16 +93,7 @@ def test_redis_killed_mid_run_l1_serves_and_l2_resumes_when_it_is_back(server):
         redis.start()  # empty: no persistence
         # Stores are dropped while A backs off; once it tries again, they reach L2.
         with engine(node_a, seed=53) as (client, registration, cache):
-            tag = 1520
-            deadline = time.monotonic() + 60
-            while client.stats().l2_chunks_written == 2:
-                assert time.monotonic() < deadline, "L2 never resumed"
-                tag += 1
-                after = prompt(tag=tag, num_chunks=1)
-                client.store(registration, [TransferItem.build(f"a{tag}", after,
-                                                               chunk_blocks([2]))])
-                time.sleep(0.2)
-            assert client.stats().l2_up
+            after = store_until_l2_resumes(client, registration, 1520, 2, hang_s=60)
         result = run(retrieve_worker, Job(node_b.url, NUM_BLOCKS, None, after,
                                           chunk_blocks([6])))
         assert (result.hit, result.retrieved) == (1, 1)

@@ -31,7 +31,7 @@ from ...workers import (
     retrieve_worker,
     run,
 )
-from .test_failures import engine
+from .test_failures import engine, store_until_l2_resumes
 from .test_shared_tier import (
     L2_FLAGS,
     NUM_BLOCKS,
@@ -201,16 +201,7 @@ def test_master_killed_mid_run_nodes_serve_alone_and_share_again_when_it_is_back
 
         store.start_master()  # empty: a restarted master has lost every key
         with engine(node_a, seed=76) as (client, registration, cache):
-            tag = 1720
-            deadline = time.monotonic() + 120
-            while client.stats().l2_chunks_written == 2:
-                assert time.monotonic() < deadline, "L2 never resumed"
-                tag += 1
-                after = prompt(tag=tag, num_chunks=1)
-                client.store(registration, [TransferItem.build(f"a{tag}", after,
-                                                               chunk_blocks([2]))])
-                time.sleep(0.2)
-            assert client.stats().l2_up
+            after = store_until_l2_resumes(client, registration, 1720, 2, hang_s=120)
         retrieve_through_b = wait_for(lambda: _pulled(node_b, after), "B to pull from L2 again")
         assert torch.equal(retrieve_through_b.blocks,
                            expected_blocks(NUM_BLOCKS, 76, chunk_blocks([2])))
