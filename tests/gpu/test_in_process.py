@@ -18,7 +18,7 @@ import torch
 from lmcache_mp.protocol import RetrieveRequest, StoreRequest, StoreStatus, TransferItem
 from lmcache_mp.server.copy.device import CudaDevice
 
-from ..server.test_streams import CLIENT, Rig, blocks
+from ..server.copy.test_streams import CLIENT, Rig, blocks
 from ..workers import prompt
 
 pytestmark = [

@@ -18,7 +18,7 @@ from lmcache_mp.errors import InternalError
 from lmcache_mp.protocol import CudaIpcHandle, LookupItem, LookupRequest, RegisterKVCacheRequest
 from lmcache_mp.server.memory.cuda_ipc import CudaIpcSupport, MappingThread, SharedAllocations
 
-from .test_streams import BLOCK, CLIENT, UUID, Rig, answered
+from ..copy.test_streams import BLOCK, CLIENT, UUID, Rig, answered
 
 OTHER = b"another client"
 _BOUND_S = 30.0  # how long the open waits for the test before it gives up

@@ -11,7 +11,7 @@ from typing import Any
 
 from lmcache_mp.protocol import RetrieveRequest, StoreRequest, StoreStatus, TransferItem
 
-from ..workers import prompt
+from ...workers import prompt
 from .test_streams import CLIENT, Rig, blocks
 
 
