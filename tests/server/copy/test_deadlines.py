@@ -1,6 +1,6 @@
 """budget_ms on the GPU copy path: nothing is queued on the device after a request's deadline.
 
-(The CPU copy path is tested against a real server in test_transfers.py.)
+(The CPU copy path is tested against a real server in tests/server/ops/test_transfers.py.)
 """
 
 from __future__ import annotations

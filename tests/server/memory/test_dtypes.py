@@ -2,7 +2,7 @@
 
 Copies move bytes as integers of the dtype's item size, so float8 (which has no
 index_copy_ kernel) and every other dtype take the same path. The GPU path's twin is
-tests/server/test_streams.py::test_every_dtype_round_trips_through_the_stream_copier.
+tests/server/copy/test_streams.py::test_every_dtype_round_trips_through_the_stream_copier.
 """
 
 import pytest
