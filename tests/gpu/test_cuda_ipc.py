@@ -144,7 +144,7 @@ def test_an_mla_leader_fills_its_follower_on_the_gpu(server):
 
 
 def test_a_gpu_tier_demotes_its_least_recent_leaf_under_pressure():
-    """A GPU tier and a CPU pool of two chunks each (tests/server/test_gpu_tier.py runs the
+    """A GPU tier and a CPU pool of two chunks each (tests/server/copy/test_gpu_tier.py runs the
     same on the CPU and counts the copies): prompt A of two chunks, then B, C and D of one.
     Each takes the GPU bytes of the least recently used leaf there, which is copied to the
     pool: A's second chunk, then B, then C, which pushes A's second chunk out of the full

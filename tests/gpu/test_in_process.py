@@ -1,6 +1,6 @@
 """On a GPU, without CUDA IPC: the dispatcher and the stream copier on real streams in one process.
 
-tests/server/test_streams.py's Rig (the server's registry, store, pool, dispatcher and
+tests/server/copy/test_streams.py's Rig (the server's registry, store, pool, dispatcher and
 StreamCopier) with the real CudaDevice, and "IPC allocations" that are this process's own
 CUDA memory: everything of the GPU path but the IPC calls themselves, so gpu_check.sh
 still runs it where a sandbox refuses IPC between processes.
@@ -18,7 +18,7 @@ import torch
 from lmcache_mp.protocol import RetrieveRequest, StoreRequest, StoreStatus, TransferItem
 from lmcache_mp.server.copy.device import CudaDevice
 
-from ..server.test_streams import CLIENT, Rig, blocks
+from ..server.copy.test_streams import CLIENT, Rig, blocks
 from ..workers import prompt
 
 pytestmark = [

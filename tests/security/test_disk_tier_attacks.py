@@ -22,7 +22,7 @@ import torch
 from lmcache_mp.client import StoreStatus, chunk_hashes
 from lmcache_mp.server.disk.tier import key_name
 
-from ..server.test_disk_tier import (
+from ..server.disk.test_disk_tier import (
     CHUNK_BYTES,
     DISK_FLAGS,
     NUM_BLOCKS,

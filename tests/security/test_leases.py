@@ -111,7 +111,7 @@ def test_holds_that_are_never_released_stay_bounded(server, attacker, bystander)
 @pytest.mark.slow
 def test_holds_that_are_never_released_expire_while_others_are_served(attacker):
     """The table filled again on a server whose holds expire as soon as the housekeeping
-    looks, a slice at a time (tests/server/test_store.py bounds a slice's work): the
+    looks, a slice at a time (tests/server/cache/test_store.py bounds a slice's work): the
     bystander is served, byte for byte, until every hold has ended. How much of the table
     the fill holds at once depends on how fast it runs: the bound holds throughout."""
     with run_server("--cpu-size", "64MiB", "--lease-timeout", str(SHORT_LEASE_TIMEOUT_S)

@@ -1,6 +1,6 @@
 """budget_ms on the GPU copy path: nothing is queued on the device after a request's deadline.
 
-(The CPU copy path is tested against a real server in test_transfers.py.)
+(The CPU copy path is tested against a real server in tests/server/ops/test_transfers.py.)
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 from lmcache_mp.protocol import RetrieveRequest, StoreRequest, StoreStatus, TransferItem
 
-from ..workers import prompt
+from ...workers import prompt
 from .test_streams import CLIENT, Rig, blocks
 
 

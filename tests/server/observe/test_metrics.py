@@ -10,11 +10,11 @@ from lmcache_mp.client import LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import BadRequest
 from lmcache_mp.server.observe.exporter import OTHER, TenantLabels
 
-from ..redis_servers import redis_server
-from ..utils import NoTickets, free_port, lines_run, run_server, wait_for
-from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
-from .http_probe import get, samples, scrape, value
-from .l2.test_failures import l2_keys
+from ...redis_servers import redis_server
+from ...utils import NoTickets, free_port, lines_run, run_server, wait_for
+from ...workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
+from ..http_probe import get, samples, scrape, value
+from ..l2.test_failures import l2_keys
 
 CHUNK = 512 * 1024  # a W2 chunk
 

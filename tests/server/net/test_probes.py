@@ -12,9 +12,9 @@ import pytest
 from lmcache_mp.client import StoreStatus, TransferItem
 from lmcache_mp.errors import BadRequest
 
-from ..utils import free_port, run_server, started_process
-from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
-from .http_probe import get, scrape, value
+from ...utils import free_port, run_server, started_process
+from ...workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
+from ..http_probe import get, scrape, value
 
 
 def poll(port: int, path: str, until, timeout: float = 60.0) -> list[tuple[int, str]]:

@@ -25,7 +25,7 @@ from lmcache_mp.protocol import RetrieveRequest, StoreRequest, StoreStatus, Tran
 from lmcache_mp.server.copy.streams import StreamCopier
 from lmcache_mp.server.memory.cuda_ipc import CudaIpcSupport
 
-from ..workers import prompt
+from ...workers import prompt
 from .test_streams import CLIENT, PER_CHUNK, FakeDevice, FakeEvent, Rig
 
 Clock = dict[str, int]

@@ -8,7 +8,7 @@ import pytest
 from lmcache_mp.server.cache import eviction
 from lmcache_mp.server.cache.eviction import TenantLRUPolicy
 
-from ..utils import counted
+from ...utils import counted
 
 
 def model_oldest(stamps: dict[tuple[str, int], int], tenant: str) -> tuple[int, int] | None:

@@ -17,8 +17,8 @@ from lmcache_mp.server.cache.pool import ExtentAllocator
 from lmcache_mp.server.cache.quotas import Quota, QuotaBook
 from lmcache_mp.server.cache.store import ChunkStore
 
-from ..utils import FakeClock, run_server
-from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
+from ...utils import FakeClock, run_server
+from ...workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
 from .test_store import CHUNK, ENGINE, GEOMETRY, h, key, put
 
 

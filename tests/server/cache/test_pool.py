@@ -7,7 +7,7 @@ import pytest
 from lmcache_mp.server.cache import pool as pool_module
 from lmcache_mp.server.cache.pool import ALIGNMENT, CpuPool, ExtentAllocator
 
-from ..utils import lines_run
+from ...utils import lines_run
 
 
 def _allocate(allocator: ExtentAllocator, size: int) -> int:

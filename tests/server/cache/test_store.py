@@ -9,7 +9,7 @@ from lmcache_mp.server.cache.quotas import Quota, QuotaBook
 from lmcache_mp.server.cache.scan import PrefixScan
 from lmcache_mp.server.cache.store import ChunkStore
 
-from ..utils import FakeClock, counted, lines_run
+from ...utils import FakeClock, counted, lines_run
 
 ENGINE = b"engine"  # leases belong to an engine (access.Session.engine)
 

@@ -34,8 +34,8 @@ from lmcache_mp.protocol import (
 from lmcache_mp.server.net.access import Sessions
 from lmcache_mp.server.net.fd_channel import FdChannel
 
-from ..utils import FakeClock, run_server, started_process
-from ..workers import (
+from ...utils import FakeClock, run_server, started_process
+from ...workers import (
     BLOCKS_PER_CHUNK,
     Job,
     WorkerProcess,

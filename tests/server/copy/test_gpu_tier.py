@@ -25,7 +25,7 @@ from lmcache_mp.server.cache.quotas import Quota
 from lmcache_mp.server.cache.store import ChunkStore
 from lmcache_mp.server.copy.streams import StreamCopier
 
-from ..workers import prompt
+from ...workers import prompt
 from .test_gpu_ordering import GpuRig
 from .test_streams import CLIENT, PER_CHUNK, Rig, answered, blocks, until
 

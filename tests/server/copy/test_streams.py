@@ -47,8 +47,8 @@ from lmcache_mp.server.memory.registry import Registry
 from lmcache_mp.server.net.access import Sessions
 from lmcache_mp.server.ops.dispatcher import Dispatcher
 
-from ..utils import NoTickets
-from ..workers import prompt
+from ...utils import NoTickets
+from ...workers import prompt
 
 UUID = "58b8f8a1-0c3d-4e5f-8a9b-0123456789ab"
 CLIENT = b"worker"

@@ -7,7 +7,7 @@ from lmcache_mp.errors import Unauthenticated
 from lmcache_mp.server.net import access
 from lmcache_mp.server.net.access import SESSION_IDLE_S, Sessions
 
-from ..utils import FakeClock, counted
+from ...utils import FakeClock, counted
 
 
 def full_sessions(monkeypatch, cap):

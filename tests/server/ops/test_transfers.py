@@ -7,8 +7,8 @@ from lmcache_mp.client import SKIP_BLOCK, CacheClient, LookupItem, StoreStatus, 
 from lmcache_mp.errors import BadRequest
 from lmcache_mp.protocol import MAX_BUDGET_MS, TRANSFER_SLICE_CHUNKS, RetrieveRequest, StoreRequest
 
-from ..utils import run_server
-from ..workers import (
+from ...utils import run_server
+from ...workers import (
     BLOCKS_PER_CHUNK,
     MODEL,
     Job,

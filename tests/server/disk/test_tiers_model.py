@@ -21,8 +21,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from lmcache_mp.client import LookupItem, StoreStatus, TransferItem
 
-from ..utils import run_server, wait_for
-from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, make_cache, prompt
+from ...utils import run_server, wait_for
+from ...workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, make_cache, prompt
 
 CHUNKS = 3  # per prompt
 CHUNK_BYTES = 512 * 1024

@@ -2,7 +2,7 @@
 
 Copies move bytes as integers of the dtype's item size, so float8 (which has no
 index_copy_ kernel) and every other dtype take the same path. The GPU path's twin is
-tests/server/test_streams.py::test_every_dtype_round_trips_through_the_stream_copier.
+tests/server/copy/test_streams.py::test_every_dtype_round_trips_through_the_stream_copier.
 """
 
 import pytest
@@ -11,7 +11,7 @@ import torch
 from lmcache_mp.client import SKIP_BLOCK, CacheClient, SharedKVCache, StoreStatus, TransferItem
 from lmcache_mp.server.memory.geometry import DTYPES
 
-from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
+from ...workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
 
 NUM_BLOCKS = 4 * BLOCKS_PER_CHUNK
 # (layout, layers, heads, head_dim): small blocks take index_copy_, big ones (256 KiB of a

@@ -1,6 +1,6 @@
 """cuda_ipc registration off the event loop: a slow IPC open holds up nobody else's replies.
 
-The Rig of test_streams.py (the server's registry, store and dispatcher on a fake device)
+The Rig of copy/test_streams.py (the server's registry, store and dispatcher on a fake device)
 with the server's MappingThread, and an "IPC open" that blocks until the test lets it go:
 while it blocks, the loop must serve another client and the registering client's own
 other requests. Nothing is timed: the open waits for the test, not for a clock, and a loop
@@ -18,7 +18,7 @@ from lmcache_mp.errors import InternalError
 from lmcache_mp.protocol import CudaIpcHandle, LookupItem, LookupRequest, RegisterKVCacheRequest
 from lmcache_mp.server.memory.cuda_ipc import CudaIpcSupport, MappingThread, SharedAllocations
 
-from .test_streams import BLOCK, CLIENT, UUID, Rig, answered
+from ..copy.test_streams import BLOCK, CLIENT, UUID, Rig, answered
 
 OTHER = b"another client"
 _BOUND_S = 30.0  # how long the open waits for the test before it gives up

@@ -17,8 +17,8 @@ import torch
 
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus
 
-from ..utils import run_server, server_process, started_process, wait_for
-from ..workers import (
+from ...utils import run_server, server_process, started_process, wait_for
+from ...workers import (
     BLOCKS_PER_CHUNK,
     MODEL,
     Job,

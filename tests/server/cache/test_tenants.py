@@ -12,8 +12,8 @@ import torch
 from lmcache_mp.client import CacheClient, LeaseRef, LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import BadRequest
 
-from ..utils import run_server, started_process, wait_for
-from ..workers import (
+from ...utils import run_server, started_process, wait_for
+from ...workers import (
     BLOCKS_PER_CHUNK,
     MODEL,
     Job,

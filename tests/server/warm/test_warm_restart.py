@@ -23,8 +23,8 @@ from lmcache_mp.server.memory.geometry import Geometry
 from lmcache_mp.server.warm import snapshot
 from lmcache_mp.server.warm.segment import KEY_NAME, segment_dir
 
-from ..utils import run_server, server_process, started_process
-from ..workers import (
+from ...utils import run_server, server_process, started_process
+from ...workers import (
     BLOCKS_PER_CHUNK,
     MODEL,
     Job,

@@ -15,8 +15,8 @@ from lmcache_mp.errors import BadRequest, TransportError, UnknownInstance
 from lmcache_mp.protocol import MAX_REGISTRATIONS_PER_CONNECTION, CudaIpcHandle, MemfdHandle
 from lmcache_mp.server.ops.lookup import MAX_VALID_SALTS_KEPT
 
-from ..utils import rid, run_server
-from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
+from ...utils import rid, run_server
+from ...workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
 
 
 @pytest.fixture

@@ -11,9 +11,9 @@ import msgspec
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus
 from lmcache_mp.protocol import LookupRequest
 
-from ..redis_servers import redis_server
-from ..utils import run_server, wait_for
-from ..workers import (
+from ...redis_servers import redis_server
+from ...utils import run_server, wait_for
+from ...workers import (
     MODEL,
     W2,
     Job,

@@ -4,8 +4,8 @@ import secrets
 
 import torch
 
-from ..utils import run_server
-from ..workers import (
+from ...utils import run_server
+from ...workers import (
     MLA,
     Job,
     WorkerProcess,
