@@ -1,10 +1,14 @@
 """SGLang 0.5.23's own host pools, built on the CPU, and the one stand-in importing them needs.
 
-Importing SGLang's host pools pulls in sglang.srt.configs, which imports torchvision at
-module level (for a vision model's image transforms). PyPI's torchvision is a CUDA build
-that cannot be imported against the CPU torch (scripts/bootstrap's note), so, where it does
-not import, `import_sglang` records it as absent in transformers (which then never
-touches it) and puts a stand-in in sys.modules for the length of SGLang's imports only.
+Importing SGLang's host pools pulls in sglang.srt.configs, which imports torchvision (for a
+vision model's image transforms) and sentencepiece (for a vision model's tokenizer) at
+module level. PyPI's torchvision is a CUDA build that cannot be imported against the CPU
+torch (scripts/bootstrap's note), and sentencepiece's extension, once loaded in a process
+that also ran vLLM's and the server's tests, crashed that process at its exit (a
+segmentation fault after the last test); neither is used by the host pools. So, where they
+do not import, `import_sglang` records torchvision as absent in transformers (which then
+never touches it) and puts stand-ins for both in sys.modules for the length of SGLang's
+imports only (scripts/bootstrap installs neither).
 Beyond that, the pools are SGLang's as an engine builds them, with pin_memory=False (no
 accelerator to pin for) and a host-memory budget of SGLang's own (host_memory_budget_scope)
 instead of its 10 GiB reserve below the machine's free memory.
@@ -21,7 +25,7 @@ import warnings
 import torch
 
 _STAND_INS = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional",
-              "torchvision.io")
+              "torchvision.io", "sentencepiece")
 
 
 def _placeholder(attr: str) -> type:
@@ -31,8 +35,9 @@ def _placeholder(attr: str) -> type:
 
 
 @contextlib.contextmanager
-def _torchvision_stand_in():
+def _stand_ins():
     try:
+        import sentencepiece  # noqa: F401
         import torchvision  # noqa: F401
     except Exception:  # noqa: BLE001 (absent, or a CUDA build that fails to load)
         pass
@@ -57,7 +62,7 @@ def _torchvision_stand_in():
 
 def import_sglang() -> None:
     """Import what the tests use of SGLang (its warnings about absent accelerators silenced)."""
-    with warnings.catch_warnings(), _torchvision_stand_in():
+    with warnings.catch_warnings(), _stand_ins():
         warnings.simplefilter("ignore")
         import sglang.srt.managers.cache_controller  # noqa: F401
         import sglang.srt.mem_cache.pool_host.mha  # noqa: F401
