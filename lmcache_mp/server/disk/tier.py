@@ -35,6 +35,7 @@ from ..cache.store import ChunkStore
 from ..l2.codec import namespace
 from ..memory.registry import Registry
 from ..private_dir import PrivateDir, UnsafePath
+from .admission import Admission
 from .files import READ_ONLY, DataFile
 from .index import DiskIndex
 from .journal import ChunkMac, Journal, SaltNames
@@ -87,10 +88,11 @@ class DiskTier:
     def __init__(self, directory: PrivateDir, size: int, queue_limit: int,
                  prefetch_wait_s: float, store: ChunkStore, registry: Registry, pool: CpuPool,
                  gpu_view: Callable[[Chunk], torch.Tensor],
-                 observe_read: Callable[[float], None], key: bytes, key_file: Path):
+                 observe_read: Callable[[float], None], key: bytes, key_file: Path,
+                 admission: Admission):
         """Opens (or creates) the files of the claimed `directory`; raises DiskTierError.
         `key`: the secret of its MACs (any length: it is hashed to 32 bytes), read from
-        `key_file`."""
+        `key_file`; `admission`: which committed chunks are written (admission.py)."""
         secret = hashlib.blake2b(key, digest_size=32, person=b"lmcd-key").digest()
         self.where = str(directory.path)
         self.key_file = key_file
@@ -107,7 +109,7 @@ class DiskTier:
         self._namespaces: dict[tuple[str, Hashable], str] = {}
         mac = ChunkMac(secret)
         self.writer = DiskWriter(self.space, store, store.quotas, pool, gpu_view, self.data,
-                                 self.journal, self.names, mac,
+                                 self.journal, self.names, mac, admission,
                                  lambda chunk: self.key_of(chunk.key, chunk.geometry),
                                  queue_limit)
         self.reader = DiskReader(self.space, store, registry, pool, self.data, mac,

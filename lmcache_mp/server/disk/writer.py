@@ -38,7 +38,7 @@ from ..cache.pool import CpuPool, aligned
 from ..cache.quotas import QuotaBook
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
-from .admission import Admission, WriteAll
+from .admission import Admission
 from .files import BATCH_FAULTS, DataFile, staging_buffer
 from .journal import ChunkMac, ChunkRecord, Journal, SaltNames, salt_digest
 from .keys import NO_KEY
@@ -91,12 +91,10 @@ class _Placed:
 
 
 class DiskWriter:
-    admission: Admission = WriteAll()  # which chunks offer() queues: admission.py
-
     def __init__(self, space: DiskSpace, store: ChunkStore, quotas: QuotaBook, pool: CpuPool,
                  gpu_view: Callable[[Chunk], torch.Tensor], data: DataFile, journal: Journal,
-                 names: SaltNames, mac: ChunkMac, key_of: Callable[[Chunk], bytes],
-                 queue_limit: int):
+                 names: SaltNames, mac: ChunkMac, admission: Admission,
+                 key_of: Callable[[Chunk], bytes], queue_limit: int):
         self.space = space
         self.counters = space.counters
         self.store = store
@@ -107,6 +105,7 @@ class DiskWriter:
         self.journal = journal
         self.names = names
         self.mac = mac
+        self.admission = admission  # which chunks offer() queues: admission.py
         self.key_of = key_of
         self.queue_limit = queue_limit
         self.offload = Offload("disk-write", 1)  # one writer: the journal is one sequence
