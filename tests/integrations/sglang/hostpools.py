@@ -17,6 +17,7 @@ instead of its 10 GiB reserve below the machine's free memory.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.machinery
 import sys
 import types
@@ -24,8 +25,21 @@ import warnings
 
 import torch
 
-_STAND_INS = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional",
-              "torchvision.io", "sentencepiece")
+# Each package SGLang imports but the host pools never use, with the modules its stand-in
+# names.
+_STAND_INS = {
+    "torchvision": ("torchvision", "torchvision.transforms",
+                    "torchvision.transforms.functional", "torchvision.io"),
+    "sentencepiece": ("sentencepiece",),
+}
+
+
+def _importable(package: str) -> bool:
+    try:
+        importlib.import_module(package)
+    except Exception:  # noqa: BLE001 (absent, or a CUDA build that fails to load)
+        return False
+    return True
 
 
 def _placeholder(attr: str) -> type:
@@ -36,18 +50,15 @@ def _placeholder(attr: str) -> type:
 
 @contextlib.contextmanager
 def _stand_ins():
-    try:
-        import sentencepiece  # noqa: F401
-        import torchvision  # noqa: F401
-    except Exception:  # noqa: BLE001 (absent, or a CUDA build that fails to load)
-        pass
-    else:
-        yield
-        return
-    from transformers.utils import import_utils
+    """Stand-ins, for the length of the block, for the packages of _STAND_INS that do not
+    import here; those that do are left as they are."""
+    names = [name for package, names in _STAND_INS.items() if not _importable(package)
+             for name in names]
+    if "torchvision" in names:
+        from transformers.utils import import_utils
 
-    assert not import_utils.is_torchvision_available()  # cached: transformers keeps it so
-    for name in _STAND_INS:
+        assert not import_utils.is_torchvision_available()  # cached: transformers keeps it so
+    for name in names:
         module = types.ModuleType(name)
         module.__path__ = []
         module.__getattr__ = _placeholder  # type: ignore[method-assign]
@@ -56,7 +67,7 @@ def _stand_ins():
     try:
         yield
     finally:
-        for name in _STAND_INS:
+        for name in names:
             sys.modules.pop(name, None)
 
 
