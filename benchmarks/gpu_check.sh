@@ -11,14 +11,14 @@
 # spending the session's device time.
 #
 # Before that, once, here (with network): scripts/gpu_wheels, which fills .whl/ (git-ignored)
-# with the pyzmq and msgspec wheels for the machine's CPython 3.12; the rest (torch, cupy,
+# with the pyzmq, msgspec and blake3 wheels for the machine's CPython 3.12; the rest (torch, cupy,
 # msgpack, uvloop, pytest, pytest-timeout) is there already. The project needs no wheel: it
 # runs from the working tree (PYTHONPATH). Sized for a 15-minute device budget: one call of at
 # most 7 minutes plus the machine's start, leaving room to run it again.
 #
 # Stages, each under its own `timeout` (nvidia-smi's too), stopping at the first that fails
 # except as noted:
-#   1. wheels   install .whl/*.whl into /tmp/site when `import zmq, msgspec` fails (seconds)
+#   1. wheels   install .whl/*.whl into /tmp/site when `import zmq, msgspec, blake3` fails (seconds)
 #   2. imports  torch with CUDA, cupy, zmq, msgpack, msgspec, uvloop, pytest_timeout, lmcache_mp
 #   3. smoke    benchmarks/gpu_smoke.py (~10 s): CUDA IPC between two processes (memory and an
 #               interprocess event), 1 GiB pinned with cudaHostRegister. Its verdict says
@@ -96,16 +96,16 @@ EOF
 }
 trap 'summary' EXIT
 
-# 1. wheels: pyzmq and msgspec (and whatever else .whl/ holds) when python3 lacks it
+# 1. wheels: pyzmq, msgspec and blake3 (and whatever else .whl/ holds) when python3 lacks it
 t=$SECONDS
-if timeout 60 "$PYTHON" -c "import zmq, msgspec" 2>/dev/null; then
+if timeout 60 "$PYTHON" -c "import zmq, msgspec, blake3" 2>/dev/null; then
     export PYTHONPATH=$PWD
-    record wheels ok $((SECONDS - t)) "pyzmq and msgspec already installed; .whl/ not needed" 0
+    record wheels ok $((SECONDS - t)) "pyzmq, msgspec and blake3 already installed; .whl/ not needed" 0
 elif ! ls .whl/*.whl >/dev/null 2>&1; then
-    echo "gpu_check: pyzmq or msgspec is missing and .whl/ holds no wheels: run scripts/gpu_wheels" \
+    echo "gpu_check: pyzmq, msgspec or blake3 is missing and .whl/ holds no wheels: run scripts/gpu_wheels" \
          "here, then carry .whl (run(..., carry=[\".whl\"]))" >&2
-    record wheels failed $((SECONDS - t)) "pyzmq or msgspec missing and no .whl/: run scripts/gpu_wheels" 1
-    stopped="stopped: no pyzmq or msgspec"
+    record wheels failed $((SECONDS - t)) "pyzmq, msgspec or blake3 missing and no .whl/: run scripts/gpu_wheels" 1
+    stopped="stopped: no pyzmq, msgspec or blake3"
     exit "$status"
 else
     timeout 60 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \

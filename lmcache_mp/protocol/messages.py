@@ -460,6 +460,7 @@ class StatsReply:
     disk_evictions: int = 0
     disk_queue_bytes: int = 0
     disk_queue_chunks: int = 0
+    disk_write_busy_seconds: float = 0.0
     disk_read_errors: int = 0
     disk_write_errors: int = 0
     disk_prefetch_timeouts: int = 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ from lmcache_mp.protocol import (
     UnregisterKVCacheRequest,
 )
 
-from ..utils import rid, run_server, server_process, started_process, wait_for
+from ..utils import free_port, rid, run_server, server_process, started_process, wait_for
 from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, prompt
 from .agents import RawClient, new_cache, raw_bytes
 
@@ -191,16 +192,39 @@ def test_bad_frames_from_a_connection_without_session_get_one_reply_each(server)
         assert raw.call("PING", {})[0] == b"ok"  # heartbeats need no session
 
 
+def _bytes_queued_for(port: int) -> int:
+    """Bytes the kernel holds, unread, on the server's side of the TCP connections to `port`
+    (/proc/net/tcp's rx_queue of the sockets whose local port it is)."""
+    queued = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port and fields[3] == "01":  # ESTABLISHED
+            queued += int(fields[4].split(":")[1], 16)
+    return queued
+
+
 def test_requests_sent_just_before_sigterm_are_each_answered():
     """900 pipelined requests (under ZeroMQ's receive high-water mark of 1,000), SIGTERM
     right behind them: each gets exactly one reply, served or `shutting_down`. The server
     answers what still arrives until its socket has been quiet, rather than closing it
     under requests ZeroMQ is still delivering (RETRIEVEs sent ~5 ms before a SIGTERM got no
-    reply)."""
-    with run_server() as stopping, RawClient(stopping.url, timeout_ms=20_000) as raw:
-        raw.hello()
-        sent = {raw.send("PING", {}) for _ in range(900)}
-        started_process(stopping).send_signal(signal.SIGTERM)
+    reply). The order is the test's, not the machine's: the server is stopped (SIGSTOP)
+    while the requests are sent, the signal is sent once the kernel holds every byte of
+    them for the server, and only then does it run again."""
+    port = free_port()
+    with run_server(url=f"tcp://127.0.0.1:{port}") as stopping, \
+            RawClient(stopping.url, timeout_ms=20_000) as raw:
+        raw.hello(stopping.token())
+        process = started_process(stopping)
+        process.send_signal(signal.SIGSTOP)
+        try:
+            sent = {raw.send("PING", {}) for _ in range(900)}
+            # A PING is three frames of 8, 4 and 1 bytes, each after 2 bytes of ZMTP framing.
+            wait_for(lambda: _bytes_queued_for(port) >= 900 * (10 + 6 + 3),
+                     "the requests in the server's receive queue")
+            process.send_signal(signal.SIGTERM)
+        finally:
+            process.send_signal(signal.SIGCONT)
         outcomes: dict[int, str] = {}
         while sent - outcomes.keys():
             request_id, status, body = raw.recv()

@@ -46,6 +46,10 @@ class DiskCounters:
     evictions: int = 0  # chunks removed from disk to make room or keep a salt under its cap
     queue_bytes: int = 0  # chunk bytes waiting to be written
     queue_chunks: int = 0
+    # Seconds write-through had chunks to write or removals to record (until its last
+    # commit): bytes_written over it is the tier's write rate while it had work, whatever
+    # the rate STOREs bring chunks at.
+    write_busy_seconds: float = 0.0
     read_errors: int = 0  # failed reads (EIO and the like; the chunk is dropped)
     write_errors: int = 0  # failed writes or syncs (the tier shrinks or stops writing)
     prefetch_timeouts: int = 0  # LOOKUPs answered before their read-back finished

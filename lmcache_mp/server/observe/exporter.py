@@ -151,10 +151,10 @@ def stats_metrics(stats: StatsReply, labels: TenantLabels) -> Iterator[Metric]:
     yield from _tenant_metrics(fold_tenants(stats.tenants, labels))
 
 
-def _tier_families(prefix: str) -> tuple[Callable[[str, str, int], CounterMetricFamily],
+def _tier_families(prefix: str) -> tuple[Callable[[str, str, float], CounterMetricFamily],
                                          Callable[[str, str, float], GaugeMetricFamily]]:
     """A lower tier's counter and gauge makers, their names under PREFIX + `prefix`."""
-    def counter(name: str, doc: str, value: int) -> CounterMetricFamily:
+    def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
         return CounterMetricFamily(PREFIX + prefix + name, doc, value=value)
 
     def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -219,6 +219,8 @@ def _disk_metrics(stats: StatsReply) -> Iterator[Metric]:
                   "its cap", stats.disk_evictions)
     yield gauge("queue_bytes", "Chunk bytes waiting to be written", stats.disk_queue_bytes)
     yield gauge("queue_chunks", "Chunks waiting to be written", stats.disk_queue_chunks)
+    yield counter("write_busy_seconds", "Seconds write-through had chunks to write (written "
+                  "bytes over it: the write rate)", stats.disk_write_busy_seconds)
     yield counter("read_errors", "Failed disk reads", stats.disk_read_errors)
     yield counter("write_errors", "Failed disk writes or syncs", stats.disk_write_errors)
     yield counter("prefetch_timeouts", "LOOKUPs answered before their read-back finished",
