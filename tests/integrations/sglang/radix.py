@@ -62,6 +62,8 @@ def kit_session() -> Iterator[Kit]:
             yield kit
         finally:
             kit.doCleanups()
+
+
 @dataclasses.dataclass(frozen=True)
 class Engine:
     """What an SGLang engine's radix cache is built from: the server, its layout, its model
@@ -89,9 +91,13 @@ def radix_cache(kit, engine: Engine):
     """A UnifiedRadixCache as a scheduler builds it, its HiCache on LMCacheMPStorage."""
     extra = {"backend_name": "lmcache_mp", "module_path": "lmcache_mp.integrations.sglang",
              "class_name": "LMCacheMPStorage", "interface_v1": 1, "url": engine.url,
-             "cache_salt": engine.salt, "prefetch_threshold": 1}
+             "cache_salt": engine.salt, "prefetch_threshold": 1, "timeout_s": 10.0}
+    # As the kit's _init_hicache: a prefetch ends when its pages are in, never on a clock
+    # (SGLang's default policy, "timeout", would cut one short on a loaded machine; so
+    # would the backend's default 2 s budget).
     args = ServerArgs(model_path="dummy", page_size=PAGE, hicache_io_backend="kernel",
                       hicache_mem_layout=engine.layout, hicache_write_policy="write_through",
+                      hicache_storage_prefetch_policy="wait_complete",
                       hicache_storage_backend="dynamic",
                       hicache_storage_backend_extra_config=json.dumps(extra))
     set_global_server_args_for_scheduler(args)
