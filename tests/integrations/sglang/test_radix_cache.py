@@ -42,8 +42,9 @@ def test_a_pool_too_small_leaves_each_sequence_a_loadable_prefix(kit):
             reader, matched, loaded = prefetch_and_load(kit, engine, tokens, f"read-{n}")
             pages = matched // PAGE
             assert same(loaded, wrote.first(pages * PAGE))  # each page counted is byte-exact
-            # ... and no page after the leading run is left: each is looked up alone.
             storage = reader.cache_controller.storage_backend
+            assert storage.batch_exists(wrote.keys) == pages  # the leading run
+            # ... and no page after it is left: each is looked up alone.
             found = [storage.batch_exists([key]) for key in wrote.keys]
             assert found == [1] * pages + [0] * (PAGES_EACH - pages)
             pages_found.append(pages)
