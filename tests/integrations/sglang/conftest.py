@@ -1,4 +1,5 @@
-"""The SGLang tests run only where sglang (0.5.23) imports; its modules are imported once here."""
+"""The SGLang tests run only where sglang (0.5.23) imports; its modules are imported once here,
+and the radix-cache kit's fixture."""
 
 import os
 import warnings
@@ -16,3 +17,12 @@ with warnings.catch_warnings():
 from .hostpools import import_sglang  # noqa: E402
 
 import_sglang()
+
+from .radix import kit_session  # noqa: E402 (SGLang imports only after import_sglang)
+
+
+@pytest.fixture
+def kit():
+    """The steps of SGLang's radix-cache kit, on the CPU (radix.py)."""
+    with kit_session() as made:
+        yield made

@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's own host pools, built on the CPU, and the one stand-in importing them needs.
+"""SGLang 0.5.23's own host pools, built on the CPU, and the stand-ins importing SGLang needs.
 
 Importing SGLang's host pools pulls in sglang.srt.configs, which imports torchvision (for a
 vision model's image transforms) and sentencepiece (for a vision model's tokenizer) at
@@ -8,7 +8,9 @@ that also ran vLLM's and the server's tests, crashed that process at its exit (a
 segmentation fault after the last test); neither is used by the host pools. So, where they
 do not import, `import_sglang` records torchvision as absent in transformers (which then
 never touches it) and puts stand-ins for both in sys.modules for the length of SGLang's
-imports only (scripts/bootstrap installs neither).
+imports only (scripts/bootstrap installs neither). The same goes for datasets (Hugging
+Face's), which SGLang's test kits import through sglang.test.test_utils (for its benchmark
+datasets) and never call in the steps test_radix_cache.py uses.
 Beyond that, the pools are SGLang's as an engine builds them, with pin_memory=False (no
 accelerator to pin for) and a host-memory budget of SGLang's own (host_memory_budget_scope)
 instead of its 10 GiB reserve below the machine's free memory.
@@ -31,6 +33,7 @@ _STAND_INS = {
     "torchvision": ("torchvision", "torchvision.transforms",
                     "torchvision.transforms.functional", "torchvision.io"),
     "sentencepiece": ("sentencepiece",),
+    "datasets": ("datasets",),
 }
 
 
@@ -79,6 +82,7 @@ def import_sglang() -> None:
         import sglang.srt.mem_cache.pool_host.mha  # noqa: F401
         import sglang.srt.mem_cache.pool_host.mla  # noqa: F401
         import sglang.srt.mem_cache.storage.backend_factory  # noqa: F401
+        import sglang.test.kits.unified_radix_cache.storage  # noqa: F401
 
 
 def _pointers(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
