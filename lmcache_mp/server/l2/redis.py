@@ -88,7 +88,9 @@ class RedisL2(L2):
             return
         def build(pipe) -> None:
             for key in keys:
-                pipe.unlink(key)
+                # Not pipe.unlink(): redis-py's async cluster pipeline takes it for its
+                # multi-key coroutine, which is never awaited there (nothing is deleted).
+                pipe.execute_command("UNLINK", key)
         await self._pipelined(build)
 
     async def close(self) -> None:

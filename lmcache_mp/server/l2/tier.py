@@ -48,7 +48,7 @@ class L2Tier:
         password = read_password_file(config.l2_password_file) if config.l2_password_file \
             else None
         keys = read_key_file(config.l2_key_file) if config.l2_key_file else None
-        backend = _backend(config.l2, password, config.l2_timeout)
+        backend = open_backend(config.l2, password, config.l2_timeout)
         return cls(backend, store, registry, pool, chunk_view, budget=config.l2_budget,
                    ttl_s=config.l2_ttl, queue_limit=config.l2_queue_size,
                    prefetch_wait_s=config.l2_prefetch_wait, timeout_s=config.l2_timeout,
@@ -90,7 +90,7 @@ class L2Tier:
             pass  # the connections are gone either way
 
 
-def _backend(url: str, password: str | None, timeout_s: float) -> L2:
+def open_backend(url: str, password: str | None, timeout_s: float) -> L2:
     """The backend the URL names; its client library is imported only when it is used."""
     if url.startswith(MOONCAKE_SCHEME):
         from .mooncake import MooncakeL2

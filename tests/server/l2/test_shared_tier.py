@@ -4,10 +4,13 @@ processes."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus
+from lmcache_mp.server.l2.redis import RedisL2
 
 from ...redis_servers import SERVERS, redis_cluster, redis_server
 from ...utils import run_server, wait_for
@@ -88,6 +91,29 @@ def test_two_nodes_share_a_redis_cluster():
         two_nodes_share("redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in nodes[:2]))
         keys = [key for node in nodes for key in node.client().keys("lmcache-mp:1:*")]
         assert len(keys) == 4
+
+
+@pytest.mark.slow
+def test_a_cluster_backend_deletes_the_keys_it_is_given():
+    """What --l2-budget and the quotas delete goes from a cluster too: redis-py's async
+    cluster pipeline would take `unlink` for a coroutine of its own and delete nothing."""
+    with redis_cluster(3) as nodes:
+        url = "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in nodes)
+        keys = [f"lmcache-mp:1:deletes:{i}".encode() for i in range(32)]
+
+        async def put_delete_exists() -> list[bool]:
+            backend = RedisL2(url, None, 5)
+            try:
+                await backend.put([(key, b"value") for key in keys], 60)
+                assert all(await backend.exists(keys))
+                await backend.delete(keys[:20])
+                return await backend.exists(keys)
+            finally:
+                await backend.close()
+
+        assert asyncio.run(put_delete_exists()) == [False] * 20 + [True] * 12
+        left = {key for node in nodes for key in node.client().keys("lmcache-mp:1:deletes:*")}
+        assert left == set(keys[20:])
 
 
 def test_pulled_chunks_name_their_parents_so_a_squeeze_leaves_a_prefix():
