@@ -5,29 +5,25 @@ No timing is asserted: every figure must be there, positive where it measures so
 held against its bound, and every page loaded byte for byte.
 """
 
+import importlib.util
 import json
 import math
 import os
-import warnings
 
 import pytest
 
 from .test_cli import bench
 
 
-def sglang_imports() -> bool:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            import sglang  # noqa: F401
-        except ImportError:
-            return False
-    return True
+def sglang_installed() -> bool:
+    """Without importing it: SGLang imports torch and thousands of modules (seconds) at
+    collection otherwise; the workload itself says when an installed SGLang fails to import."""
+    return importlib.util.find_spec("sglang") is not None
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(not sglang_imports(), reason="sglang (scripts/bootstrap) is not installed")
+@pytest.mark.skipif(not sglang_installed(), reason="sglang (scripts/bootstrap) is not installed")
 def test_sglang_workload_moves_pages_byte_exact_beside_the_file_backend(tmp_path):
     out = tmp_path / "sglang.json"
     result = bench("--workload", "sglang", "--page-sizes", "1,4", "--sglang-bytes", "2MiB",

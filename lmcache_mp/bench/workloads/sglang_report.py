@@ -116,7 +116,7 @@ def describe(figures: SGLangFigures) -> str:
     return (f"SGLang 0.5.23's MHATokenToKVPoolHost ({figures.layout}; {figures.geometry}: "
             f"Llama-3-8B); LMCacheMPStorage and SGLang's file backend (HiCacheFile) built by "
             f"SGLang's StorageBackendFactory; the file backend in a fresh directory under "
-            f"{figures.file_root} (its file_storage_path; {figures.file_filesystem}); "
+            f"{figures.file_root} (its file_storage_path; filesystem {figures.file_filesystem}); "
             f"{figures.rounds} rounds of fresh pages per page "
             f"size; every page loaded checked byte for byte.")
 
