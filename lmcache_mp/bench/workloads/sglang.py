@@ -258,11 +258,10 @@ def _exists_latency(server: BenchServer, geometry: Geometry, page_tokens: int, r
         for _ in range(rounds * per_round):  # one each in turn: both see the same machine
             echo_us += timed_us(echo_once, 1)
             exists_us += timed_us(exists_once, 1)
-        sock.close()
         return ExistsFigures(EXISTS_PAGES, hits, Latency.of(exists_us), Latency.of(echo_us),
                              exists_us, echo_us)
     finally:
-        context.term()
+        context.destroy(linger=0)  # the dealer too, however far it got
         echo.stop()
         storage.close()
 
@@ -302,6 +301,7 @@ def measure(options: BenchOptions, log: Callable[[str], None]) -> SGLangFigures:
 
 
 def main(options: BenchOptions) -> int:
+    torch.set_num_threads(1)  # the copy bound is one thread's, as the other workloads'
     log = output.log if options.progress else (lambda message: None)
     figures = output.attempt(lambda: measure(options, log))
     if isinstance(figures, int):
