@@ -90,3 +90,32 @@ def test_sglang_flags_are_refused_before_anything_starts(args, message):
     result = bench(*args, timeout=60)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sglang_installed(), reason="sglang (scripts/bootstrap) is not installed")
+def test_the_byte_check_finds_a_page_missing_or_one_byte_different():
+    # As tests/integrations/sglang: SGLang imports vLLM, which picks its platform once a process.
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    import torch
+
+    from lmcache_mp.bench.harness.sglang_pools import Geometry, import_sglang
+    from lmcache_mp.bench.workloads.sglang import HostPools
+    from lmcache_mp.bench.workloads.sglang_report import Moved
+
+    import_sglang()
+    tiny = Geometry(2, 1, 8, torch.bfloat16)
+    pools = HostPools(tiny, 4, 2, 4, seed=0)  # 4 pages of 2 tokens, one call of 4
+    pools.target.kv_buffer.copy_(pools.source.kv_buffer)
+    moved = Moved(tiny.page_bytes(2))
+    pools.check(4, 4, moved)
+    assert moved.missing == moved.mismatched == 0
+    # One bit of page 2: its V, last layer, last token, last byte.
+    pools.target.get_data_page(2 * 2, flat=False).view(torch.uint8)[1, 1, 1, 0, 15] ^= 1
+    pools.check(4, 4, moved)
+    assert moved.missing == 0 and moved.mismatched == 1
+    pools.check(2, 4, moved)  # two pages loaded of four: pages 2 and 3 missing
+    assert moved.missing == 2 and moved.mismatched == 1
+    pools.next_round()  # every source byte changed: no page left equal
+    pools.check(4, 4, moved)
+    assert moved.mismatched == 1 + 4

@@ -68,7 +68,7 @@ def page_keys(tag: str, count: int) -> list[str]:
     return [hashlib.sha256(f"{tag}:{n}".encode()).hexdigest() for n in range(count)]
 
 
-class _Pools:
+class HostPools:
     """A source pool of fresh bytes, a target pool loads land in, and the host indices of
     each call as SGLang passes them (page_tokens token slots a page)."""
 
@@ -113,7 +113,7 @@ def _leading(results: list[bool]) -> int:
     return count
 
 
-def _timed_calls(keys: list[str], pools: _Pools, moved: Moved,
+def _timed_calls(keys: list[str], pools: HostPools, moved: Moved,
                  move: Callable[[list[str], torch.Tensor], int]) -> int:
     """A round's pages, call by call: `move` of a call's keys and host indices, timed; the
     pages moved. Like SGLang's backup and prefetch, it stops at the first call short."""
@@ -132,12 +132,12 @@ def _timed_calls(keys: list[str], pools: _Pools, moved: Moved,
     return total
 
 
-def _ours_store(storage: Any, keys: list[str], pools: _Pools, moved: Moved) -> int:
+def _ours_store(storage: Any, keys: list[str], pools: HostPools, moved: Moved) -> int:
     return _timed_calls(keys, pools, moved,
                         lambda part, indices: _leading(storage.batch_set_v1(part, indices)))
 
 
-def _ours_load(storage: Any, keys: list[str], pools: _Pools, moved: Moved) -> int:
+def _ours_load(storage: Any, keys: list[str], pools: HostPools, moved: Moved) -> int:
     """SGLang's prefetch: batch_exists, then batch_get_v1 of the pages it counted."""
     def load(part: list[str], indices: torch.Tensor) -> int:
         hits = storage.batch_exists(part)
@@ -148,7 +148,7 @@ def _ours_load(storage: Any, keys: list[str], pools: _Pools, moved: Moved) -> in
     return _timed_calls(keys, pools, moved, load)
 
 
-def _file_store(storage: Any, keys: list[str], pools: _Pools, moved: Moved) -> int:
+def _file_store(storage: Any, keys: list[str], pools: HostPools, moved: Moved) -> int:
     """SGLang's HiCacheController._generic_page_set: each page gathered flat, batch_set."""
     pool, page = pools.source, pools.page_tokens
 
@@ -159,7 +159,7 @@ def _file_store(storage: Any, keys: list[str], pools: _Pools, moved: Moved) -> i
     return _timed_calls(keys, pools, moved, store)
 
 
-def _file_load(storage: Any, keys: list[str], pools: _Pools, moved: Moved) -> int:
+def _file_load(storage: Any, keys: list[str], pools: HostPools, moved: Moved) -> int:
     """SGLang's prefetch of a backend without interface_v1: batch_exists, then
     HiCacheController._generic_page_get (batch_get into fresh flat pages, each set into
     the host pool)."""
@@ -191,7 +191,7 @@ def _page_size(server: BenchServer, geometry: Geometry, page_tokens: int, pages:
     """ROUNDS rounds at one page size."""
     page_bytes = geometry.page_bytes(page_tokens)
     batch = min(batch, pages)
-    pools = _Pools(geometry, pages, page_tokens, batch, seed)
+    pools = HostPools(geometry, pages, page_tokens, batch, seed)
     bound = CopyBound(batch * page_bytes, repeats=3)
     figures = PageFigures(page_tokens, page_bytes, pages, batch, bound.samples,
                           *(Moved(page_bytes) for _ in range(4)))
@@ -229,7 +229,7 @@ def _exists_latency(server: BenchServer, geometry: Geometry, page_tokens: int, r
                     per_round: int, timeout: float, seed: int) -> ExistsFigures:
     """batch_exists of EXISTS_PAGES stored pages against the echo of a LOOKUP of as many
     16-byte hashes, one of each in turn."""
-    pools = _Pools(geometry, EXISTS_PAGES, page_tokens, EXISTS_PAGES, seed)
+    pools = HostPools(geometry, EXISTS_PAGES, page_tokens, EXISTS_PAGES, seed)
     storage = _ours(server, pools.source, timeout)
     keys = page_keys(f"{seed}:exists", EXISTS_PAGES)
     echo = EchoProcess(server.url, str(server.runtime_dir / "echo.sock"))
