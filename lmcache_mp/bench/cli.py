@@ -51,6 +51,15 @@ workloads:
                 unbounded cache's and the optimal bound at the same capacities (only
                 --trace, --trace-limit, --pool-share, --disk-share, --disk-admission,
                 --disk-dir, --json, --timeout and --no-progress apply)
+  sglang        SGLang 0.5.23's HiCache storage path (its own host pool and backend
+                factory; scripts/bootstrap installs it) on a spawned server: pages a second
+                and GB/s through our backend's batch_set_v1 and batch_exists +
+                batch_get_v1 at --page-sizes tokens of a Llama-3-8B (default 4, 16, 64:
+                512 KiB, 2 MiB, 8 MiB pages), beside the copy bound and SGLang's own file
+                backend on the same pages, every page loaded checked byte for byte; and
+                batch_exists of 128 pages against the echo (only --page-sizes,
+                --sglang-bytes, --batch, --seed, --json, --timeout, --lookup-rounds,
+                --lookup-iters and --no-progress apply)
 
   chat with --disk-size: the same conversations twice, with a disk tier under a pool of an
   eighth of the working set and with that pool alone: hit rates with the disk, pool-only
@@ -66,12 +75,14 @@ examples:
   lmcache-mp-bench --workload disk --disk-dir /mnt/nvme/bench
   lmcache-mp-bench --workload chat --disk-size 4GiB
   lmcache-mp-bench --workload trace --trace conversation.jsonl --disk-share 0.5
+  lmcache-mp-bench --workload sglang --page-sizes 64 --sglang-bytes 1GiB
   lmcache-mp-bench --workload W2 --url   # the server running at this user's default endpoint
   LMCACHE_MP_TOKEN=... LMCACHE_MP_ADMIN_TOKEN=... \
     lmcache-mp-bench --workload W2 --url tcp://127.0.0.1:5555
 
 exit status: 0 when every byte check passed, 1 when one failed (the table says which),
-2 for bad flags or a peer that cannot run here (the message says what to install),
+2 for bad flags or a peer (or, for --workload sglang, SGLang) that cannot run here (the
+message says what to install),
 3 when the run itself failed (a server, rank or reply that did not come in time).
 """
 

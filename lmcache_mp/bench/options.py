@@ -22,10 +22,16 @@ from .shapes import SHAPES, KVShape
 
 UNIFORM = ("W1", "W2", "W3")
 SIMULATED = (*UNIFORM, "chat", "multi-tenant")  # simulated engines: workloads/simulated.py
-WORKLOADS = (*SIMULATED, "engine", "warm-restart", "disk", "trace")
+WORKLOADS = (*SIMULATED, "engine", "warm-restart", "disk", "trace", "sglang")
 TRACE_FLAGS = {"workload", "spawn", "trace", "trace_limit", "pool_share", "disk_share",
                "disk_admission", "disk_dir", "json", "timeout",
                "progress"}  # what --workload trace takes
+SGLANG_FLAGS = {"workload", "spawn", "page_sizes", "sglang_bytes", "batch", "seed", "json",
+                "timeout", "lookup_rounds", "lookup_iters",
+                "progress"}  # what --workload sglang takes
+SGLANG_PAGE_SIZES = (4, 16, 64)  # tokens: Llama-3-8B pages of 512 KiB, 2 MiB, 8 MiB
+SGLANG_BYTES = "256MiB"
+SGLANG_BATCH = 32  # pages a batch_set_v1 call: a 2,048-token prompt in 64-token pages
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,7 @@ DEFAULTS = {
     "warm-restart": Defaults(None, None, None, "8KiB"),
     "disk": Defaults(64, 32, 4, "W2"),
     "trace": Defaults(None, None, None, None),
+    "sglang": Defaults(None, None, SGLANG_BATCH, None),
 }
 
 
@@ -56,6 +63,16 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def page_sizes(text: str) -> tuple[int, ...]:
+    """Comma-separated positive token counts: "4,16,64"."""
+    try:
+        sizes = tuple(positive_int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token counts such as 4,16,64, got {text!r}"
+                                         ) from None
+    return sizes
 
 
 def positive_float(text: str) -> float:
@@ -223,6 +240,13 @@ class BenchOptions:
         "write-all", "trace only, with --disk-share: the server's --disk-admission, which "
         "chunks it writes to its disk tier (write-all, reused; default write-all)",
         choices=("write-all", "reused"), metavar="POLICY")
+    page_sizes: tuple[int, ...] = flag(
+        SGLANG_PAGE_SIZES, "sglang only: SGLang --page-size values to measure, in tokens of a "
+        "Llama-3-8B (128 KiB a token: 4, 16, 64 are pages of 512 KiB, 2 MiB, 8 MiB; the "
+        "default)", type=page_sizes, metavar="TOKENS,...")
+    sglang_bytes: str = flag(
+        SGLANG_BYTES, "sglang only: pages stored and loaded in each round at each page size, in "
+        "bytes (default 256MiB; whole pages, one at least)", metavar="SIZE")
 
     @property
     def kv_shape(self) -> KVShape:
@@ -265,6 +289,12 @@ def from_namespace(args: argparse.Namespace) -> BenchOptions:
 def resolve(options: BenchOptions) -> BenchOptions:
     """The workload's defaults filled in; FlagError for flags that do not go together."""
     _check_standalone(options)
+    if options.workload == "sglang":
+        _takes_only(options, SGLANG_FLAGS, "--page-sizes, --sglang-bytes, --batch, --seed, "
+                    "--json, --timeout, --lookup-rounds, --lookup-iters and --no-progress")
+        _check_size("--sglang-bytes", options.sglang_bytes)
+        return dataclasses.replace(options, batch=options.batch or SGLANG_BATCH,
+                                   progress=options.progress and sys.stderr.isatty())
     if options.workload == "trace" or options.trace is not None:
         _check_trace(options)
         return dataclasses.replace(options, progress=options.progress and sys.stderr.isatty())
@@ -293,6 +323,9 @@ def resolve(options: BenchOptions) -> BenchOptions:
 
 
 def _check_standalone(options: BenchOptions) -> None:
+    if options.workload != "sglang" and (options.page_sizes != SGLANG_PAGE_SIZES
+                                         or options.sglang_bytes != SGLANG_BYTES):
+        raise FlagError("--page-sizes and --sglang-bytes are for --workload sglang")
     if options.workload == "chat" and options.chunks:
         raise FlagError("--chunks does not apply to chat: its prompts grow turn by turn")
     if options.workload == "multi-tenant" and options.requests is not None:
@@ -317,14 +350,19 @@ def _check_trace(options: BenchOptions) -> None:
                                        or options.disk_admission != "write-all"):
         raise FlagError("--disk-dir and --disk-admission need --disk-share with --workload "
                         "trace")
+    _takes_only(options, TRACE_FLAGS, "--trace, --trace-limit, --pool-share, --disk-share, "
+                "--disk-admission, --disk-dir, --json, --timeout and --no-progress")
+
+
+def _takes_only(options: BenchOptions, allowed: set[str], takes: str) -> None:
+    """FlagError naming the flags given that the workload does not take (`takes` says which
+    it does)."""
     given = [option.name for option in fields(BenchOptions)
-             if option.name not in TRACE_FLAGS
+             if option.name not in allowed
              and getattr(options, option.name) != option.default]
     if given:
         names = ", ".join("--" + name.replace("_", "-") for name in given)
-        raise FlagError(f"{names}: not for --workload trace (it takes --trace, --trace-limit, "
-                        f"--pool-share, --disk-share, --disk-admission, --disk-dir, --json, "
-                        f"--timeout and --no-progress)")
+        raise FlagError(f"{names}: not for --workload {options.workload} (it takes {takes})")
 
 
 def _check_nodes(options: BenchOptions) -> None:

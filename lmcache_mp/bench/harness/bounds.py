@@ -98,7 +98,8 @@ class LookupFigures:
     echo_samples_us: list[float]
 
 
-def _dealer(context: zmq.Context, url: str) -> zmq.Socket:
+def dealer(context: zmq.Context, url: str) -> zmq.Socket:
+    """A DEALER connected to `url` (an echo's), sends and receives bounded by 10 s."""
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 10_000)
@@ -107,7 +108,8 @@ def _dealer(context: zmq.Context, url: str) -> zmq.Socket:
     return sock
 
 
-def _timed_us(call: Callable[[], object], count: int) -> list[float]:
+def timed_us(call: Callable[[], object], count: int) -> list[float]:
+    """Microseconds of each of `count` calls."""
     clock = time.perf_counter_ns
     samples = []
     for _ in range(count):
@@ -130,7 +132,7 @@ def measure_lookups(client: CacheClient, echo_url: str, model: str, kv_world_siz
              for i, (salt, prefix) in enumerate(chosen)]
     keys_per_message = sum(min(32, len(prefix)) for _, prefix in chosen)
     context = zmq.Context()
-    echo = _dealer(context, echo_url)
+    echo = dealer(context, echo_url)
     try:
         def frames(items: list[LookupItem]) -> list[bytes]:
             return [protocol.encode_request_id(1), b"LOOKUP",
@@ -147,12 +149,12 @@ def measure_lookups(client: CacheClient, echo_url: str, model: str, kv_world_siz
 
         lookup_samples: list[float] = []
         echo_samples: list[float] = []
-        _timed_us(lookup_once, min(100, per_round))  # warm-up
-        _timed_us(lambda: echo_once(single_frames), min(100, per_round))
+        timed_us(lookup_once, min(100, per_round))  # warm-up
+        timed_us(lambda: echo_once(single_frames), min(100, per_round))
         for _ in range(rounds):
             for _ in range(per_round):  # one each in turn: both see the same machine
-                echo_samples += _timed_us(lambda: echo_once(single_frames), 1)
-                lookup_samples += _timed_us(lookup_once, 1)
+                echo_samples += timed_us(lambda: echo_once(single_frames), 1)
+                lookup_samples += timed_us(lookup_once, 1)
 
         hit_fraction = sum(client.lookup(model, kv_world_size, batch)) / keys_per_message
         keys_per_s: list[float] = []

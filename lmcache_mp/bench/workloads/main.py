@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..options import BenchOptions
-from . import disk, disk_chat, engine, nodes, simulated, trace, warm_restart
+from . import disk, disk_chat, engine, nodes, sglang, simulated, trace, warm_restart
 
 
 def main(options: BenchOptions) -> int:
@@ -15,6 +15,8 @@ def main(options: BenchOptions) -> int:
         return disk.main(options)
     if options.workload == "trace":
         return trace.main(options)
+    if options.workload == "sglang":
+        return sglang.main(options)
     if options.nodes > 1:
         return nodes.main(options)
     if options.disk_size is not None:
