@@ -1,7 +1,10 @@
 """The backend's pipeline through its staging segment's two halves, against a real server:
 batches larger than the segment move byte for byte both ways, whatever the host pages and
 layouts, one STORE a slice; a miss in the middle of a batch ends it, writes nothing after
-it and leaves no hold; the segment's default size follows the page size."""
+it and leaves no hold; a get and a set at once share the segment; the segment's default
+size follows the page size."""
+
+import concurrent.futures
 
 import pytest
 import torch
@@ -79,6 +82,28 @@ def test_a_miss_in_the_middle_of_a_pipelined_get_ends_it_and_leaves_no_hold():
                            kv_at(target, tokens_at(range(12, 16))))
         writer.close()
         reader.close()
+
+
+def test_a_get_and_a_set_at_once_share_the_staging_segment_byte_exact(server):
+    """SGLang's prefetch and backup threads call one backend at once: each call takes the
+    halves free when it starts and waits for the others; neither sees the other's bytes."""
+    pool, fresh = filled(mha_pool, "layer_first"), filled(mha_pool, "layer_first")
+    storage = backend(pool, server.url, staging_pages=4)
+    loaded, stored = page_keys(6), page_keys(6)
+    assert storage.batch_set_v1(loaded, tokens_at(range(6))) == [True] * 6
+    assert storage.batch_exists(loaded) == 6
+    with concurrent.futures.ThreadPoolExecutor(2) as threads:
+        get = threads.submit(storage.batch_get_v1, loaded, tokens_at(range(8, 14)))
+        put = threads.submit(storage.batch_set_v1, stored, tokens_at(range(6)))
+        assert get.result(timeout=60) == [True] * 6
+        assert put.result(timeout=60) == [True] * 6
+    assert torch.equal(kv_at(pool, tokens_at(range(6))), kv_at(pool, tokens_at(range(8, 14))))
+    reader = backend(fresh, server.url)
+    assert reader.batch_exists(stored) == 6
+    assert reader.batch_get_v1(stored, tokens_at(range(10, 16))) == [True] * 6
+    assert torch.equal(kv_at(pool, tokens_at(range(6))), kv_at(fresh, tokens_at(range(10, 16))))
+    storage.close()
+    reader.close()
 
 
 def test_the_staging_segment_holds_64_mib_of_pages_unless_told():
