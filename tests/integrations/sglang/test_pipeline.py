@@ -34,22 +34,23 @@ SOURCE_PAGES = [0, 1, 2, 5, 6, 9, 3, 4, 12, 13, 14]
 TARGET_PAGES = [15, 7, 8, 10, 11, 0, 1, 2, 3, 4, 6]
 
 
-@pytest.mark.parametrize("make,layout_from,layout_to", [
-    (mha_pool, "layer_first", "page_first"), (mha_pool, "page_first", "layer_first"),
-    (mla_pool, "layer_first", "page_first")])
+# 3 staging pages: halves of 2 and 1 page, so 11 pages go in 7 slices, taken in turn;
+# 1 staging page: one half, 11 slices one after the other.
+@pytest.mark.parametrize("make,layout_from,layout_to,staging_pages,slices", [
+    (mha_pool, "layer_first", "page_first", 3, 7), (mha_pool, "page_first", "layer_first", 3, 7),
+    (mla_pool, "layer_first", "page_first", 3, 7), (mha_pool, "layer_first", "layer_first", 1, 11)])
 def test_a_batch_larger_than_the_staging_segment_moves_byte_exact_through_its_halves(
-        server, make, layout_from, layout_to):
+        server, make, layout_from, layout_to, staging_pages, slices):
     mla = make is mla_pool
     source, target = filled(make, layout_from), filled(make, layout_to)
-    # 3 staging pages: halves of 2 and 1 page, so 11 pages go in 7 slices, taken in turn.
-    writer = backend(source, server.url, mla=mla, staging_pages=3)
-    reader = backend(target, server.url, mla=mla, staging_pages=3)
+    writer = backend(source, server.url, mla=mla, staging_pages=staging_pages)
+    reader = backend(target, server.url, mla=mla, staging_pages=staging_pages)
     keys = page_keys(len(SOURCE_PAGES))
     assert writer.batch_set_v1(keys, tokens_at(SOURCE_PAGES)) == [True] * 11
-    assert instance(server, writer).stores == 7
+    assert instance(server, writer).stores == slices
     assert reader.batch_exists(keys) == 11
     assert reader.batch_get_v1(keys, tokens_at(TARGET_PAGES)) == [True] * 11
-    assert instance(server, reader).retrieves == 7
+    assert instance(server, reader).retrieves == slices
     assert torch.equal(kv_at(source, tokens_at(SOURCE_PAGES)),
                        kv_at(target, tokens_at(TARGET_PAGES)))
     writer.close()
