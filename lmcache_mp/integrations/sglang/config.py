@@ -10,7 +10,7 @@ DEFAULT_TIMEOUT_S = 2.0
 # 32 MiB are large enough that a round trip costs little beside the copies, and small
 # enough that SGLang's batches (at most 128 pages) go through several of them.
 DEFAULT_STAGING_BYTES = 64 << 20
-DEFAULT_STAGING_PAGES = (2, 128)
+DEFAULT_STAGING_BOUNDS = (2, 128)
 MAX_STAGING_PAGES = 4096
 _FIELDS = {"url", "cache_salt", "model", "timeout_s", "staging_pages"}
 # Read by SGLang itself (its factory, its allocator choice, --file-storage-path), not by us.
@@ -59,10 +59,10 @@ class BackendConfig:
 
     def staging_pages_for(self, page_bytes: int) -> int:
         """Pages of the staging segment: staging_pages, or as many as DEFAULT_STAGING_BYTES
-        holds, within DEFAULT_STAGING_PAGES."""
+        holds, within DEFAULT_STAGING_BOUNDS."""
         if self.staging_pages is not None:
             return self.staging_pages
-        least, most = DEFAULT_STAGING_PAGES
+        least, most = DEFAULT_STAGING_BOUNDS
         return max(least, min(most, DEFAULT_STAGING_BYTES // page_bytes))
 
 
