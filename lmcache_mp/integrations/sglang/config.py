@@ -6,7 +6,12 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_TIMEOUT_S = 2.0
-DEFAULT_STAGING_PAGES = 32
+# Without staging_pages: as many pages as this holds, within the bounds below. Halves of
+# 32 MiB are large enough that a round trip costs little beside the copies, and small
+# enough that SGLang's batches (at most 128 pages) go through several of them.
+DEFAULT_STAGING_BYTES = 64 << 20
+DEFAULT_STAGING_BOUNDS = (2, 128)
+MAX_STAGING_PAGES = 4096
 _FIELDS = {"url", "cache_salt", "model", "timeout_s", "staging_pages"}
 # Read by SGLang itself (its factory, its allocator choice, --file-storage-path), not by us.
 _SGLANG_FIELDS = {"backend_name", "module_path", "class_name", "interface_v1", "allocator",
@@ -22,13 +27,13 @@ class BackendConfig:
     salt into its page keys, and passes the backend none); `model`: the name pages are
     shared under (default SGLang's model name); `timeout_s`: the longest a LOOKUP, STORE
     or RETRIEVE may take before it counts as a miss; `staging_pages`: pages the staging
-    segment holds (the largest slice of a batch moved in one round trip)."""
+    segment holds, in two halves (None: staging_pages_for picks)."""
 
     url: str = ""
     cache_salt: str = ""
     model: str = ""
     timeout_s: float = DEFAULT_TIMEOUT_S
-    staging_pages: int = DEFAULT_STAGING_PAGES
+    staging_pages: int | None = None
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> BackendConfig:
@@ -44,12 +49,29 @@ class BackendConfig:
         config = cls(url=str(extra.get("url", "")), cache_salt=str(extra.get("cache_salt", "")),
                      model=str(extra.get("model", "")),
                      timeout_s=float(extra.get("timeout_s", DEFAULT_TIMEOUT_S)),
-                     staging_pages=int(extra.get("staging_pages", DEFAULT_STAGING_PAGES)))
+                     staging_pages=_staging_pages(extra.get("staging_pages")))
         if not 0 < config.timeout_s <= 60:
             raise ValueError(f"timeout_s must be in (0, 60] seconds, got {config.timeout_s}")
-        if not 0 < config.staging_pages <= 4096:
-            raise ValueError(f"staging_pages must be in 1..4096, got {config.staging_pages}")
+        if config.staging_pages is not None and not 0 < config.staging_pages <= MAX_STAGING_PAGES:
+            raise ValueError(f"staging_pages must be in 1..{MAX_STAGING_PAGES}, got "
+                             f"{config.staging_pages}")
         return config
+
+    def staging_pages_for(self, page_bytes: int) -> int:
+        """Pages of the staging segment: staging_pages, or as many as DEFAULT_STAGING_BYTES
+        holds, within DEFAULT_STAGING_BOUNDS."""
+        if self.staging_pages is not None:
+            return self.staging_pages
+        least, most = DEFAULT_STAGING_BOUNDS
+        return max(least, min(most, DEFAULT_STAGING_BYTES // page_bytes))
+
+
+def _staging_pages(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"staging_pages must be an integer, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
-import math
 import threading
 import uuid
-from collections.abc import Callable
+from collections import deque
+from concurrent.futures import Future
 from typing import TypeVar
 
-import torch
-
-from ...client import CacheClient, LookupItem, Registration, StoreStatus, TransferItem
+from ...client import CacheClient, LeaseRef, LookupItem, Registration, StoreStatus, TransferItem
 from ...client.cache_client import DEADLINE_MARGIN_S
-from ...client.memfd import SharedKVCache
 from .config import BackendConfig, Namespace
 from .pages import PageCodec
+from .staging import Half, Staging
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +32,14 @@ def chunk_hash(key: str) -> bytes:
 class ServerLink:
     """Moves whole SGLang pages between the host pool and the server through a staging
     segment the server maps (a sealed memfd registered like a vLLM worker's cache, one
-    page per chunk): the KV bytes never cross the socket, and the staging copy is one
-    in-process memcpy per page each way.
+    page per chunk): the KV bytes never cross the socket. The backend's copy of a slice
+    (one memcpy per run of consecutive host pages) overlaps the server's copy of the
+    slice before (STORE) or after (RETRIEVE), through the segment's two halves.
 
     Never raises on the data path: a server that is down, restarting or slower than
     `timeout_s` makes a miss (LOOKUP, RETRIEVE) or a failed store, and the next call
     tries again. Calls from SGLang's prefetch and backup threads share the staging
-    segment one at a time."""
+    segment (Staging.halves)."""
 
     def __init__(self, settings: BackendConfig, space: Namespace, codec: PageCodec):
         self.settings = settings
@@ -48,9 +48,8 @@ class ServerLink:
         self.client = CacheClient(settings.url or None, timeout=settings.timeout_s,
                                   client_name="sglang")
         self._tp_group = f"sglang-{uuid.uuid4().hex}"  # one group per rank: each loads itself
-        self._staging: SharedKVCache | None = None
+        self._staging: Staging | None = None
         self._registration: Registration | None = None
-        self._lock = threading.Lock()  # the staging segment's, one slice at a time
         self._connect_lock = threading.Lock()
 
     def connect(self) -> bool:
@@ -63,9 +62,8 @@ class ServerLink:
         try:
             chunk_size = self.client.hello().chunk_size
             if self._staging is None:
-                width = math.ceil(self.codec.page_bytes / chunk_size)
-                self._staging = SharedKVCache("mla", 1, self.settings.staging_pages,
-                                              chunk_size, 1, width, torch.uint8)
+                pages = self.settings.staging_pages_for(self.codec.page_bytes)
+                self._staging = Staging(self.codec, pages, chunk_size)
             self._registration = self.client.register_kv_cache(
                 self._staging.handles(), model=self.space.model, layout="mla",
                 block_size=chunk_size, kv_world_size=self.space.kv_world_size,
@@ -90,83 +88,158 @@ class ServerLink:
         try:
             future = self.client.lookup_async(self.space.model, self.space.kv_world_size,
                                               [item], self.settings.timeout_s)
-            return min(int(future.result(self._patience()).hits[0]), len(keys))
+            return min(int(self._reply(future).hits[0]), len(keys))
         except Exception as exc:  # noqa: BLE001
             logger.warning("lookup of %d pages missed: %s", len(keys), exc)
             return 0
 
     def store(self, keys: list[str], pages: list[int], parent: str | None) -> list[bool]:
-        """Per page: stored now or before. Pages go in slices of the staging segment's
-        size; a slice that fails ends the batch (SGLang stops at the first failure)."""
-        done: list[bool] = []
-        rid = _request_id(keys) if keys else ""
+        """Per page: stored now or before. Pages go in slices of a staging half, each
+        copied in while the server stores the slice before; a slice that fails ends the
+        batch (SGLang stops at the first failure): its later pages are False, even those
+        of the one slice already sent after it (stored, a later set finds them stored)."""
         if not keys or not self.space.writes or not self.connect():
             return [not self.space.writes] * len(keys)
-        for start in range(0, len(keys), self.settings.staging_pages):
-            end = start + self.settings.staging_pages
-            parent_key = keys[start - 1] if start else parent
-            stored = self._guarded(self._store_slice, [False] * len(keys[start:end]),
-                                   rid, keys[start:end], pages[start:end], parent_key)
-            done += stored
-            if not all(stored):
-                break
-        return done + [False] * (len(keys) - len(done))
+        stored: list[bool] = []
+        try:
+            with self._ready().halves(self._patience()) as halves:
+                self._store_slices(_request_id(keys), keys, pages, parent, halves, stored)
+        except Exception as exc:  # noqa: BLE001 (the data path never raises)
+            logger.warning("lmcache-mp store of %d pages failed: %s", len(keys), exc)
+        return stored + [False] * (len(keys) - len(stored))
+
+    def _store_slices(self, rid: str, keys: list[str], pages: list[int],
+                      parent: str | None, halves: list[Half], stored: list[bool]) -> None:
+        """Appends each slice's outcome to `stored`, in order; stops at a failure. A slice
+        is sent as soon as it is copied in: the server's copy of one slice runs while the
+        backend copies the next, and a half is filled again once its STORE is answered."""
+        sent: deque[tuple[Half, int, int]] = deque()  # in flight, oldest first
+        for number, (start, end) in enumerate(_slices(len(keys), halves)):
+            half = halves[number % len(halves)]
+            if half.in_flight is not None and not self._stored(sent.popleft(), stored):
+                return  # a failed slice ends the batch; Staging.halves settles the rest
+            half.fill(self.codec, pages[start:end])
+            item = TransferItem.build(rid, [chunk_hash(k) for k in keys[start:end]],
+                                      half.blocks(end - start), self.settings.cache_salt,
+                                      parent_hash=_parent_hash(keys, start, parent))
+            half.in_flight = self.client.store_async(self.registration, [item],
+                                                     self.settings.timeout_s)
+            sent.append((half, start, end))
+        while sent and self._stored(sent.popleft(), stored):
+            pass
+
+    def _stored(self, sent: tuple[Half, int, int], stored: list[bool]) -> bool:
+        """Wait for a slice's STORE; True if every page of it is stored."""
+        half, start, end = sent
+        future, half.in_flight = half.in_flight, None
+        assert future is not None
+        try:
+            statuses = self._reply(future).results[0]
+            outcome = [status in _STORED for status in statuses[:end - start]]
+        except Exception as exc:  # noqa: BLE001 (a failed slice: its pages are False)
+            logger.warning("lmcache-mp STORE of %d pages failed: %s", end - start, exc)
+            outcome = []
+        outcome += [False] * (end - start - len(outcome))
+        stored += outcome
+        return all(outcome)
 
     def retrieve(self, keys: list[str], pages: list[int]) -> list[bool]:
-        """Per page: its bytes are in the host pool now. Only a leading run is True."""
+        """Per page: its bytes are in the host pool now. Only a leading run is True. The
+        server fills one staging half while the backend copies the other out; a batch
+        that ends early releases what its LOOKUP still holds."""
         landed = 0
-        rid = _request_id(keys) if keys else ""
         if keys and self.connect():
-            for start in range(0, len(keys), self.settings.staging_pages):
-                end = start + self.settings.staging_pages
-                got = self._guarded(self._retrieve_slice, 0, rid, keys[start:end],
-                                    pages[start:end])
-                landed += got
-                if got < len(keys[start:end]):
-                    break
+            rid = _request_id(keys)
+            try:
+                with self._ready().halves(self._patience()) as halves:
+                    landed = self._retrieve_slices(rid, keys, pages, halves)
+            except Exception as exc:  # noqa: BLE001 (the data path never raises)
+                logger.warning("lmcache-mp retrieve of %d pages failed: %s", len(keys), exc)
+            if landed < len(keys):
+                self._release(rid)
         return [True] * landed + [False] * (len(keys) - landed)
 
-    def _guarded(self, move: Callable[..., T], failed: T, rid: str, keys: list[str],
-                 *args: object) -> T:
-        """One slice under the staging lock; a failure is `failed` (a miss), logged."""
-        with self._lock:
-            try:
-                return move(rid, keys, *args)
-            except Exception as exc:  # noqa: BLE001 (the data path never raises)
-                logger.warning("lmcache-mp transfer of %d pages failed: %s", len(keys), exc)
-                return failed
-
-    def _store_slice(self, rid: str, keys: list[str], pages: list[int], parent: str | None
-                     ) -> list[bool]:
-        staging, registration = self._ready()
-        for slot, page in enumerate(pages):
-            self.codec.staged(staging.layers[0][slot]).copy_(self.codec.page(page))
-        item = TransferItem.build(rid, [chunk_hash(k) for k in keys],
-                                  list(range(len(keys))), self.settings.cache_salt,
-                                  parent_hash=chunk_hash(parent) if parent else b"")
-        future = self.client.store_async(registration, [item], self.settings.timeout_s)
-        statuses = future.result(self._patience()).results[0]
-        return [status in _STORED for status in statuses]
-
-    def _retrieve_slice(self, rid: str, keys: list[str], pages: list[int]) -> int:
-        staging, registration = self._ready()
-        item = TransferItem.build(rid, [chunk_hash(k) for k in keys],
-                                  list(range(len(keys))), self.settings.cache_salt)
-        future = self.client.retrieve_async(registration, [item], self.settings.timeout_s)
-        landed = min(int(future.result(self._patience()).retrieved[0]), len(keys))
-        for slot, page in enumerate(pages[:landed]):
-            self.codec.page(page).copy_(self.codec.staged(staging.layers[0][slot]))
+    def _retrieve_slices(self, rid: str, keys: list[str], pages: list[int],
+                         halves: list[Half]) -> int:
+        """How many leading pages landed in the host pool; a slice that misses ends it.
+        Each half has a RETRIEVE in flight: the server fills one while the backend copies
+        the other out, and a half is sent again once it is copied out."""
+        slices = _slices(len(keys), halves)
+        for half, bounds in zip(halves, slices):
+            self._send_retrieve(rid, keys, bounds, half)
+        landed = 0
+        for number, (start, end) in enumerate(slices):
+            half = halves[number % len(halves)]
+            got = self._retrieved(half, end - start)
+            half.drain(self.codec, pages[start:start + got])
+            landed += got
+            if got < end - start:
+                return landed  # Staging.halves settles what is still in flight
+            if number + len(halves) < len(slices):
+                self._send_retrieve(rid, keys, slices[number + len(halves)], half)
         return landed
 
-    def _ready(self) -> tuple[SharedKVCache, Registration]:
-        assert self._staging is not None and self._registration is not None  # connect()
-        return self._staging, self._registration
+    def _send_retrieve(self, rid: str, keys: list[str], bounds: tuple[int, int],
+                       half: Half) -> None:
+        start, end = bounds
+        item = TransferItem.build(rid, [chunk_hash(k) for k in keys[start:end]],
+                                  half.blocks(end - start), self.settings.cache_salt)
+        half.in_flight = self.client.retrieve_async(self.registration, [item],
+                                                    self.settings.timeout_s)
+
+    def _retrieved(self, half: Half, count: int) -> int:
+        """Wait for a half's RETRIEVE: how many leading pages of it landed in staging."""
+        future, half.in_flight = half.in_flight, None
+        assert future is not None
+        try:
+            return min(int(self._reply(future).retrieved[0]), count)
+        except Exception as exc:  # noqa: BLE001 (a miss)
+            logger.warning("lmcache-mp RETRIEVE of %d pages failed: %s", count, exc)
+            return 0
+
+    def _reply(self, future: Future[T]) -> T:
+        """A transfer's reply, read off the socket on this thread (CacheClient.wait): no
+        hand-off from the client's reader thread on the way back."""
+        self.client.wait([future], self._patience())
+        return future.result(0)
+
+    def _release(self, rid: str) -> None:
+        """Drop what this batch's LOOKUP still holds (none, if there was none); no wait."""
+        with contextlib.suppress(Exception):
+            self.client.release_async([LeaseRef(rid, self.settings.cache_salt)])
+
+    def _ready(self) -> Staging:
+        assert self._staging is not None  # connect()
+        return self._staging
+
+    @property
+    def registration(self) -> Registration:
+        assert self._registration is not None  # connect()
+        return self._registration
 
     def _patience(self) -> float:
         """How long to wait for a reply: a transfer's future settles by its budget plus
         DEADLINE_MARGIN_S by itself (after which the server touches the staging segment no
         more); this only ends a hang."""
         return self.settings.timeout_s + DEADLINE_MARGIN_S + 1.0
+
+
+def _slices(total: int, halves: list[Half]) -> list[tuple[int, int]]:
+    """A batch of `total` pages as (start, end) slices, each as large as the half it goes
+    through (the halves taken in turn)."""
+    slices: list[tuple[int, int]] = []
+    start = 0
+    while start < total:
+        end = min(total, start + halves[len(slices) % len(halves)].capacity)
+        slices.append((start, end))
+        start = end
+    return slices
+
+
+def _parent_hash(keys: list[str], start: int, parent: str | None) -> bytes:
+    """The chunk hash a slice names as its parent: the page before it, or the batch's."""
+    key = keys[start - 1] if start else parent
+    return chunk_hash(key) if key else b""
 
 
 def _request_id(keys: list[str]) -> str:

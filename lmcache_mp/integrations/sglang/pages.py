@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -13,9 +13,15 @@ SUPPORTED_LAYOUTS = ("layer_first", "page_first")
 
 
 class PageCodec:
-    """One host-pool page as a view in canonical order: MHA [2 (K, V), layers, page_size,
-    heads, head_dim], MLA [layers, page_size, dim]. A page stored from a layer_first pool
-    loads into a page_first one of the same geometry, and the other way round.
+    """Host-pool pages as byte views in canonical order: MHA [2 (K, V), layers, page_size,
+    heads × head_dim × itemsize], MLA [layers, page_size, dim × itemsize]. A page stored
+    from a layer_first pool loads into a page_first one of the same geometry, and the
+    other way round.
+
+    Its views are numpy arrays of bytes: numpy copies them on the calling thread alone,
+    with the GIL released, where a torch copy would split each one across torch's
+    intra-op threads (5 to 10 times slower than one thread on a busy machine) and a
+    setting of torch's thread count would reach the whole SGLang process.
 
     Raises ValueError at start-up, naming the flag to change, for a layout or a pool class
     it does not read (page_first_direct, page_head, page_unified; hybrid and sparse pools)."""
@@ -36,38 +42,36 @@ class PageCodec:
         self.page_size: int = pool.page_size
         self.pool_tokens: int = pool.size
         self.dtype: torch.dtype = pool.dtype
-        self.page_bytes = self.page_shape.numel() * self.dtype.itemsize
+        self.page_bytes = int(np.prod(self.page_shape))
 
     def _init_mha(self, pool: MHATokenToKVPoolHost, layout: str) -> None:
         if pool.v_head_dim != pool.head_dim:
             raise ValueError(f"lmcache-mp needs equal K and V head dims, got {pool.head_dim} "
                              f"and {pool.v_head_dim}")
         layers, heads, dim, page = pool.layer_num, pool.head_num, pool.head_dim, pool.page_size
-        pages = pool.size // page
-        self.page_shape = torch.Size((2, layers, page, heads, dim))
+        pages, row = pool.size // page, heads * dim * pool.dtype.itemsize
+        self.page_shape: tuple[int, ...] = (2, layers, page, row)
         self.geometry = f"mha-{_dtype(pool.dtype)}-l{layers}-h{heads}x{dim}-p{page}"
-        buffer = pool.kv_buffer
-        if layout == "layer_first":
-            by_page = buffer.view(2, layers, pages, page, heads, dim)
-            self._view = lambda p: by_page.select(2, p)
-        else:
-            by_page = buffer.view(2, pages, page, layers, heads, dim)
-            self._view = lambda p: by_page.select(1, p).permute(0, 2, 1, 3, 4)
+        if layout == "layer_first":  # [2, layers, pages, page, row], pages to the front
+            self._by_page = _bytes(pool.kv_buffer, (2, layers, pages, page, row))
+            self._order: tuple[int, ...] = (2, 0, 1, 3, 4)
+        else:  # [2, pages, page, layers, row]
+            self._by_page = _bytes(pool.kv_buffer, (2, pages, page, layers, row))
+            self._order = (1, 0, 3, 2, 4)
+        self._page_axis = self._order[0]
 
     def _init_mla(self, pool: MLATokenToKVPoolHost, layout: str) -> None:
         layers, dim, page = pool.layer_num, pool.kv_cache_dim, pool.page_size
-        pages = pool.size // page
-        self.page_shape = torch.Size((layers, page, dim))
+        pages, row = pool.size // page, dim * pool.dtype.itemsize
+        self.page_shape = (layers, page, row)
         self.geometry = f"mla-{_dtype(pool.dtype)}-l{layers}-d{dim}-p{page}"
-        buffer = pool.kv_buffer
-        if layout == "layer_first":
-            by_page = buffer.view(layers, pages, page, dim)
-            self._view = lambda p: by_page.select(1, p)
-        else:
-            by_page = buffer.view(pages, page, layers, dim)
-            self._view = lambda p: by_page.select(0, p).permute(1, 0, 2)
-
-    _view: Callable[[int], torch.Tensor]
+        if layout == "layer_first":  # [layers, pages, page, row]
+            self._by_page = _bytes(pool.kv_buffer, (layers, pages, page, row))
+            self._order = (1, 0, 2, 3)
+        else:  # [pages, page, layers, row]
+            self._by_page = _bytes(pool.kv_buffer, (pages, page, layers, row))
+            self._order = (0, 2, 1, 3)
+        self._page_axis = self._order[0]
 
     def pages_of(self, host_indices: torch.Tensor, count: int) -> list[int] | None:
         """The host pages of `count` SGLang pages, from their token indices (page_size a
@@ -81,13 +85,38 @@ class PageCodec:
             return None
         return [first // self.page_size for first in firsts]
 
-    def page(self, page: int) -> torch.Tensor:
-        """Host page `page` as a (strided) view in canonical order."""
-        return self._view(page)
+    def run(self, first: int, count: int) -> np.ndarray:
+        """Host pages first .. first + count - 1 as a (strided) byte view
+        [count, canonical page]."""
+        run = [slice(None)] * self._by_page.ndim
+        run[self._page_axis] = slice(first, first + count)
+        return self._by_page[tuple(run)].transpose(self._order)
 
-    def staged(self, slot: torch.Tensor) -> torch.Tensor:
-        """A staging block (uint8, at least page_bytes) as one page in canonical order."""
-        return slot.view(-1)[:self.page_bytes].view(self.dtype).view(self.page_shape)
+    def slots(self, staging: np.ndarray) -> np.ndarray:
+        """Staging blocks ([blocks, block bytes], each block at least page_bytes) as
+        [blocks, canonical page]: one page a block."""
+        return np.reshape(staging[:, :self.page_bytes], (len(staging), *self.page_shape),
+                          copy=False)
+
+
+def runs(pages: list[int]) -> list[tuple[int, int, int]]:
+    """`pages` as runs of consecutive host pages: (position in `pages`, first page, count),
+    so that each run moves in one copy."""
+    found: list[tuple[int, int, int]] = []
+    for position, page in enumerate(pages):
+        if found and page == found[-1][1] + found[-1][2]:
+            start, first, count = found[-1]
+            found[-1] = (start, first, count + 1)
+        else:
+            found.append((position, page, 1))
+    return found
+
+
+def _bytes(buffer: torch.Tensor, shape: tuple[int, ...]) -> np.ndarray:
+    """A contiguous pool buffer's bytes, as a numpy view of `shape` (the last dim in bytes)."""
+    if not buffer.is_contiguous():  # SGLang allocates it whole: a view here would be a copy
+        raise ValueError("lmcache-mp needs the host pool's kv_buffer contiguous")
+    return buffer.reshape(-1).view(torch.uint8).numpy().reshape(shape)
 
 
 def _dtype(dtype: torch.dtype) -> str:

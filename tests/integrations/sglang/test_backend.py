@@ -19,11 +19,12 @@ PAGE = 4
 TOKENS = 64  # 16 pages a pool
 
 
-def backend(pool, url, *, mla=False, salt="", tp_rank=0, tp_size=1, timeout_s=2.0):
-    """The backend SGLang builds for `--hicache-storage-backend dynamic`, given its pool."""
+def backend(pool, url, *, mla=False, salt="", tp_rank=0, tp_size=1, timeout_s=2.0, **fields):
+    """The backend SGLang builds for `--hicache-storage-backend dynamic`, given its pool;
+    `fields`: more of the extra config."""
     extra = {"backend_name": "lmcache_mp", "module_path": "lmcache_mp.integrations.sglang",
              "class_name": "LMCacheMPStorage", "interface_v1": 1, "url": url,
-             "cache_salt": salt, "timeout_s": timeout_s}
+             "cache_salt": salt, "timeout_s": timeout_s, **fields}
     config = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
         attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
@@ -51,9 +52,12 @@ def tokens_of(first_page, count):
 
 
 def kv_of_tokens(pool, first_page, count):
-    """The KV of these pages' tokens, read from the pool's buffer by SGLang's layout
+    return kv_at(pool, tokens_of(first_page, count))
+
+
+def kv_at(pool, tokens):
+    """The KV of these tokens, read from the pool's buffer by SGLang's layout
     (init_kv_buffer's dims) as [K/V,] layers, tokens, ...: comparable across layouts."""
-    tokens = tokens_of(first_page, count)
     buffer = pool.kv_buffer
     if buffer.dim() == 5:  # MHA: [2, layers, size, ...] or [2, size, layers, ...]
         return (buffer[:, :, tokens] if pool.layout == "layer_first"
@@ -157,7 +161,9 @@ def test_layouts_it_cannot_read_are_refused_at_start_up_naming_the_flag(server):
 
 @pytest.mark.parametrize("fields,refusal", [
     ({}, "interface_v1"), ({"interface_v1": 1, "urll": "x"}, "urll"),
-    ({"interface_v1": 1, "timeout_s": 0}, "timeout_s")])
+    ({"interface_v1": 1, "timeout_s": 0}, "timeout_s"),
+    ({"interface_v1": 1, "staging_pages": 0}, "staging_pages"),
+    ({"interface_v1": 1, "staging_pages": "8"}, "staging_pages")])
 def test_a_wrong_extra_config_is_refused_naming_the_field(fields, refusal):
     extra = {"backend_name": "lmcache_mp", "class_name": "LMCacheMPStorage",
              "module_path": "lmcache_mp.integrations.sglang", **fields}
