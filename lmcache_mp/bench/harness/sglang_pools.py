@@ -5,7 +5,8 @@ Importing SGLang's host pools pulls in sglang.srt.configs, which imports torchvi
 sentencepiece at module level for vision models; neither is installed by scripts/bootstrap
 (PyPI's torchvision is a CUDA build that does not load against the CPU torch) and the host
 pools never use them, so where one does not import it is stood in for while SGLang imports
-(tests/integrations/sglang/hostpools.py does the same for the tests). The host pool is
+(stand_ins(); tests/integrations/sglang uses it too, and needs datasets stood in for
+SGLang's test kits). The host pool is
 SGLang's as an engine builds it, with pin_memory=False (no accelerator to pin for) and a
 host-memory budget of its own instead of SGLang's 10 GiB reserve below the machine's free
 memory; its "device" pool is one page of CPU memory, since the bench moves bytes between
@@ -38,6 +39,7 @@ _STAND_INS = {
     "torchvision": ("torchvision", "torchvision.transforms",
                     "torchvision.transforms.functional", "torchvision.io"),
     "sentencepiece": ("sentencepiece",),
+    "datasets": ("datasets",),  # Hugging Face's: SGLang's test kits import it, never call it
 }
 
 
@@ -73,7 +75,7 @@ def _placeholder(attr: str) -> type:
 
 
 @contextlib.contextmanager
-def _stand_ins() -> Iterator[None]:
+def stand_ins() -> Iterator[None]:
     """Stand-ins, for the length of the block, for the packages of _STAND_INS that do not
     import here."""
     names = [name for package, names in _STAND_INS.items() if not _importable(package)
@@ -102,7 +104,7 @@ def import_sglang() -> None:
     if importlib.util.find_spec("sglang") is None:
         raise PeerUnavailable(INSTALL)
     try:
-        with warnings.catch_warnings(), _stand_ins():
+        with warnings.catch_warnings(), stand_ins():
             warnings.simplefilter("ignore")
             import sglang.srt.mem_cache.pool_host.mha  # noqa: F401
             import sglang.srt.mem_cache.storage.backend_factory  # noqa: F401

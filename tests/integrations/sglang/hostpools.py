@@ -8,7 +8,8 @@ that also ran vLLM's and the server's tests, crashed that process at its exit (a
 segmentation fault after the last test); neither is used by the host pools. So, where they
 do not import, `import_sglang` records torchvision as absent in transformers (which then
 never touches it) and puts stand-ins for both in sys.modules for the length of SGLang's
-imports only (scripts/bootstrap installs neither). The same goes for datasets (Hugging
+imports only (scripts/bootstrap installs neither; lmcache_mp.bench.harness.sglang_pools'
+stand_ins, which the bench's --workload sglang uses too). The same goes for datasets (Hugging
 Face's), which SGLang's test kits import through sglang.test.test_utils (for its benchmark
 datasets) and never call in the steps test_radix_cache.py uses.
 Beyond that, the pools are SGLang's as an engine builds them, with pin_memory=False (no
@@ -18,65 +19,16 @@ instead of its 10 GiB reserve below the machine's free memory.
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import importlib.machinery
-import sys
-import types
 import warnings
 
 import torch
 
-# Each package SGLang imports but the host pools never use, with the modules its stand-in
-# names.
-_STAND_INS = {
-    "torchvision": ("torchvision", "torchvision.transforms",
-                    "torchvision.transforms.functional", "torchvision.io"),
-    "sentencepiece": ("sentencepiece",),
-    "datasets": ("datasets",),
-}
-
-
-def _importable(package: str) -> bool:
-    try:
-        importlib.import_module(package)
-    except Exception:  # noqa: BLE001 (absent, or a CUDA build that fails to load)
-        return False
-    return True
-
-
-def _placeholder(attr: str) -> type:
-    if attr.startswith("__"):
-        raise AttributeError(attr)
-    return type(attr, (), {})
-
-
-@contextlib.contextmanager
-def _stand_ins():
-    """Stand-ins, for the length of the block, for the packages of _STAND_INS that do not
-    import here; those that do are left as they are."""
-    names = [name for package, names in _STAND_INS.items() if not _importable(package)
-             for name in names]
-    if "torchvision" in names:
-        from transformers.utils import import_utils
-
-        assert not import_utils.is_torchvision_available()  # cached: transformers keeps it so
-    for name in names:
-        module = types.ModuleType(name)
-        module.__path__ = []
-        module.__getattr__ = _placeholder  # type: ignore[method-assign]
-        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
-        sys.modules[name] = module
-    try:
-        yield
-    finally:
-        for name in names:
-            sys.modules.pop(name, None)
+from lmcache_mp.bench.harness.sglang_pools import stand_ins
 
 
 def import_sglang() -> None:
     """Import what the tests use of SGLang (its warnings about absent accelerators silenced)."""
-    with warnings.catch_warnings(), _stand_ins():
+    with warnings.catch_warnings(), stand_ins():
         warnings.simplefilter("ignore")
         import sglang.srt.managers.cache_controller  # noqa: F401
         import sglang.srt.mem_cache.pool_host.mha  # noqa: F401
