@@ -85,10 +85,10 @@ class ServerLink:
             return 0
         item = LookupItem.build(_request_id(keys), [chunk_hash(k) for k in keys],
                                 self.settings.cache_salt, hold=True)
-        try:
-            future = self.client.lookup_async(self.space.model, self.space.kv_world_size,
-                                              [item], self.settings.timeout_s)
-            return min(int(self._reply(future).hits[0]), len(keys))
+        try:  # a call reads its reply on this thread, with no future to settle by another
+            hits = self.client.lookup(self.space.model, self.space.kv_world_size, [item],
+                                      self.settings.timeout_s)
+            return min(int(hits[0]), len(keys))
         except Exception as exc:  # noqa: BLE001
             logger.warning("lookup of %d pages missed: %s", len(keys), exc)
             return 0
