@@ -102,7 +102,7 @@ class ServerLink:
             return [not self.space.writes] * len(keys)
         stored: list[bool] = []
         try:
-            with self._ready().halves(self._patience()) as halves:
+            with self.staging.halves(self._patience()) as halves:
                 self._store_slices(_request_id(keys), keys, pages, parent, halves, stored)
         except Exception as exc:  # noqa: BLE001 (the data path never raises)
             logger.warning("lmcache-mp store of %d pages failed: %s", len(keys), exc)
@@ -151,7 +151,7 @@ class ServerLink:
         if keys and self.connect():
             rid = _request_id(keys)
             try:
-                with self._ready().halves(self._patience()) as halves:
+                with self.staging.halves(self._patience()) as halves:
                     landed = self._retrieve_slices(rid, keys, pages, halves)
             except Exception as exc:  # noqa: BLE001 (the data path never raises)
                 logger.warning("lmcache-mp retrieve of %d pages failed: %s", len(keys), exc)
@@ -208,7 +208,8 @@ class ServerLink:
         with contextlib.suppress(Exception):
             self.client.release_async([LeaseRef(rid, self.settings.cache_salt)])
 
-    def _ready(self) -> Staging:
+    @property
+    def staging(self) -> Staging:
         assert self._staging is not None  # connect()
         return self._staging
 

@@ -58,7 +58,6 @@ class PageCodec:
         else:  # [2, pages, page, layers, row]
             self._by_page = _bytes(pool.kv_buffer, (2, pages, page, layers, row))
             self._order = (1, 0, 3, 2, 4)
-        self._page_axis = self._order[0]
 
     def _init_mla(self, pool: MLATokenToKVPoolHost, layout: str) -> None:
         layers, dim, page = pool.layer_num, pool.kv_cache_dim, pool.page_size
@@ -71,7 +70,6 @@ class PageCodec:
         else:  # [pages, page, layers, row]
             self._by_page = _bytes(pool.kv_buffer, (pages, page, layers, row))
             self._order = (0, 2, 1, 3)
-        self._page_axis = self._order[0]
 
     def pages_of(self, host_indices: torch.Tensor, count: int) -> list[int] | None:
         """The host pages of `count` SGLang pages, from their token indices (page_size a
@@ -89,7 +87,7 @@ class PageCodec:
         """Host pages first .. first + count - 1 as a (strided) byte view
         [count, canonical page]."""
         run = [slice(None)] * self._by_page.ndim
-        run[self._page_axis] = slice(first, first + count)
+        run[self._order[0]] = slice(first, first + count)  # the page axis comes first
         return self._by_page[tuple(run)].transpose(self._order)
 
     def slots(self, staging: np.ndarray) -> np.ndarray:
