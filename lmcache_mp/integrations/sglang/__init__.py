@@ -12,8 +12,8 @@ Written and tested for SGLang 0.5.23 (docs/sglang.md says what is supported). Th
 only package of lmcache_mp that imports sglang: backend.py, the HiCacheStorage SGLang
 builds; link.py, its talk with the server, pipelined through staging.py, the registered
 staging segment in two halves; pages.py, a host pool's pages in canonical byte order;
-config.py, the extra-config fields and the namespace (model, geometry, rank) pages are
-stored under.
+keys.py, SGLang's page keys as chunk hashes; config.py, the extra-config fields and the
+namespace (model, geometry, rank) pages are stored under.
 """
 
 from .backend import LMCacheMPStorage

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import threading
 import uuid
@@ -13,7 +12,9 @@ from typing import TypeVar
 
 from ...client import CacheClient, LeaseRef, LookupItem, Registration, StoreStatus, TransferItem
 from ...client.cache_client import DEADLINE_MARGIN_S
+from ...protocol import CHUNK_HASH_BYTES, LookupRequest, pack_block_ids
 from .config import BackendConfig, Namespace
+from .keys import chunk_hash, packed_hashes
 from .pages import PageCodec
 from .staging import Half, Staging
 
@@ -21,12 +22,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _STORED = (StoreStatus.STORED, StoreStatus.ALREADY_STORED)
-
-
-def chunk_hash(key: str) -> bytes:
-    """The server's 16-byte chunk hash of one SGLang page key (SGLang's own SHA-256 chain
-    over the page's tokens and its prefix, seeded by the request's extra key)."""
-    return hashlib.blake2b(key.encode(), digest_size=16).digest()
 
 
 class ServerLink:
@@ -83,15 +78,21 @@ class ServerLink:
         the RETRIEVE that follows (the server drops unused holds after its lease timeout)."""
         if not keys or not self.connect():
             return 0
-        item = LookupItem.build(_request_id(keys), [chunk_hash(k) for k in keys],
-                                self.settings.cache_salt, hold=True)
+        request = self.lookup_request(keys)
         try:  # a call reads its reply on this thread, with no future to settle by another
-            hits = self.client.lookup(self.space.model, self.space.kv_world_size, [item],
+            hits = self.client.lookup(request.model, request.kv_world_size, request.items,
                                       self.settings.timeout_s)
             return min(int(hits[0]), len(keys))
         except Exception as exc:  # noqa: BLE001
             logger.warning("lookup of %d pages missed: %s", len(keys), exc)
             return 0
+
+    def lookup_request(self, keys: list[str]) -> LookupRequest:
+        """The LOOKUP lookup() sends for `keys`, holding the hits for this batch's request id
+        (the bench's echo carries the same bytes)."""
+        item = LookupItem(_request_id(keys), packed_hashes(keys), self.settings.cache_salt,
+                          hold=True)
+        return LookupRequest(self.space.model, self.space.kv_world_size, [item])
 
     def store(self, keys: list[str], pages: list[int], parent: str | None) -> list[bool]:
         """Per page: stored now or before. Pages go in slices of a staging half, each
@@ -103,25 +104,27 @@ class ServerLink:
         stored: list[bool] = []
         try:
             with self.staging.halves(self._patience()) as halves:
-                self._store_slices(_request_id(keys), keys, pages, parent, halves, stored)
+                self._store_slices(_request_id(keys), packed_hashes(keys), pages, parent,
+                                   halves, stored)
         except Exception as exc:  # noqa: BLE001 (the data path never raises)
             logger.warning("lmcache-mp store of %d pages failed: %s", len(keys), exc)
         return stored + [False] * (len(keys) - len(stored))
 
-    def _store_slices(self, rid: str, keys: list[str], pages: list[int],
+    def _store_slices(self, rid: str, hashes: bytes, pages: list[int],
                       parent: str | None, halves: list[Half], stored: list[bool]) -> None:
         """Appends each slice's outcome to `stored`, in order; stops at a failure. A slice
         is sent as soon as it is copied in: the server's copy of one slice runs while the
         backend copies the next, and a half is filled again once its STORE is answered."""
         sent: deque[tuple[Half, int, int]] = deque()  # in flight, oldest first
-        for number, (start, end) in enumerate(_slices(len(keys), halves)):
+        for number, (start, end) in enumerate(_slices(len(pages), halves)):
             half = halves[number % len(halves)]
             if half.in_flight is not None and not self._stored(sent.popleft(), stored):
                 return  # a failed slice ends the batch; Staging.halves settles the rest
             half.fill(self.codec, pages[start:end])
-            item = TransferItem.build(rid, [chunk_hash(k) for k in keys[start:end]],
-                                      half.blocks(end - start), self.settings.cache_salt,
-                                      parent_hash=_parent_hash(keys, start, parent))
+            item = TransferItem(rid, _part(hashes, start, end),
+                                pack_block_ids(half.blocks(end - start)),
+                                self.settings.cache_salt,
+                                parent_hash=_parent_hash(hashes, start, parent))
             half.in_flight = self.client.store_async(self.registration, [item],
                                                      self.settings.timeout_s)
             sent.append((half, start, end))
@@ -152,21 +155,21 @@ class ServerLink:
             rid = _request_id(keys)
             try:
                 with self.staging.halves(self._patience()) as halves:
-                    landed = self._retrieve_slices(rid, keys, pages, halves)
+                    landed = self._retrieve_slices(rid, packed_hashes(keys), pages, halves)
             except Exception as exc:  # noqa: BLE001 (the data path never raises)
                 logger.warning("lmcache-mp retrieve of %d pages failed: %s", len(keys), exc)
             if landed < len(keys):
                 self._release(rid)
         return [True] * landed + [False] * (len(keys) - landed)
 
-    def _retrieve_slices(self, rid: str, keys: list[str], pages: list[int],
+    def _retrieve_slices(self, rid: str, hashes: bytes, pages: list[int],
                          halves: list[Half]) -> int:
         """How many leading pages landed in the host pool; a slice that misses ends it.
         Each half has a RETRIEVE in flight: the server fills one while the backend copies
         the other out, and a half is sent again once it is copied out."""
-        slices = _slices(len(keys), halves)
+        slices = _slices(len(pages), halves)
         for half, bounds in zip(halves, slices):
-            self._send_retrieve(rid, keys, bounds, half)
+            self._send_retrieve(rid, hashes, bounds, half)
         landed = 0
         for number, (start, end) in enumerate(slices):
             half = halves[number % len(halves)]
@@ -176,14 +179,14 @@ class ServerLink:
             if got < end - start:
                 return landed  # Staging.halves settles what is still in flight
             if number + len(halves) < len(slices):
-                self._send_retrieve(rid, keys, slices[number + len(halves)], half)
+                self._send_retrieve(rid, hashes, slices[number + len(halves)], half)
         return landed
 
-    def _send_retrieve(self, rid: str, keys: list[str], bounds: tuple[int, int],
+    def _send_retrieve(self, rid: str, hashes: bytes, bounds: tuple[int, int],
                        half: Half) -> None:
         start, end = bounds
-        item = TransferItem.build(rid, [chunk_hash(k) for k in keys[start:end]],
-                                  half.blocks(end - start), self.settings.cache_salt)
+        item = TransferItem(rid, _part(hashes, start, end),
+                            pack_block_ids(half.blocks(end - start)), self.settings.cache_salt)
         half.in_flight = self.client.retrieve_async(self.registration, [item],
                                                     self.settings.timeout_s)
 
@@ -237,10 +240,16 @@ def _slices(total: int, halves: list[Half]) -> list[tuple[int, int]]:
     return slices
 
 
-def _parent_hash(keys: list[str], start: int, parent: str | None) -> bytes:
+def _part(hashes: bytes, start: int, end: int) -> bytes:
+    """Pages start .. end - 1 of a batch's packed chunk hashes."""
+    return hashes[start * CHUNK_HASH_BYTES:end * CHUNK_HASH_BYTES]
+
+
+def _parent_hash(hashes: bytes, start: int, parent: str | None) -> bytes:
     """The chunk hash a slice names as its parent: the page before it, or the batch's."""
-    key = keys[start - 1] if start else parent
-    return chunk_hash(key) if key else b""
+    if start:
+        return _part(hashes, start - 1, start)
+    return chunk_hash(parent) if parent else b""
 
 
 def _request_id(keys: list[str]) -> str:

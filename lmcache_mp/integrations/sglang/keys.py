@@ -1,0 +1,52 @@
+"""SGLang page keys as the server's 16-byte chunk hashes, a batch at a time."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from ...protocol import CHUNK_HASH_BYTES
+
+# SGLang 0.5.23's page key: a SHA-256 hexdigest (64 lowercase hex digits), chained over the
+# page's tokens and its prefix and seeded by the request's extra key and salt.
+_SHA256_HEX = 64
+_SHA256_BYTES = _SHA256_HEX // 2
+# Keys of any other form are hashed, under a personalization of their own: apart from the
+# digests taken as they are.
+_OTHER_KEYS = b"lmcache-mp-sgl"
+
+
+def packed_hashes(keys: list[str]) -> bytes:
+    """The keys' chunk hashes back to back (as a LOOKUP or STORE item carries them): per key,
+    the first 16 bytes of the SHA-256 digest it spells in hex (already uniform: hashing it
+    again would add nothing but time), or BLAKE2b-128 of the UTF-8 text of any other key.
+    A batch of SGLang keys is decoded in a few calls, with no Python work per key."""
+    digests = _digests(keys)
+    if digests is None:
+        return b"".join(chunk_hash(key) for key in keys)
+    by_key = np.frombuffer(digests, np.uint8).reshape(len(keys), _SHA256_BYTES)
+    return by_key[:, :CHUNK_HASH_BYTES].tobytes()
+
+
+def chunk_hash(key: str) -> bytes:
+    """One key's chunk hash (as packed_hashes)."""
+    digest = _digests([key])
+    if digest is not None:
+        return digest[:CHUNK_HASH_BYTES]
+    return hashlib.blake2b(key.encode(), digest_size=CHUNK_HASH_BYTES,
+                           person=_OTHER_KEYS).digest()
+
+
+def _digests(keys: list[str]) -> bytes | None:
+    """The SHA-256 digests the keys spell, back to back; None unless every key is 64
+    lowercase hex digits."""
+    joined = "".join(keys)
+    if len(joined) != _SHA256_HEX * len(keys) or joined != joined.lower():
+        return None
+    try:
+        digests = bytes.fromhex(joined)
+    except ValueError:
+        return None
+    # fromhex skips whitespace: only 64 hex digits a key make 32 bytes a key.
+    return digests if len(digests) == _SHA256_BYTES * len(keys) else None
