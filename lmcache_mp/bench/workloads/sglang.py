@@ -19,7 +19,7 @@ rounds of --sglang-bytes of fresh pages (the source pool's bytes changed each ro
 
 Every page loaded, both backends, is compared byte for byte with the page stored; a page
 missing or different fails the run (exit 1). Then `batch_exists` of EXISTS_PAGES stored
-pages (one LOOKUP) against the pyzmq echo of a LOOKUP of as many hashes (harness/bounds.py
+pages (one LOOKUP) against the pyzmq echo of the same LOOKUP, byte for byte (harness/bounds.py
 EchoProcess), one of each in turn.
 """
 
@@ -40,7 +40,6 @@ import zmq
 from tqdm import tqdm
 
 from ... import protocol
-from ...client import LookupItem
 from ...sizes import format_size, parse_size
 from ..harness import output, sglang_pools
 from ..harness.bounds import CopyBound, EchoProcess, dealer, timed_us
@@ -227,8 +226,8 @@ def _page_size(server: BenchServer, geometry: Geometry, page_tokens: int, pages:
 
 def _exists_latency(server: BenchServer, geometry: Geometry, page_tokens: int, rounds: int,
                     per_round: int, timeout: float, seed: int) -> ExistsFigures:
-    """batch_exists of EXISTS_PAGES stored pages against the echo of a LOOKUP of as many
-    16-byte hashes, one of each in turn."""
+    """batch_exists of EXISTS_PAGES stored pages against the echo of the LOOKUP it sends,
+    one of each in turn."""
     pools = HostPools(geometry, EXISTS_PAGES, page_tokens, EXISTS_PAGES, seed)
     storage = _ours(server, pools.source, timeout)
     keys = page_keys(f"{seed}:exists", EXISTS_PAGES)
@@ -239,10 +238,9 @@ def _exists_latency(server: BenchServer, geometry: Geometry, page_tokens: int, r
         hits = storage.batch_exists(keys)
         echo.start()
         sock = dealer(context, echo.url)
-        item = LookupItem.build("sglang-bench", [bytes(protocol.CHUNK_HASH_BYTES)]
-                                * EXISTS_PAGES, "", hold=True)
+        # The very LOOKUP batch_exists sends (its model, request id, hashes, hold).
         frames = [protocol.encode_request_id(1), b"LOOKUP",
-                  protocol.pack(protocol.LookupRequest(MODEL, 1, [item]))]
+                  protocol.pack(storage.link.lookup_request(keys))]
 
         def echo_once() -> None:
             sock.send_multipart(frames)
