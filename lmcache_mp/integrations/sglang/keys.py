@@ -41,8 +41,12 @@ def chunk_hash(key: str) -> bytes:
 def _digests(keys: list[str]) -> bytes | None:
     """The SHA-256 digests the keys spell, back to back; None unless every key is 64
     lowercase hex digits."""
+    # Each key's own length: a batch's joined length alone would let a 63-digit key and a
+    # 65-digit one pass as two digests cut in the wrong places.
+    if any(len(key) != _SHA256_HEX for key in keys):
+        return None
     joined = "".join(keys)
-    if len(joined) != _SHA256_HEX * len(keys) or joined != joined.lower():
+    if joined != joined.lower():
         return None
     try:
         digests = bytes.fromhex(joined)

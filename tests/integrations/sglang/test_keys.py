@@ -24,7 +24,9 @@ def test_a_sha256_key_is_its_digests_first_16_bytes_and_any_other_key_is_hashed(
     assert [chunk_hash(key) for key in digests] == [bytes.fromhex(k)[:16] for k in digests]
     assert [chunk_hash(key) for key in others] == [other_hash(key) for key in others]
     # A batch is the keys' hashes back to back, whatever it mixes.
-    for keys in (digests, others, [digests[0], "page-0", digests[1]], []):
+    # A 63-digit key beside a 65-digit one joins to two digests' length: each is hashed.
+    cut = [digests[0][:63], digests[1] + "0"]
+    for keys in (digests, others, [digests[0], "page-0", digests[1]], cut, []):
         assert packed_hashes(keys) == b"".join(chunk_hash(key) for key in keys)
     assert len({chunk_hash(key) for key in digests + others}) == len(digests + others)
 
