@@ -20,6 +20,7 @@ from ..protocol import MAX_CHUNKS_PER_MESSAGE, MAX_MESSAGE_BYTES, validate_salt
 from ..quota_spec import Quota, format_quota_flag, parse_cap, parse_quota_flag
 from ..runtime import default_runtime_dir, ipc_url
 from ..sizes import exact_size, parse_size
+from .cache.eviction import EVICTIONS
 from .cache.quotas import QuotaBook, load_quota_file, tomllib
 from .disk.admission import POLICIES as DISK_ADMISSION
 from .l2.keyfile import read_key_file
@@ -179,6 +180,11 @@ class Config:
                            "chunks stored from KV caches on that GPU stay there and move to the "
                            "CPU pool when it is full; quotas count both tiers; 0 turns it off; "
                            "needs CUDA", parse_size, "SIZE", text=exact_size)
+    eviction: str = option("lru", "which evictable chunk the pool lets go first "
+                           "(docs/disk.md, \"Eviction\"): lru, the least recently "
+                           "used; reuse, the same, with a chunk that LOOKUPs found kept "
+                           "longer the more often they found it (up to 3 times)",
+                           _choice(*EVICTIONS), "POLICY")
     lease_timeout: float = option(60.0, "seconds a LOOKUP hold keeps chunks from eviction "
                                   "unless RETRIEVE or RELEASE comes first", _positive(float), "SEC")
     worker_timeout: float = option(30.0, "seconds without any message from a registered "

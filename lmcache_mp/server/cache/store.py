@@ -73,6 +73,9 @@ class ChunkStore(Catalog):
                     if chunk is None or not chunk.visible:
                         break
                     chunk.stamp = top - hit
+                    if self.reuse:
+                        chunk.hits += 1
+                        chunk.stamp += self.reuse_lead(chunk)
                     hit += 1
                     if not chunk.successors and not chunk.holds:  # visible, so evictable
                         policies[chunk.tier].add(cache_salt, chunk.key, chunk.stamp)
@@ -118,6 +121,9 @@ class ChunkStore(Catalog):
             usage.misses += hashes - hit
         self._totals.hits += hit
         self._totals.misses += hashes - hit
+        if self.reuse:
+            for chunk in found:
+                chunk.hits += 1
         if holder is None:
             if held:
                 self.unhold(found)  # refreshes them: as a touch would
