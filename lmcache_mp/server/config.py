@@ -289,6 +289,13 @@ class Config:
                                  "reused, a chunk the second time a STORE commits it (stored, "
                                  "evicted from the pool, asked for again)",
                                  _choice(*DISK_ADMISSION), "POLICY")
+    disk_write_budget: int | None = option(None, "with --disk-dir: bytes the disk tier may "
+                                           "write an hour, e.g. 320GB (a 7.68 TB drive at "
+                                           "one drive-write a day: its size over 24); past "
+                                           "it, chunks are not written (STATS "
+                                           "disk_over_budget), those the disk has no parent "
+                                           "for first", parse_size, "SIZE",
+                                           shown="none: no limit", text=exact_size)
     l2: str | None = option(None, "shared second tier (docs/l2.md): redis://HOST:PORT[/DB], "
                             "rediss://... for TLS, or redis+cluster://HOST:PORT,HOST:PORT,... "
                             "(seed nodes of a Redis Cluster); user:password@ before the host "
@@ -375,6 +382,9 @@ class Config:
         if self.disk_size is not None and not 1024**2 <= self.disk_size <= MAX_DISK_SIZE:
             raise ValueError(f"--disk-size must be between 1MiB and 16TiB (the index's "
                              f"offsets), got {self.disk_size} bytes")
+        if self.disk_write_budget is not None and (self.disk_dir is None
+                                                   or self.disk_write_budget <= 0):
+            raise ValueError("--disk-write-budget needs --disk-dir, and more than 0 bytes")
         if self.disk_key_file is not None:
             if self.disk_dir is None:
                 raise ValueError("--disk-key-file needs --disk-dir")

@@ -127,7 +127,8 @@ def _build(config: Config, access: _Access, quotas: QuotaBook,
         disk = DiskTier(disk_dir, config.disk_size, config.disk_queue_size,
                         config.disk_prefetch_wait, store, registry, pool, chunk_bytes,
                         metrics.disk_read, key, key_file,
-                        admission_policy(config.disk_admission, config.disk_size))
+                        admission_policy(config.disk_admission, config.disk_size,
+                                         config.disk_write_budget))
     l2 = None
     if config.l2 is not None:
         from .l2.tier import L2Tier  # redis-py is needed only with --l2

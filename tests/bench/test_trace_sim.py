@@ -168,3 +168,14 @@ def test_reused_admission_writes_a_block_at_its_second_offer_only():
     figures = simulate([request(1, 2), request(3, 4), request(1, 2), request(3, 5),
                         request(1, 2)], 2, 8, admission="reused")
     assert (figures.hits, figures.disk_hits, figures.disk_writes) == (2, 2, 3)
+
+
+def test_a_budget_of_a_block_a_minute_writes_the_first_block_of_a_burst():
+    # 60 blocks an hour: the bucket holds one. All requests at time 0: block 1 is written,
+    # the rest are over the budget; an hour later, 60 blocks' worth is back (a minute's kept).
+    burst = [request(1, 2, 3), request(4, 5)]
+    figures = simulate(burst, 8, 8, budget=60)
+    assert (figures.disk_writes, figures.over_budget) == (1, 4)
+    later = TraceRequest(3_600_000, 2 * BLOCK_TOKENS, 0, (6, 7))
+    figures = simulate([*burst, later], 16, 16, budget=60)
+    assert (figures.disk_writes, figures.over_budget) == (2, 5)

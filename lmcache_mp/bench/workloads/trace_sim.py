@@ -27,7 +27,8 @@ Eviction policies (`EVICTIONS`), each over the blocks the prefix rule lets go:
 
 Admission policies (`ADMISSIONS`): `write-all`, `reused` (a block the second time it is
 offered), and `evicted-hit` (a block written when the pool evicts it, if the pool hit it
-while it held it: a write-back tier of reused blocks only).
+while it held it: a write-back tier of reused blocks only). With `budget` (blocks an
+hour), the server's --disk-write-budget spent on the trace's timestamps.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 
 from ...server.cache.eviction import REUSE_ROUNDS
 from ...server.cache.lazy_heap import LazyHeap
+from ...server.disk.admission import WriteBudget
 from .trace_file import TraceRequest
 
 EVICTIONS = ("lru", "reuse", "s3fifo")
@@ -261,26 +263,35 @@ class SimFigures:
     hit_tokens: int
     disk_hits: int  # of those, read back from disk
     disk_writes: int  # blocks written to disk
+    over_budget: int  # blocks admitted but not written: over the budget
     pool_evictions: int
     disk_evictions: int
 
 
 def simulate(requests: Sequence[TraceRequest], pool: int, disk: int = 0,
              eviction: str = "lru", disk_eviction: str = "lru",
-             admission: str = "write-all") -> SimFigures:
-    """The trace through a pool of `pool` blocks and, if `disk`, a disk tier of that many."""
+             admission: str = "write-all", budget: int | None = None) -> SimFigures:
+    """The trace through a pool of `pool` blocks and, if `disk`, a disk tier of that many
+    that writes at most `budget` blocks an hour of the trace's time (None: no budget)."""
     if admission not in ADMISSIONS:
         raise ValueError(f"unknown admission {admission!r}: one of {', '.join(ADMISSIONS)}")
-    sim = _Sim(_Tier(pool, eviction), _Tier(disk, disk_eviction) if disk else None, admission)
+    now = 0.0
+    sim = _Sim(_Tier(pool, eviction), _Tier(disk, disk_eviction) if disk else None, admission,
+               WriteBudget(budget, lambda: now))
     for request in requests:
+        now = request.timestamp_ms / 1000
         sim.request(request)
     return SimFigures(sim.hits, sim.hit_tokens, sim.disk_hits, sim.disk_writes,
-                      sim.pool.evictions, sim.disk.evictions if sim.disk else 0)
+                      sim.over_budget, sim.pool.evictions,
+                      sim.disk.evictions if sim.disk else 0)
 
 
 class _Sim:
-    def __init__(self, pool: _Tier, disk: _Tier | None, admission: str):
+    def __init__(self, pool: _Tier, disk: _Tier | None, admission: str,
+                 budget: WriteBudget | None = None):
         self.pool, self.disk, self.admission = pool, disk, admission
+        self.budget = budget or WriteBudget(None)
+        self.over_budget = 0
         self.offered: set[int] = set()  # `reused`: blocks offered once
         self.hit_in_pool: set[int] = set()  # `evicted-hit`: blocks the pool hit
         self.parents: dict[int, int | None] = {}  # each block's parent in its prompts
@@ -297,19 +308,21 @@ class _Sim:
         self.hits += found
         self.hit_tokens += request.hit_tokens(found)
         self.disk_hits += found - memory
-        for block in reversed(ids[:memory]):
-            pool.use(block)
-            self.hit_in_pool.add(block)
-        pool.order.looked_up(len(ids) - memory)
-        for position in range(memory, len(ids)):
+        for position in range(memory, found):  # read back, then found with the rest
+            assert disk is not None
+            disk.use(ids[position])
+            self._hold(ids[position], ids[position - 1] if position else None)
+        for block in reversed(ids[:found]):
+            if block in pool:
+                pool.use(block)
+        self.hit_in_pool.update(ids[:memory])
+        pool.order.looked_up(len(ids) - found)
+        for position in range(found, len(ids)):
             block = ids[position]
-            if position < found:
-                assert disk is not None
-                disk.use(block)
             if block in pool:
                 continue  # ALREADY_STORED: the server leaves it as it is
             parent = self.parents[block] = ids[position - 1] if position else None
-            if self._hold(block, parent) and position >= found:
+            if self._hold(block, parent):
                 self._offer(block, parent)
 
     def _hold(self, block: int, parent: int | None) -> bool:
@@ -328,6 +341,9 @@ class _Sim:
             self.offered.add(block)
             return
         self.offered.discard(block)
+        if not self.budget.take(1, parent is None or parent in self.disk):
+            self.over_budget += 1
+            return
         self._write(block, parent)
 
     def _write(self, block: int, parent: int | None) -> None:
