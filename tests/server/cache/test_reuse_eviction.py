@@ -51,3 +51,33 @@ def test_a_server_keeps_a_prompt_found_again_under_reuse(cache, eviction):  # no
         assert client.stats().evictions == 8
         assert found(kept) == KEPT[eviction]
         assert found(one_shot[-1]) == 2
+
+
+@pytest.mark.parametrize("eviction", sorted(KEPT))
+def test_no_policy_takes_a_held_chunk_a_reservation_a_cap_or_a_prefix(cache, eviction):  # noqa: F811
+    """A flood of one-shot prompts through an 8-chunk pool under each --eviction: a held
+    prompt stays, a salt keeps its reservation, a capped salt stays under its cap, and what
+    remains of every prompt is a prefix (the chunks stored are those LOOKUPs find)."""
+    with run_server("--cpu-size", str(8 * CHUNK), "--eviction", eviction,
+                    "--lease-timeout", "600", "--quota", f"kept=unlimited:{2 * CHUNK}",
+                    "--quota", f"capped={2 * CHUNK}") as server, \
+            CacheClient(server.url, admin=True) as client:
+        registration = register(client, cache)
+
+        def found(hashes, salt="", hold=False):
+            return client.lookup(MODEL, 1, [LookupItem.build("q", hashes, salt, hold)])[0]
+        kept, held = prompt(200, 2), prompt(201, 2)
+        assert store(client, registration, "kept", kept) == [StoreStatus.STORED] * 2
+        assert store(client, registration, "", held) == [StoreStatus.STORED] * 2
+        assert found(held, hold=True) == 2
+        for tag in (202, 203):  # the second takes the first's room: its own cap
+            assert store(client, registration, "capped", prompt(tag, 2)) == \
+                [StoreStatus.STORED] * 2
+        flood = [prompt(300 + tag, 3) for tag in range(6)]
+        for hashes in flood:
+            assert store(client, registration, "", hashes) == [StoreStatus.STORED] * 3
+        stats = client.stats()
+        assert stats.evictions >= 2 + 2 + 4 + 6 * 3 - 8  # stored, less the pool
+        assert found(held) == 2 and found(kept, "kept") == 2
+        assert stats.tenants["capped"].bytes_used <= 2 * CHUNK
+        assert stats.tenants[""].chunks == found(held) + sum(map(found, flood))
