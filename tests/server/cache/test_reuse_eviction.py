@@ -1,5 +1,6 @@
 """--eviction reuse: a prompt that LOOKUPs found again outlasts newer prompts nobody asked
-for again, where LRU lets it go first; on the store and through a real server."""
+for again, where LRU lets it go first; on the store and through a real server. And under
+each policy, a real server keeps holds, reservations, caps and prefixes."""
 
 import pytest
 
