@@ -50,7 +50,8 @@ workloads:
                 in blocks and tokens, bytes written and read, evictions, beside an
                 unbounded cache's and the optimal bound at the same capacities (only
                 --trace, --trace-limit, --pool-share, --disk-share, --disk-admission,
-                --disk-dir, --json, --timeout and --no-progress apply)
+                --eviction, --disk-dir, --json, --plot, --timeout and --no-progress
+                apply)
   sglang        SGLang 0.5.23's HiCache storage path (its own host pool and backend
                 factory; scripts/bootstrap installs it) on a spawned server: pages a second
                 and GB/s through our backend's batch_set_v1 and batch_exists +

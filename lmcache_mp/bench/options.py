@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..runtime import default_url
+from ..server.cache.eviction import EVICTIONS
 from ..server.l2.urls import check_url
 from ..sizes import parse_size
 from .harness.l2_stores import BACKENDS, unavailable
@@ -24,7 +25,7 @@ UNIFORM = ("W1", "W2", "W3")
 SIMULATED = (*UNIFORM, "chat", "multi-tenant")  # simulated engines: workloads/simulated.py
 WORKLOADS = (*SIMULATED, "engine", "warm-restart", "disk", "trace", "sglang")
 TRACE_FLAGS = {"workload", "spawn", "trace", "trace_limit", "pool_share", "disk_share",
-               "disk_admission", "disk_dir", "json", "timeout",
+               "disk_admission", "eviction", "disk_dir", "json", "plot", "timeout",
                "progress"}  # what --workload trace takes
 SGLANG_FLAGS = {"workload", "spawn", "page_sizes", "sglang_bytes", "batch", "seed", "json",
                 "timeout", "lookup_rounds", "lookup_iters",
@@ -159,7 +160,8 @@ class BenchOptions:
         None, "also write every figure, per phase and per step, to this JSON file",
         metavar="PATH", type=Path)
     plot: Path | None = flag(
-        None, "also draw throughput per step and LOOKUP latency to this PNG (needs matplotlib: "
+        None, "also draw throughput per step and LOOKUP latency to this PNG (--workload trace: "
+        "hit rate against pool size, each --eviction policy modelled; needs matplotlib: "
         "pip install 'lmcache-mp[plot]')", metavar="PATH", type=Path)
     verify: bool = flag(
         True, "skip the byte-for-byte check of every loaded chunk (not timed either way)",
@@ -240,6 +242,9 @@ class BenchOptions:
         "write-all", "trace only, with --disk-share: the server's --disk-admission, which "
         "chunks it writes to its disk tier (write-all, reused; default write-all)",
         choices=("write-all", "reused"), metavar="POLICY")
+    eviction: str = flag(
+        "lru", "trace only: the server's --eviction, which chunk its pool lets go first "
+        "(lru, reuse; default lru)", choices=EVICTIONS, metavar="POLICY")
     page_sizes: tuple[int, ...] = flag(
         SGLANG_PAGE_SIZES, "sglang only: SGLang --page-size values to measure, in tokens of a "
         "Llama-3-8B (128 KiB a token: 4, 16, 64 are pages of 512 KiB, 2 MiB, 8 MiB; the "
@@ -351,7 +356,8 @@ def _check_trace(options: BenchOptions) -> None:
         raise FlagError("--disk-dir and --disk-admission need --disk-share with --workload "
                         "trace")
     _takes_only(options, TRACE_FLAGS, "--trace, --trace-limit, --pool-share, --disk-share, "
-                "--disk-admission, --disk-dir, --json, --timeout and --no-progress")
+                "--disk-admission, --eviction, --disk-dir, --json, --plot, --timeout and "
+                "--no-progress")
 
 
 def _takes_only(options: BenchOptions, allowed: set[str], takes: str) -> None:
@@ -432,7 +438,7 @@ def _check_disk(options: BenchOptions) -> None:
 
 def _check_extras(options: BenchOptions) -> None:
     """What --plot and --peer need installed."""
-    if options.plot is not None and options.workload in SIMULATED:
+    if options.plot is not None and options.workload in (*SIMULATED, "trace"):
         try:
             import matplotlib  # noqa: F401
         except ImportError:

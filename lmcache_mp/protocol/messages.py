@@ -457,6 +457,7 @@ class StatsReply:
     disk_chunks_written: int = 0
     disk_chunks_skipped: int = 0
     disk_dropped: int = 0
+    disk_over_budget: int = 0
     disk_evictions: int = 0
     disk_queue_bytes: int = 0
     disk_queue_chunks: int = 0

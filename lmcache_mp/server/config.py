@@ -20,6 +20,7 @@ from ..protocol import MAX_CHUNKS_PER_MESSAGE, MAX_MESSAGE_BYTES, validate_salt
 from ..quota_spec import Quota, format_quota_flag, parse_cap, parse_quota_flag
 from ..runtime import default_runtime_dir, ipc_url
 from ..sizes import exact_size, parse_size
+from .cache.eviction import EVICTIONS
 from .cache.quotas import QuotaBook, load_quota_file, tomllib
 from .disk.admission import POLICIES as DISK_ADMISSION
 from .l2.keyfile import read_key_file
@@ -179,6 +180,11 @@ class Config:
                            "chunks stored from KV caches on that GPU stay there and move to the "
                            "CPU pool when it is full; quotas count both tiers; 0 turns it off; "
                            "needs CUDA", parse_size, "SIZE", text=exact_size)
+    eviction: str = option("lru", "which evictable chunk the pool lets go first "
+                           "(docs/disk.md, \"Eviction\"): lru, the least recently "
+                           "used; reuse, the same, with a chunk that LOOKUPs found kept "
+                           "longer the more often they found it (up to 3 times)",
+                           _choice(*EVICTIONS), "POLICY")
     lease_timeout: float = option(60.0, "seconds a LOOKUP hold keeps chunks from eviction "
                                   "unless RETRIEVE or RELEASE comes first", _positive(float), "SEC")
     worker_timeout: float = option(30.0, "seconds without any message from a registered "
@@ -283,6 +289,13 @@ class Config:
                                  "reused, a chunk the second time a STORE commits it (stored, "
                                  "evicted from the pool, asked for again)",
                                  _choice(*DISK_ADMISSION), "POLICY")
+    disk_write_budget: int | None = option(None, "with --disk-dir: bytes the disk tier may "
+                                           "write an hour, e.g. 320GB (a 7.68 TB drive at "
+                                           "one drive-write a day: its size over 24); past "
+                                           "it, chunks are not written (STATS "
+                                           "disk_over_budget), those the disk has no parent "
+                                           "for first", parse_size, "SIZE",
+                                           shown="none: no limit", text=exact_size)
     l2: str | None = option(None, "shared second tier (docs/l2.md): redis://HOST:PORT[/DB], "
                             "rediss://... for TLS, or redis+cluster://HOST:PORT,HOST:PORT,... "
                             "(seed nodes of a Redis Cluster); user:password@ before the host "
@@ -369,6 +382,9 @@ class Config:
         if self.disk_size is not None and not 1024**2 <= self.disk_size <= MAX_DISK_SIZE:
             raise ValueError(f"--disk-size must be between 1MiB and 16TiB (the index's "
                              f"offsets), got {self.disk_size} bytes")
+        if self.disk_write_budget is not None and (self.disk_dir is None
+                                                   or self.disk_write_budget <= 0):
+            raise ValueError("--disk-write-budget needs --disk-dir, and more than 0 bytes")
         if self.disk_key_file is not None:
             if self.disk_dir is None:
                 raise ValueError("--disk-key-file needs --disk-dir")

@@ -97,7 +97,8 @@ def _build(config: Config, access: _Access, quotas: QuotaBook,
     gpu_pool = DevicePool(config.gpu_size, torch.device("cuda", 0)) if config.gpu_size else None
     assert quotas.capacity == pool.capacity + (gpu_pool.capacity if gpu_pool else 0)
     store = ChunkStore(pool.allocator, config.lease_timeout, quotas,
-                       gpu_allocator=gpu_pool.allocator if gpu_pool is not None else None)
+                       gpu_allocator=gpu_pool.allocator if gpu_pool is not None else None,
+                       eviction=config.eviction)
     if warm is not None:
         warm.restore(store, pool)
     copier = cuda_ipc = None
@@ -126,7 +127,8 @@ def _build(config: Config, access: _Access, quotas: QuotaBook,
         disk = DiskTier(disk_dir, config.disk_size, config.disk_queue_size,
                         config.disk_prefetch_wait, store, registry, pool, chunk_bytes,
                         metrics.disk_read, key, key_file,
-                        admission_policy(config.disk_admission, config.disk_size))
+                        admission_policy(config.disk_admission, config.disk_size,
+                                         config.disk_write_budget))
     l2 = None
     if config.l2 is not None:
         from .l2.tier import L2Tier  # redis-py is needed only with --l2

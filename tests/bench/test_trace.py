@@ -9,6 +9,8 @@ import pytest
 
 from lmcache_mp.bench.options import BenchOptions, FlagError, resolve
 from lmcache_mp.bench.workloads.trace_file import TraceError, read_trace
+from lmcache_mp.bench.workloads.trace_sim import simulate
+from lmcache_mp.server.cache.eviction import EVICTIONS
 
 from .test_cli import bench
 
@@ -172,3 +174,19 @@ def test_a_malformed_trace_ends_the_run_with_status_2(tmp_path):
     result = bench("--workload", "trace", "--trace", str(path), "--no-progress")
     assert result.returncode == 2
     assert f"{path}:1: 2 hash ids for 512 input tokens" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("eviction", EVICTIONS)
+def test_the_model_hits_what_the_server_hits_under_each_eviction(tmp_path, eviction):
+    """The server's --eviction through the replay, against trace_sim's model of the same
+    pool: the same hits, block for block; and --plot draws the curves."""
+    plot = tmp_path / "trace.png"
+    data = replay(tmp_path, REAL_TRACE, "--eviction", eviction, "--plot", str(plot))
+    assert data["meta"]["options"]["eviction"] == eviction
+    pool = data["measured"]["pool"]
+    modelled = simulate(read_trace(REAL_TRACE), pool["capacity_chunks"], eviction=eviction)
+    assert pool["evictions"] > 0 and data["measured"]["hit_blocks"] == modelled.hits
+    assert pool["evictions"] == modelled.pool_evictions
+    assert plot.read_bytes().startswith(b"\x89PNG")

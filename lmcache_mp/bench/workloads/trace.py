@@ -35,7 +35,7 @@ from ..harness import output
 from ..harness.server import BenchServer, new_cache, register, settled_stats
 from ..options import BenchOptions
 from ..shapes import KVShape, MiB
-from . import trace_bound
+from . import trace_bound, trace_plot
 from .trace_file import (
     BLOCK_TOKENS,
     TraceError,
@@ -65,9 +65,28 @@ def main(options: BenchOptions) -> int:
     if isinstance(figures, int):
         return figures
     description = (f"{len(requests)} requests of {options.trace}, one {BLOCK_TOKENS}-token "
-                   f"block a chunk ({TRACE_SHAPE.describe()}); spawned server(s).")
-    return output.report(options, description, render(figures),
+                   f"block a chunk ({TRACE_SHAPE.describe()}); spawned server(s), "
+                   f"--eviction {options.eviction}.")
+    code = output.report(options, description, render(figures),
                          lambda: to_json(figures, options), figures.passed)
+    if options.plot is not None:
+        plot(options, requests, figures)
+    return code
+
+
+def plot(options: BenchOptions, requests: list[TraceRequest], figures: TraceFigures) -> None:
+    """--plot: hit rate against the pool's size, each policy modelled (trace_plot.py), and
+    this replay's pool alone."""
+    assert options.plot is not None and options.trace is not None, "--plot was given"
+    output.log("modelling each eviction policy at each pool size for --plot")
+    distinct = figures.distinct_blocks
+    curves = trace_plot.curves(
+        requests, lambda share: capacity_bytes(share, distinct) // TRACE_SHAPE.chunk_bytes)
+    alone = figures.pool_only or figures.measured
+    trace_plot.draw(curves, (options.pool_share, alone.hit_blocks / figures.blocks,
+                             options.eviction),
+                    f"{figures.requests} requests of {options.trace.name}", options.plot)
+    output.log(f"wrote {options.plot}")
 
 
 def capacity_bytes(share: float, distinct: int) -> int:
@@ -105,8 +124,8 @@ def replay(options: BenchOptions, requests: list[TraceRequest], pool: int, disk:
     """The trace through a server of its own with a `pool`-byte pool (and a `disk`-byte
     disk tier): its figures."""
     with contextlib.ExitStack() as stack:
-        server = BenchServer(pool, TRACE_SHAPE.chunk_size, _disk_args(stack, options, disk,
-                                                                      options.timeout))
+        server = BenchServer(pool, TRACE_SHAPE.chunk_size, [
+            "--eviction", options.eviction, *_disk_args(stack, options, disk, options.timeout)])
         stack.callback(server.close)
         client = server.ready(options.timeout)
         longest = max(len(request.hash_ids) for request in requests)

@@ -22,7 +22,7 @@ from ...protocol import (
     MAX_LEASES_PER_ENGINE,
 )
 from .chunk import CPU_TIER, GPU_TIER, QUOTA_CAP, Chunk, ChunkKey, TenantUsage
-from .eviction import TenantLRUPolicy
+from .eviction import EVICTIONS, REUSE_ROUNDS, TenantLRUPolicy
 from .leases import LeaseTable
 from .pool import ExtentAllocator
 from .quotas import Quota, QuotaBook
@@ -43,9 +43,14 @@ class Catalog:
                  max_leases: int = MAX_LEASES,
                  max_leases_per_engine: int = MAX_LEASES_PER_ENGINE,
                  max_leased_chunks: int = MAX_LEASED_CHUNKS,
-                 max_leased_chunks_per_engine: int = MAX_LEASED_CHUNKS_PER_ENGINE):
+                 max_leased_chunks_per_engine: int = MAX_LEASED_CHUNKS_PER_ENGINE,
+                 eviction: str = "lru"):
         """`allocator` places chunks in the CPU pool; `gpu_allocator` in the GPU tier, if any;
-        `max_lease*` bound the lookup holds kept, and the chunks they hold (the LIMITS)."""
+        `max_lease*` bound the lookup holds kept, and the chunks they hold (the LIMITS);
+        `eviction` is --eviction's policy (eviction.py)."""
+        if eviction not in EVICTIONS:
+            raise ValueError(f"unknown eviction {eviction!r}: one of {', '.join(EVICTIONS)}")
+        self.reuse = eviction == "reuse"
         self.allocator = allocator
         self.allocators = {CPU_TIER: allocator}
         if gpu_allocator is not None:
@@ -193,11 +198,20 @@ class Catalog:
         """Refresh chunks that were read (each prompt's in order), the first the most recent:
         a client that names no parents stores a prompt's chunks as unrelated ones, and they
         still lose the later ones first."""
+        reuse = self.reuse
         for chunk in reversed(chunks):
             chunk.stamp = self._last_stamp = self._last_stamp + 1
+            if reuse:
+                chunk.stamp += self.reuse_lead(chunk)
             # Successors first: most of a prompt's chunks have some, and are not evictable.
             if not chunk.successors and chunk.evictable:
                 self._policies[chunk.tier].add(chunk.key.cache_salt, chunk.key, chunk.stamp)
+
+    def reuse_lead(self, chunk: Chunk) -> int:
+        """How far ahead of its last use `--eviction reuse` stamps the chunk: as many stamps
+        as chunks are stored per hit it had (up to REUSE_ROUNDS), so that it goes about
+        that many turns of the store's content after a chunk nobody asked for again."""
+        return len(self._chunks) * min(chunk.hits, REUSE_ROUNDS)
 
     def _fit_under_cap(self, cache_salt: str, size: int) -> bool:
         """Evict the salt's own LRU chunks until `size` more bytes fit under its cap."""

@@ -51,6 +51,7 @@ class Chunk:
     # Its parent went (CLEAR, a failed copy) while it was held, pending or moving: it goes
     # too, once that ends (not an eviction: evictions never take a chunk with successors).
     orphaned: bool = False
+    hits: int = 0  # LOOKUPs that found it, counted under --eviction reuse only
 
     @property
     def footprint(self) -> int:

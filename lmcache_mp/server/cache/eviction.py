@@ -1,4 +1,10 @@
-"""Eviction policy: which evictable chunk goes next, least recently used first, tenant by tenant."""
+"""Eviction policy: which evictable chunk goes next, least stamp first, tenant by tenant.
+
+A chunk's stamp is when it was last used (catalog.py stamps it); under `--eviction reuse`
+the catalog puts the stamp of a chunk that LOOKUPs found ahead, as many stamps per hit as
+chunks are stored (up to REUSE_ROUNDS hits), so that what was reused outlasts one-shot
+prompts (docs/disk.md, "Eviction"); under `lru` (the default) it does not.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,9 @@ from typing import Generic, TypeVar
 from .lazy_heap import LazyHeap
 
 K = TypeVar("K", bound=Hashable)  # a policy's keys: the store's are ChunkKeys
+
+EVICTIONS = ("lru", "reuse")  # --eviction's choices
+REUSE_ROUNDS = 3  # under `reuse`, the most LOOKUP hits that each put a chunk's stamp ahead
 
 
 class _Order(LazyHeap[K]):

@@ -53,7 +53,7 @@ class ChunkStore(Catalog):
         and its hits' refresh are one loop here (a third of a batched LOOKUP's calls went
         to the calls per item)."""
         hits = []
-        policies = self._policies
+        policies, reuse = self._policies, self.reuse
         salt_seen = None  # the salt whose scopes and usage are at hand: items mostly share one
         quick_hits = quick_probes = 0  # of the common items, for the totals
         for cache_salt, hashes, holder in queries:
@@ -73,6 +73,9 @@ class ChunkStore(Catalog):
                     if chunk is None or not chunk.visible:
                         break
                     chunk.stamp = top - hit
+                    if reuse:
+                        chunk.hits += 1
+                        chunk.stamp += self.reuse_lead(chunk)
                     hit += 1
                     if not chunk.successors and not chunk.holds:  # visible, so evictable
                         policies[chunk.tier].add(cache_salt, chunk.key, chunk.stamp)
@@ -118,6 +121,9 @@ class ChunkStore(Catalog):
             usage.misses += hashes - hit
         self._totals.hits += hit
         self._totals.misses += hashes - hit
+        if self.reuse:
+            for chunk in found:
+                chunk.hits += 1
         if holder is None:
             if held:
                 self.unhold(found)  # refreshes them: as a touch would

@@ -43,6 +43,7 @@ class DiskCounters:
     chunks_written: int = 0
     chunks_skipped: int = 0  # committed chunks already on disk
     dropped: int = 0  # chunks not written: queue full, no room, the tier loading or stopped
+    over_budget: int = 0  # chunks not written: over --disk-write-budget (admission.py)
     evictions: int = 0  # chunks removed from disk to make room or keep a salt under its cap
     queue_bytes: int = 0  # chunk bytes waiting to be written
     queue_chunks: int = 0

@@ -151,6 +151,10 @@ class DiskWriter:
                 counters.dropped += 1
                 continue
             parent = self.key_of(chunk.parent) if chunk.parent is not None else None
+            if not self.admission.budget.take(chunk.nbytes, parent is None or parent in self._queued
+                                              or space.index.find(parent) >= 0):
+                counters.over_budget += 1
+                continue
             self._queue.append(_Queued(chunk, key, parent))
             self._queued.add(key)
             counters.queue_bytes += chunk.nbytes

@@ -215,6 +215,8 @@ def _disk_metrics(stats: StatsReply) -> Iterator[Metric]:
                   stats.disk_chunks_skipped)
     yield counter("dropped_chunks", "Chunks not written: queue full, no room, loading or "
                   "writes stopped", stats.disk_dropped)
+    yield counter("over_budget_chunks", "Chunks not written: over --disk-write-budget",
+                  stats.disk_over_budget)
     yield counter("evictions", "Chunks removed from disk to make room or keep a tenant under "
                   "its cap", stats.disk_evictions)
     yield gauge("queue_bytes", "Chunk bytes waiting to be written", stats.disk_queue_bytes)

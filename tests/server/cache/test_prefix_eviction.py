@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
 from lmcache_mp.errors import BadRequest
 from lmcache_mp.server.cache.chunk import LeaseOwner
+from lmcache_mp.server.cache.eviction import EVICTIONS
 from lmcache_mp.server.cache.pool import ExtentAllocator
 from lmcache_mp.server.cache.quotas import Quota, QuotaBook
 from lmcache_mp.server.cache.store import ChunkStore
@@ -32,11 +33,12 @@ def chunked_prefill(store, salt, hashes, per_step=1):
     return statuses
 
 
-def make_store(chunks, quotas=None, gpu_chunks=0):
+def make_store(chunks, quotas=None, gpu_chunks=0, eviction="lru"):
     allocator = ExtentAllocator(chunks * CHUNK)
     return ChunkStore(allocator, 10.0, QuotaBook(allocator.capacity, Quota(), quotas or {}),
                       clock=FakeClock(),
-                      gpu_allocator=ExtentAllocator(gpu_chunks * CHUNK) if gpu_chunks else None)
+                      gpu_allocator=ExtentAllocator(gpu_chunks * CHUNK) if gpu_chunks else None,
+                      eviction=eviction)
 
 
 def lookup(store, salt, hashes):
@@ -180,16 +182,27 @@ def stored_prefix_holds(store, reads):
             assert store.lookup("m", 1, salt, [k.chunk_hash for k in keys]) == sum(stored)
 
 
+def reserved_held(store):
+    """Salt t's bytes stored, up to its reservation."""
+    usage = store.tenants.get("t")
+    return min(usage.bytes_used if usage else 0, store.quotas.get("t").reserve)
+
+
+@pytest.mark.parametrize("eviction", EVICTIONS)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(steps, max_size=60))
-def test_what_remains_of_every_prompt_is_a_prefix_under_any_interleaving(ops):
+@given(ops=st.lists(steps, max_size=60))
+def test_what_remains_of_every_prompt_is_a_prefix_under_any_interleaving(eviction, ops):
+    """Under each --eviction policy: held chunks stay (check_invariants), a prompt keeps a
+    prefix, a cap holds unless what is over it is held or followed, a reservation holds."""
     # 9 pool chunks, 2 of them reserved for salt t, and a 2-chunk GPU tier: 18 prompt
     # chunks do not fit.
-    store = make_store(7, {"t": Quota(cap=None, reserve=2 * CHUNK)}, gpu_chunks=2)
+    store = make_store(7, {"t": Quota(cap=None, reserve=2 * CHUNK)}, gpu_chunks=2,
+                       eviction=eviction)
     clock = store.clock
     next_chunk = dict.fromkeys(PROMPTS, 0)  # as vLLM: what a request stored is not stored again
     reads: list[list] = []
     for op, *args in ops:
+        reserved_before = reserved_held(store)
         if op == "store":
             name, count, on_gpu, fail_one = args
             salt, hashes = PROMPTS[name]
@@ -205,6 +218,8 @@ def test_what_remains_of_every_prompt_is_a_prefix_under_any_interleaving(ops):
             for i, chunk in enumerate(pending):
                 (store.abort if fail_one and i == 0 else store.commit)(chunk)
             next_chunk[name] = min(start + count, len(hashes))
+            if salt != "t":  # another salt's STORE never takes t below its reservation
+                assert reserved_held(store) >= reserved_before
         elif op == "restart":  # a new request of the prompt: a lookup, then it stores the rest
             salt, hashes = PROMPTS[args[0]]
             next_chunk[args[0]] = lookup(store, salt, hashes)
