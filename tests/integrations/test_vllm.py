@@ -300,13 +300,18 @@ class Engine:
 
     def _advance_state(self, request_id, tokens, start, end, table, cache, layer, rank) -> None:
         """A recurrent layer in vLLM's "align" mode: the state after n tokens lives in block
-        ceil(n / block_size) - 1; a pass reads the state it starts from and writes the one
-        after its last token."""
+        ceil(n / block_size) - 1; a pass reads the state it starts from, writes the one
+        after its last token, and the one at each block boundary within it whose block
+        vLLM gave (a prefill checkpoint)."""
         states = cache.view(torch.uint8)
         if start > 0:
             got = states[table[-(-start // self.block_size) - 1]]
             self.state_reads.setdefault(request_id, []).append(
                 (start, bool((got == state_byte(tokens, start, layer, rank)).all())))
+        for boundary in range(start // self.block_size + 1, -(-end // self.block_size)):
+            if table[boundary - 1] != 0:
+                states[table[boundary - 1]] = state_byte(tokens, boundary * self.block_size,
+                                                         layer, rank)
         states[table[-(-end // self.block_size) - 1]] = state_byte(tokens, end, layer, rank)
 
     @property

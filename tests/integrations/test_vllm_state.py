@@ -207,7 +207,6 @@ def test_preempted_requests_restore_their_state_and_leave_no_hold(engines, serve
 @pytest.mark.parametrize(("spec", "case"), [
     (mamba(mamba_cache_mode="none"), r"mamba_cache_mode is 'none', not \"align\""),
     (mamba(num_speculative_blocks=1), r"num_speculative_blocks is 1"),
-    (mamba(num_prefill_checkpoint_blocks=1), r"num_prefill_checkpoint_blocks is 1"),
 ])
 def test_a_state_vllm_cannot_restore_at_a_boundary_is_refused_naming_the_case(server, spec, case):
     kvcc = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
@@ -217,6 +216,39 @@ def test_a_state_vllm_cannot_restore_at_a_boundary_is_refused_naming_the_case(se
                                          r"\(MambaSpec: layers model\.layers\.1\.self_attn"
                                          r"\.attn, model\.layers\.3\.self_attn\.attn\): " + case):
         LMCacheMPServerConnector(hand_config(server.url), KVConnectorRole.SCHEDULER, kvcc)
+
+
+def test_hits_finer_than_a_recurrent_block_are_refused(server):
+    kvcc = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([layer_name(0)], ATTENTION),
+        KVCacheGroupSpec([layer_name(1)], mamba(num_prefill_checkpoint_blocks=1,
+                                                 prefill_checkpoint_alignment=1))],
+        cache_hit_alignment_tokens=8)
+    with pytest.raises(ValueError, match="prefix-cache hits land every 8 tokens, within its "
+                                         "blocks of 16"):
+        LMCacheMPServerConnector(hand_config(server.url), KVConnectorRole.SCHEDULER, kvcc)
+
+
+def test_a_prefill_checkpoint_at_a_chunk_boundary_is_stored_and_restored(engines, server):
+    """Mamba2 layers export the state at the prompt's last block boundary from within the
+    pass (vLLM's prefill checkpoint blocks): a prompt of 260 tokens is one step, whose
+    checkpoint at 256 is chunk 0's state."""
+    checkpointed = [(ATTENTION, [0, 2]), (mamba(num_prefill_checkpoint_blocks=1,
+                                                prefill_checkpoint_alignment=1), [1, 3])]
+    salt = "state-8"
+    tokens = prompt(92, CHUNK + 4)
+    writer = engines(kv_groups=checkpointed, mamba_cache_mode="align")
+    writer.add("write", tokens, salt)
+    writer.run_until_idle()
+    assert writer.state_reads["write"][0] == (CHUNK + 4, True)  # the prompt in one step
+    assert stats(server).tenants[salt].chunks == 1 * 2
+
+    reader = engines(kv_groups=checkpointed, mamba_cache_mode="align")
+    reader.add("read", [*tokens, *prompt(93, 30)], salt)
+    reader.run_until_idle()
+    assert reader.first_computed["read"] == CHUNK
+    assert reader.state_reads["read"][0] == (CHUNK, True)
+    assert stats(server).leases_held == 0
 
 
 def test_mla_beside_a_state_and_a_state_block_that_does_not_divide_the_chunk_are_refused(

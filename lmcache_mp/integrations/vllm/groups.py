@@ -113,7 +113,8 @@ def kv_groups(kv_cache_config: KVCacheConfig | None, block_size: int, use_mla: b
                 f"the state of Mamba and linear-attention layers only. Serve this model "
                 f"without the lmcache-mp connector")
         if kind is GroupKind.STATE:
-            _check_state(spec, f"vLLM's KV cache group {index} ({shown})", use_mla, chunk_size)
+            _check_state(spec, f"vLLM's KV cache group {index} ({shown})", use_mla, chunk_size,
+                         kv_cache_config.cache_hit_alignment_tokens)
         if getattr(spec, "block_size", block_size) != block_size:
             raise ValueError(f"vLLM's KV cache group {index} has blocks of {spec.block_size} "
                              f"tokens, not vLLM's --block-size {block_size}: lmcache-mp needs "
@@ -125,17 +126,20 @@ def kv_groups(kv_cache_config: KVCacheConfig | None, block_size: int, use_mla: b
     return tuple(groups)
 
 
-def _check_state(spec, group: str, use_mla: bool, chunk_size: int) -> None:
+def _check_state(spec, group: str, use_mla: bool, chunk_size: int,
+                 hit_alignment: int | None) -> None:
     """Refuses, naming the case, a recurrent group whose state at a chunk boundary vLLM
     cannot give or take: only "align" mode keeps a state per block position (prefix
-    caching), speculative and prefill-checkpoint blocks hold states off those positions."""
+    caching); speculative blocks, and prefill checkpoints at hits finer than a block
+    (partial hash hits), hold states off those positions."""
     cases = [
         (spec.mamba_cache_mode != "align", f"mamba_cache_mode is "
          f"{spec.mamba_cache_mode!r}, not \"align\" (start vLLM with prefix caching on)"),
         (spec.num_speculative_blocks > 0, f"num_speculative_blocks is "
          f"{spec.num_speculative_blocks} (speculative decoding keeps states past the boundary)"),
-        (spec.num_prefill_checkpoint_blocks > 0, f"num_prefill_checkpoint_blocks is "
-         f"{spec.num_prefill_checkpoint_blocks} (checkpoints keep states off block positions)"),
+        (hit_alignment is not None and hit_alignment < spec.block_size,
+         f"prefix-cache hits land every {hit_alignment} tokens, within its blocks of "
+         f"{spec.block_size} (its checkpoints keep states off block positions)"),
         (use_mla, "the model uses MLA beside it"),
         (chunk_size % spec.block_size != 0, f"its block size {spec.block_size} does not "
          f"divide lmcache-mp's chunk_size {chunk_size}"),
