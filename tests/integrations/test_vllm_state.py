@@ -63,10 +63,15 @@ def the_load(engine):
     return load
 
 
-def test_a_second_engine_restores_the_state_and_the_kv_at_the_hit_point(engines, server):
-    salt = "state-1"
-    tokens = prompt(81, 3 * CHUNK + 40)
-    writer = engines(**CHUNKED)
+@pytest.mark.parametrize("state_first", [False, True], ids=["attention-first", "state-first"])
+def test_a_second_engine_restores_the_state_and_the_kv_at_the_hit_point(engines, server,
+                                                                        state_first):
+    """In either group order (vLLM puts a Qwen3-Next's recurrent group first)."""
+    salt = f"state-1-{state_first}"
+    tokens = prompt(81 + state_first, 3 * CHUNK + 40)
+    groups = GROUPS[::-1] if state_first else GROUPS
+    order = slice(None, None, -1 if state_first else 1)  # (attention, state) in vLLM's order
+    writer = engines(kv_groups=groups, mamba_cache_mode="align", max_num_batched_tokens=CHUNK)
     writer.add("write", tokens, salt)
     writer.run_until_idle()
     tenant = stats(server).tenants[salt]
@@ -76,17 +81,18 @@ def test_a_second_engine_restores_the_state_and_the_kv_at_the_hit_point(engines,
     attention_chunk = 2 * 2 * CHUNK * 2 * 64 * 2
     assert tenant.bytes_used == 3 * (attention_chunk + aligned(2 * STATE_BYTES))
     models = {i.model for i in stats(server).instances}
-    assert any(m.endswith(f"-groups[full:2,state{STATE_BYTES}:2]") for m in models), models
+    named = ",".join(["full:2", f"state{STATE_BYTES}:2"][order])
+    assert any(m.endswith(f"-groups[{named}]") for m in models), models
 
-    reader = engines(**CHUNKED)
+    reader = engines(kv_groups=groups, mamba_cache_mode="align", max_num_batched_tokens=CHUNK)
     reader.add("read", tokens, salt)
     reader.run_until_idle()
     assert reader.first_computed["read"] == 3 * CHUNK  # the 3 chunks loaded (async)
     # the first pass started from the loaded state, that of exactly the first 768 tokens
     assert reader.state_reads["read"][0] == (3 * CHUNK, True)
     reader.assert_kv("read", tokens)  # the attention KV, byte for byte
-    full_item, state_item = the_load(reader).items
-    full_table, state_table = reader.group_tables["read"]
+    full_item, state_item = the_load(reader).items[order]
+    full_table, state_table = reader.group_tables["read"][order]
     assert written(full_item) == full_table[:48]
     assert written(state_item) == [state_table[47]]  # the state at the hit point alone
     assert stats(server).leases_held == 0
