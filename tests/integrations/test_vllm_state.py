@@ -321,3 +321,27 @@ def test_a_state_block_vllm_gives_out_again_waits_for_the_store_that_reads_it(se
         scheduler.request_finished_all_groups(first, (full, state))
     finally:
         scheduler.shutdown()
+
+
+def test_a_state_the_server_does_not_hold_cuts_the_hit_there(engines, server):
+    """A salt's quota leaves no room for the last state: the server refuses it (the last
+    STORE of the last step: each group's STORE goes in vLLM's group order), while chunk 2's
+    attention KV is stored. A hit ends at chunk 2, where the last stored state is."""
+    salt = "state-9"
+    tokens = prompt(94, 3 * CHUNK + 40)
+    attention_chunk = 2 * 2 * CHUNK * 2 * 64 * 2
+    with server.client(admin=True) as admin:
+        admin.quota_set(salt, 3 * attention_chunk + 3 * aligned(2 * STATE_BYTES) - 1)
+    writer = engines(**CHUNKED)
+    writer.add("write", tokens, salt)
+    writer.run_until_idle()
+    tenant = stats(server).tenants[salt]
+    assert (tenant.chunks, tenant.refused, tenant.evictions) == (3 * 2 - 1, 1, 0)
+
+    reader = engines(**CHUNKED)
+    reader.add("read", tokens, salt)
+    reader.run_until_idle()
+    assert reader.first_computed["read"] == 2 * CHUNK
+    assert reader.state_reads["read"][0] == (2 * CHUNK, True)
+    reader.assert_kv("read", tokens)
+    assert stats(server).leases_held == 0
