@@ -31,6 +31,10 @@ from .test_vllm import (  # vLLM's names too: test_vllm imports them for the CPU
     prompt,
     scheduler_output,
     stats,
+    step_until_reported,
+    wait_for_leases,
+    worker_connector,
+    worker_step,
 )
 
 CHUNK = 256
@@ -345,3 +349,51 @@ def test_a_state_the_server_does_not_hold_cuts_the_hit_there(engines, server):
     assert reader.state_reads["read"][0] == (2 * CHUNK, True)
     reader.assert_kv("read", tokens)
     assert stats(server).leases_held == 0
+
+
+def test_a_load_whose_state_has_no_block_fails_and_releases_its_hold(server):
+    """Where vLLM allocated no block for the state at the hit point, the attention KV alone
+    is not loaded: the load goes out with no item, the request's load fails
+    (failed_recving: vLLM recomputes it) and the LOOKUP's hold is released."""
+    config = hand_config(server.url)
+    kvcc = planned_kv_cache_config(config, GROUPS, 160)
+    scheduler = LMCacheMPServerConnector(config, KVConnectorRole.SCHEDULER, kvcc)
+    worker, _ = worker_connector(config, kvcc, 0)
+    tokens = prompt(95, CHUNK + 16)
+
+    try:
+        tables = (list(range(1, 18)), [0] * 15 + [18, 19])
+        write = Request("w", tokens, SamplingParams(max_tokens=1), None)
+        assert lookup(scheduler, write) == (0, False)
+        scheduler.update_state_after_alloc(write, KVCacheBlocks(tuple(
+            [KVCacheBlock(i) for i in ids] for ids in tables)), 0)
+        output = scheduler_output(num_scheduled={"w": CHUNK + 16})
+        output.scheduled_new_reqs = [NewRequestData.from_request(write, tables)]
+        worker_step([worker], scheduler.build_connector_meta(output))
+        write.status = RequestStatus.FINISHED_STOPPED
+        assert scheduler.request_finished_all_groups(write, tables)[0] is True
+        step_until_reported([worker], scheduler, scheduler.build_connector_meta(
+            scheduler_output(finished={"w"})), 0, "w", finished={"w"})
+        assert stats(server).tenants[""].chunks == 2
+
+        read = Request("r", tokens, SamplingParams(max_tokens=1), None)
+        assert lookup(scheduler, read) == (CHUNK, True)
+        wait_for_leases(server, 1)
+        scheduler.update_state_after_alloc(read, KVCacheBlocks(tuple(
+            [KVCacheBlock(i) for i in ids] for ids in (list(range(20, 36)), [0] * 16))), CHUNK)
+        meta = scheduler.build_connector_meta(scheduler_output())
+        (load,) = meta.loads
+        assert load.items == () and load.failed_block_ids == tuple(range(20, 36))
+        worker.handle_preemptions(meta)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        results = worker.get_transfer_results(set())
+        worker.clear_connector_metadata()
+        assert results.finished_recving == {"r"} and results.failed_recving == {"r"}
+        wait_for_leases(server, 0)
+        read.status = RequestStatus.FINISHED_ABORTED
+        scheduler.request_finished_all_groups(read, ([], []))
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
