@@ -228,6 +228,13 @@ def test_a_state_vllm_cannot_restore_at_a_boundary_is_refused_naming_the_case(se
         LMCacheMPServerConnector(hand_config(server.url), KVConnectorRole.SCHEDULER, kvcc)
 
 
+def test_a_model_of_recurrent_state_alone_is_refused(server):
+    kvcc = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([layer_name(0), layer_name(1)], mamba())])
+    with pytest.raises(ValueError, match="recurrent state of a model without attention layers"):
+        LMCacheMPServerConnector(hand_config(server.url), KVConnectorRole.SCHEDULER, kvcc)
+
+
 def test_hits_finer_than_a_recurrent_block_are_refused(server):
     kvcc = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec([layer_name(0)], ATTENTION),

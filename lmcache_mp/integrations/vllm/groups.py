@@ -123,6 +123,10 @@ def kv_groups(kv_cache_config: KVCacheConfig | None, block_size: int, use_mla: b
     if use_mla and len(groups) > 1:
         raise ValueError(f"lmcache-mp serves MLA models with one KV cache group; this one has "
                          f"{len(groups)}: start vLLM with --disable-hybrid-kv-cache-manager")
+    if all(group.kind is GroupKind.STATE for group in groups):
+        # vLLM takes a failed load of one group as blocks to recompute, which a state is not
+        raise ValueError("lmcache-mp cannot save and restore the recurrent state of a model "
+                         "without attention layers (every KV cache group is MambaSpec)")
     return tuple(groups)
 
 
