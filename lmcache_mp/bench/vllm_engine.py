@@ -141,6 +141,10 @@ class EngineSettings:
     store_generated: bool | None = None  # the connector's option; None: its default
     # vLLM's hybrid KV cache manager (a group per attention kind); off: every layer full-length
     hybrid_kv_cache_manager: bool = True
+    dtype: str = "float32"  # the model's (vLLM's CPU Gated DeltaNet needs bfloat16)
+    # vLLM's --max-num-batched-tokens; None: its default. A recurrent model keeps a state
+    # only where a step ends: steps of a chunk keep one at each chunk boundary
+    max_num_batched_tokens: int | None = None
 
 
 @dataclass
@@ -251,8 +255,9 @@ def _build_engine(settings: EngineSettings):
         kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     return LLM(model=settings.model_dir, skip_tokenizer_init=True, block_size=BLOCK_SIZE,
                max_model_len=settings.max_model_len, max_num_seqs=8, enforce_eager=True,
-               dtype="float32", seed=0, enable_prefix_caching=True,
+               dtype=settings.dtype, seed=0, enable_prefix_caching=True,
                disable_hybrid_kv_cache_manager=not settings.hybrid_kv_cache_manager,
+               max_num_batched_tokens=settings.max_num_batched_tokens,
                kv_transfer_config=transfer)
 
 
@@ -264,6 +269,7 @@ def _kv_cache_report(llm) -> dict:
     config = llm.llm_engine.vllm_config
     kv_cache_config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
     return {"groups": [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups],
+            "block_size": config.cache_config.block_size,
             "num_blocks": kv_cache_config.num_blocks,
             "max_concurrency": get_max_concurrency_for_kv_cache_config(config, kv_cache_config)}
 

@@ -201,7 +201,7 @@ class RegisterKVCacheRequest:
     kv_world_size: KvWorldSize
     kv_worker_id: int
     # "mha": layers of [2, num_blocks, block_size, heads, head_dim]; "mla": [num_blocks,
-    # block_size, dim]
+    # block_size, dim]; "state": [num_blocks, state_size], block_size the chunk size
     layout: str
     block_size: int
     layers: Annotated[list[TensorHandle], length_in(1, MAX_LAYERS, "handles")]

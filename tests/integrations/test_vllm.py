@@ -62,6 +62,7 @@ with warnings.catch_warnings():
         KVCacheConfig,
         KVCacheGroupSpec,
         KVCacheTensor,
+        MambaSpec,
         MLAAttentionSpec,
     )
     from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -96,6 +97,11 @@ def prompt(tag: int, length: int) -> list[int]:
 def kv_byte(tokens, position: int, layer: int, rank: int) -> int:
     """What the fake forward pass writes for a token: a function of its whole prefix."""
     return (sum(tokens[:position + 1]) * 31 + position * 7 + layer * 3 + rank * 101) % 251
+
+
+def state_byte(tokens, length: int, layer: int, rank: int) -> int:
+    """What the fake forward pass writes as a recurrent layer's state after `length` tokens."""
+    return (kv_byte(tokens, length - 1, layer, rank) + 1) % 251
 
 
 def sampled_token(position: int) -> int:
@@ -165,16 +171,19 @@ class Engine:
     def __init__(self, model_dir: str, url: str, tp: int = 1, block_size: int = BLOCK,
                  num_blocks: int = NUM_BLOCKS, cache_dtype: str = "auto", kv_spec=None,
                  policy: str = "recompute", kv_role: str = "kv_both", kv_events=None,
-                 kv_groups=None, log_stats: bool = False, **extra):
+                 kv_groups=None, log_stats: bool = False, max_num_batched_tokens: int = 512,
+                 mamba_cache_mode: str = "none", **extra):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.config = VllmConfig(
             model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float16",
                                      max_model_len=4096),
-            cache_config=CacheConfig(block_size=block_size, cache_dtype=cache_dtype),
+            cache_config=CacheConfig(block_size=block_size, cache_dtype=cache_dtype,
+                                     mamba_cache_mode=mamba_cache_mode),
             parallel_config=ParallelConfig(tensor_parallel_size=tp),
-            scheduler_config=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8,
-                                             max_model_len=4096, is_encoder_decoder=False),
+            scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                             max_num_seqs=8, max_model_len=4096,
+                                             is_encoder_decoder=False),
             kv_transfer_config=transfer_config(url, kv_role, **extra),
             kv_events_config=kv_events)
         self.config.kv_transfer_config.kv_load_failure_policy = policy
@@ -189,6 +198,12 @@ class Engine:
                     for name in group.layer_names}
         self.cache_groups = [group_of[name] for tensor in kvcc.kv_cache_tensors
                              for name in tensor.layers]
+        # recurrent (Mamba) groups: a block holds the state after its last computed token
+        self.state_groups = {g for g, group in enumerate(kvcc.kv_cache_groups)
+                             if isinstance(group.kv_cache_spec, MambaSpec)}
+        # per request, each state a forward pass started from: (tokens before it, whether
+        # it was the state of exactly those tokens)
+        self.state_reads: dict[str, list[tuple[int, bool]]] = {}
         self.scheduler = Scheduler(self.config, kvcc, StructuredOutputManager(self.config),
                                    block_size=block_size, log_stats=log_stats)
         self.workers = [worker_connector(self.config, kvcc, rank) for rank in range(tp)]
@@ -274,8 +289,30 @@ class Engine:
         for position in range(start, start + count):
             slot = position % self.block_size
             for layer, cache in enumerate(caches):
+                if self.cache_groups[layer] in self.state_groups:
+                    continue
                 block = tables[self.cache_groups[layer]][position // self.block_size]
                 cache.view(torch.uint8)[block, :, slot, :] = kv_byte(tokens, position, layer, rank)
+        for layer, cache in enumerate(caches):
+            if self.cache_groups[layer] in self.state_groups:
+                self._advance_state(request_id, tokens, start, start + count,
+                                    tables[self.cache_groups[layer]], cache, layer, rank)
+
+    def _advance_state(self, request_id, tokens, start, end, table, cache, layer, rank) -> None:
+        """A recurrent layer in vLLM's "align" mode: the state after n tokens lives in block
+        ceil(n / block_size) - 1; a pass reads the state it starts from, writes the one
+        after its last token, and the one at each block boundary within it whose block
+        vLLM gave (a prefill checkpoint)."""
+        states = cache.view(torch.uint8)
+        if start > 0:
+            got = states[table[-(-start // self.block_size) - 1]]
+            self.state_reads.setdefault(request_id, []).append(
+                (start, bool((got == state_byte(tokens, start, layer, rank)).all())))
+        for boundary in range(start // self.block_size + 1, -(-end // self.block_size)):
+            if table[boundary - 1] != 0:
+                states[table[boundary - 1]] = state_byte(tokens, boundary * self.block_size,
+                                                         layer, rank)
+        states[table[-(-end // self.block_size) - 1]] = state_byte(tokens, end, layer, rank)
 
     @property
     def block_tables(self) -> dict[str, list[int]]:
@@ -305,6 +342,8 @@ class Engine:
         tables = self.group_tables[request_id]
         for rank, (_, caches) in enumerate(self.workers):
             for layer, cache in enumerate(caches):
+                if self.cache_groups[layer] in self.state_groups:
+                    continue  # states: state_reads
                 raw = cache.view(torch.uint8)
                 table = tables[self.cache_groups[layer]]
                 for position in range(start, len(tokens)):

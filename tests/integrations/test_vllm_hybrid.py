@@ -104,13 +104,16 @@ def test_a_window_block_vllm_gives_out_again_waits_for_the_store_that_reads_it(s
         scheduler.shutdown()
 
 
-def test_a_group_of_mamba_state_is_refused_at_start_up_naming_it(server):
-    from vllm.v1.kv_cache_interface import MambaSpec
+def test_a_group_of_another_kind_is_refused_at_start_up_naming_it(server):
+    """Cross attention (and sinks, ring buffers, ...) keep other blocks than a chunk's;
+    recurrent state has tests of its own (test_vllm_state.py)."""
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec
 
-    mamba = MambaSpec(block_size=BLOCK, shapes=((2, 64),), dtypes=(torch.float16,))
+    cross = CrossAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64,
+                               dtype=torch.float16)
     kvcc = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec([layer_name(0), layer_name(2)], spec()),
-        KVCacheGroupSpec([layer_name(1), layer_name(3)], mamba)])
-    with pytest.raises(ValueError, match=r"KV cache group 1 \(MambaSpec: layers "
+        KVCacheGroupSpec([layer_name(1), layer_name(3)], cross)])
+    with pytest.raises(ValueError, match=r"KV cache group 1 \(CrossAttentionSpec: layers "
                                          r"model\.layers\.1\.self_attn\.attn"):
         LMCacheMPServerConnector(hand_config(server.url), KVConnectorRole.SCHEDULER, kvcc)

@@ -59,8 +59,9 @@ class LMCacheMPServerConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector for lmcache-mp-server; vLLM builds one per process and role.
 
     It supports vLLM's hybrid KV cache manager (SupportsHMA): each KV cache group of
-    full, sliding-window or chunked-local attention is stored and loaded (groups.py); a
-    model with a group of another kind (Mamba state, ...) is refused at start-up.
+    full, sliding-window or chunked-local attention, and the recurrent state of Mamba and
+    linear-attention groups (mamba_cache_mode "align"), is stored and loaded (groups.py);
+    a model with a group of another kind is refused at start-up.
 
     Every hook says which process calls it and when. Scheduler hooks run on the engine
     core's scheduling thread, once per step or per request, and never wait on the server
@@ -88,6 +89,14 @@ class LMCacheMPServerConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerSide(config, vllm_config, kv_cache_config)
         else:
             self._worker = WorkerSide(config, vllm_config, kv_cache_config)
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        """Scheduler, for each new request of a model with a recurrent (Mamba) group: True,
+        so that vLLM offers its full-attention group's local hit even where its own
+        recurrent state stops short of it; a hit of ours beyond that one loads the
+        attention KV from there and the state at its end (groups.py)."""
+        return self._scheduler is not None and self._scheduler.recurrent
 
     @property
     def requires_kv_delivery(self) -> bool:

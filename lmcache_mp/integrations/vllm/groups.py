@@ -14,6 +14,12 @@ A chunk of a window group stores, of its blocks, those that a later hit can need
 blocks of the tokens the next one attends to; the chunk's other positions are filled with
 the null block (the server stores whole chunks: their bytes are never loaded). A load
 writes only the blocks vLLM keeps for the hit point (the rest are its null block).
+
+A recurrent group (vLLM's MambaSpec in mamba_cache_mode "align": Mamba, Gated DeltaNet,
+linear attention) keeps one block per position, the state after that block's last token,
+and only at the positions where a step ended. It registers with the server's "state"
+layout, one block per chunk: a chunk stores the block at its last position (the state at
+its end), and a load writes the state at the hit point alone.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class GroupKind(enum.Enum):
     FULL = "full"  # every token: every block is kept
     SLIDING = "sw"  # the last `window` tokens
     CHUNKED = "local"  # the tokens of the current attention chunk of `window` tokens
+    STATE = "state"  # none: a recurrent state of `window` bytes sums up every token before
 
 
 @dataclass(frozen=True)
@@ -49,8 +56,14 @@ class KVGroup:
     kind: GroupKind
     layer_names: tuple[str, ...]  # empty: every layer (an engine without a KVCacheConfig)
     # SLIDING: vLLM's sliding_window and extra_retained_tokens (tokens it keeps for spec
-    # decoding); CHUNKED: attention_chunk_size; FULL: 0
+    # decoding); CHUNKED: attention_chunk_size; STATE: the state's bytes in a block (each
+    # layer's); FULL: 0
     window: int = 0
+
+    @property
+    def layout(self) -> str | None:
+        """The server layout the group registers with, when it is not the attention one."""
+        return "state" if self.kind is GroupKind.STATE else None
 
     def first_needed_token(self, end: int) -> int:
         """The first token whose KV a hit ending at chunk boundary `end` (or later) may need
@@ -77,12 +90,13 @@ class KVGroup:
         return f"{self.kind.value}{window}:{len(self.layer_names)}"
 
 
-def kv_groups(kv_cache_config: KVCacheConfig | None, block_size: int, use_mla: bool
-              ) -> tuple[KVGroup, ...]:
+def kv_groups(kv_cache_config: KVCacheConfig | None, block_size: int, use_mla: bool,
+              chunk_size: int) -> tuple[KVGroup, ...]:
     """The engine's KV cache groups, from the KVCacheConfig vLLM gives the connector (both
     roles get the same); one full-attention group without one. Raises ValueError at
-    start-up, naming the group, for a group the connector cannot serve (Mamba or linear
-    attention state, cross attention, ...), and for several groups under MLA."""
+    start-up, naming the group, for a group the connector cannot serve (cross attention,
+    sinks, ..., a recurrent state it cannot restore: _check_state), and for several
+    groups under MLA."""
     if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
         return (KVGroup(0, GroupKind.FULL, ()),)
     groups = []
@@ -90,13 +104,17 @@ def kv_groups(kv_cache_config: KVCacheConfig | None, block_size: int, use_mla: b
         spec = group.kv_cache_spec
         names = tuple(group.layer_names)
         kind, window = _kind_of(spec)
+        shown = (f"{type(spec).__name__}: layers "
+                 + ", ".join(names[:4]) + (", ..." if len(names) > 4 else ""))
         if kind is None:
-            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
             raise ValueError(
-                f"lmcache-mp cannot serve vLLM's KV cache group {index} "
-                f"({type(spec).__name__}: layers {shown}): it stores and loads the KV of "
-                f"full, sliding-window and chunked-local attention only, not this group's "
-                f"state. Serve this model without the lmcache-mp connector")
+                f"lmcache-mp cannot serve vLLM's KV cache group {index} ({shown}): it stores "
+                f"and loads the KV of full, sliding-window and chunked-local attention and "
+                f"the state of Mamba and linear-attention layers only. Serve this model "
+                f"without the lmcache-mp connector")
+        if kind is GroupKind.STATE:
+            _check_state(spec, f"vLLM's KV cache group {index} ({shown})", use_mla, chunk_size,
+                         kv_cache_config.cache_hit_alignment_tokens)
         if getattr(spec, "block_size", block_size) != block_size:
             raise ValueError(f"vLLM's KV cache group {index} has blocks of {spec.block_size} "
                              f"tokens, not vLLM's --block-size {block_size}: lmcache-mp needs "
@@ -105,7 +123,35 @@ def kv_groups(kv_cache_config: KVCacheConfig | None, block_size: int, use_mla: b
     if use_mla and len(groups) > 1:
         raise ValueError(f"lmcache-mp serves MLA models with one KV cache group; this one has "
                          f"{len(groups)}: start vLLM with --disable-hybrid-kv-cache-manager")
+    if all(group.kind is GroupKind.STATE for group in groups):
+        # vLLM takes a failed load of one group as blocks to recompute, which a state is not
+        raise ValueError("lmcache-mp cannot save and restore the recurrent state of a model "
+                         "without attention layers (every KV cache group is MambaSpec)")
     return tuple(groups)
+
+
+def _check_state(spec, group: str, use_mla: bool, chunk_size: int,
+                 hit_alignment: int | None) -> None:
+    """Refuses, naming the case, a recurrent group whose state at a chunk boundary vLLM
+    cannot give or take: only "align" mode keeps a state per block position (prefix
+    caching); speculative blocks, and prefill checkpoints at hits finer than a block
+    (partial hash hits), hold states off those positions."""
+    cases = [
+        (spec.mamba_cache_mode != "align", f"mamba_cache_mode is "
+         f"{spec.mamba_cache_mode!r}, not \"align\" (start vLLM with prefix caching on)"),
+        (spec.num_speculative_blocks > 0, f"num_speculative_blocks is "
+         f"{spec.num_speculative_blocks} (speculative decoding keeps states past the boundary)"),
+        (hit_alignment is not None and hit_alignment < spec.block_size,
+         f"prefix-cache hits land every {hit_alignment} tokens, within its blocks of "
+         f"{spec.block_size} (its checkpoints keep states off block positions)"),
+        (use_mla, "the model uses MLA beside it"),
+        (chunk_size % spec.block_size != 0, f"its block size {spec.block_size} does not "
+         f"divide lmcache-mp's chunk_size {chunk_size}"),
+    ]
+    for refused, why in cases:
+        if refused:
+            raise ValueError(f"lmcache-mp cannot save and restore the recurrent state of "
+                             f"{group}: {why}")
 
 
 def _kind_of(spec) -> tuple[GroupKind | None, int]:
@@ -113,6 +159,7 @@ def _kind_of(spec) -> tuple[GroupKind | None, int]:
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowMLASpec,
         SlidingWindowSpec,
@@ -123,6 +170,8 @@ def _kind_of(spec) -> tuple[GroupKind | None, int]:
         return GroupKind.SLIDING, spec.sliding_window + getattr(spec, "extra_retained_tokens", 0)
     if type(spec) is ChunkedLocalAttentionSpec:
         return GroupKind.CHUNKED, spec.attention_chunk_size
+    if type(spec) is MambaSpec:
+        return GroupKind.STATE, spec.state_content_size_bytes
     return None, 0
 
 
@@ -189,6 +238,14 @@ def _stored_row(group: KVGroup, chunk: int, ids: Sequence[int], layout: ChunkLay
     row = list(ids[first:first + layout.blocks_per_chunk])
     if group.kind is GroupKind.FULL:
         return row
+    if group.kind is GroupKind.STATE:
+        # the state at the chunk's end, if a step ended there and vLLM still holds it
+        last = first + layout.blocks_per_chunk - 1
+        state = ids[last] if last < len(ids) else NULL_BLOCK
+        if state == NULL_BLOCK or (current is not None and (
+                last >= len(current) or current[last] != state)):
+            return None
+        return [state]
     for j, kept in enumerate(group.kept_blocks(chunk, layout)):
         if not kept:
             row[j] = NULL_BLOCK  # bytes no hit reads: the null block fills the chunk
@@ -203,11 +260,17 @@ def retrieve_items(spec: RetrieveSpec, groups: Sequence[KVGroup],
                    ) -> tuple[TransferItem, ...]:
     """The RETRIEVE items of `spec` (planned on group 0's blocks), one per group: each
     writes the blocks vLLM allocated for the hit, skipping those the engine holds already
-    and, in window groups, those vLLM keeps no KV in (its null block)."""
+    and, in window groups, those vLLM keeps no KV in (its null block); a state group's
+    writes the state at the hit point alone (state_targets)."""
     start = spec.first_chunk_index * layout.blocks_per_chunk
     count = len(spec.block_ids)
     items = []
     for group in groups:
+        if group.kind is GroupKind.STATE:
+            items.append(TransferItem.build(spec.request_id, list(spec.chunk_hashes),
+                                            state_targets(spec, block_ids[group.index], layout),
+                                            spec.cache_salt))
+            continue
         ids = block_ids[group.index][start:start + count]
         targets = [SKIP_BLOCK] * spec.skip_leading_blocks
         targets += [block if group.kind is GroupKind.FULL or block != NULL_BLOCK
@@ -216,3 +279,24 @@ def retrieve_items(spec: RetrieveSpec, groups: Sequence[KVGroup],
         items.append(TransferItem.build(spec.request_id, list(spec.chunk_hashes), targets,
                                         spec.cache_salt))
     return tuple(items)
+
+
+def state_targets(spec: RetrieveSpec, ids: Sequence[int], layout: ChunkLayout) -> list[int]:
+    """A state group's RETRIEVE targets, one per chunk of `spec`: the block vLLM allocated
+    for the state at the hit point (the last chunk's end), every other chunk SKIP_BLOCK;
+    all SKIP_BLOCK when vLLM gave none (missing_state: the load must fail)."""
+    end = (spec.first_chunk_index + len(spec.chunk_hashes)) * layout.blocks_per_chunk
+    state = ids[end - 1] if 0 < end <= len(ids) else NULL_BLOCK
+    targets = [SKIP_BLOCK] * len(spec.chunk_hashes)
+    if targets and state != NULL_BLOCK and not spec.skip_trailing_blocks:
+        targets[-1] = state
+    return targets
+
+
+def missing_state(spec: RetrieveSpec, groups: Sequence[KVGroup],
+                  block_ids: Sequence[Sequence[int]], layout: ChunkLayout) -> bool:
+    """Whether a recurrent group has no block for the state at the hit point: then the
+    attention KV alone would be loaded without its state, and the load must fail."""
+    return any(group.kind is GroupKind.STATE and spec.chunk_hashes
+               and state_targets(spec, block_ids[group.index], layout)[-1] == SKIP_BLOCK
+               for group in groups)

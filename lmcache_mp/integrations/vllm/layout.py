@@ -1,4 +1,5 @@
-"""vLLM's KV cache tensors, seen as the server's MHA and MLA layouts (views of the same bytes)."""
+"""vLLM's KV cache tensors, seen as the server's MHA, MLA and state layouts (views of the same
+bytes)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ def as_server_layout(handle: TensorHandle, layout: str, block_size: int) -> Tens
     matter, as whole blocks move byte for byte.
     """
     shape, strides = handle.shape, handle.strides
+    if layout == "state":
+        return _as_state(handle)
     if layout == "mha" and len(shape) == 5 and shape[0] == 2:
         new_shape, new_strides = shape, strides
     elif layout == "mha" and len(shape) == 5 and shape[1] == 2:
@@ -48,3 +51,17 @@ def as_server_layout(handle: TensorHandle, layout: str, block_size: int) -> Tens
                          f"vLLM's block_size is {block_size} (vLLM split its blocks into kernel "
                          f"blocks: use --block-size {new_shape[token_dim]})")
     return replace(handle, shape=list(new_shape), strides=list(new_strides))
+
+
+def _as_state(handle: TensorHandle) -> TensorHandle:
+    """A recurrent layer's states as the server's "state" layout, [blocks, state bytes]:
+    vLLM 0.33 hands each such layer as the bytes of its state in every block, [blocks, 1,
+    1, state bytes] (int8; the model splits them into its conv and SSM states itself)."""
+    shape, strides = handle.shape, handle.strides
+    if len(shape) == 4 and shape[1] == shape[2] == 1:
+        return replace(handle, shape=[shape[0], shape[3]], strides=[strides[0], strides[3]])
+    if len(shape) == 2:
+        return handle
+    raise ValueError(f"a recurrent state layer of shape {shape} fits none of the shapes "
+                     f"lmcache-mp knows: [blocks, 1, 1, state bytes] (vLLM) or "
+                     f"[blocks, state bytes]")

@@ -27,6 +27,7 @@ from .groups import (
     GroupKind,
     groups_suffix,
     kv_groups,
+    missing_state,
     retrieve_items,
     sharded,
     store_items,
@@ -83,19 +84,23 @@ class SchedulerSide:
             raise ValueError(f"vLLM's --block-size {block_size} does not fit lmcache-mp's "
                              f"chunk_size {config.chunk_size}: {exc}") from None
         parallel = parallel_strategy(vllm_config, 0)
-        self.groups = kv_groups(kv_cache_config, block_size, parallel.use_mla)
+        self.groups = kv_groups(kv_cache_config, block_size, parallel.use_mla, config.chunk_size)
         self.client = CacheClient(config.url, timeout=config.lookup_timeout,
                                   client_name="vllm-scheduler",
                                   engine=engine_secret(config, vllm_config))
         self.adapter = SchedulerAdapter(
             self.client, model_name(config, vllm_config, groups_suffix(self.groups)),
             sharded(parallel, 0, len(self.groups)), config.chunk_size)
+        # window and state groups: vLLM frees their blocks while the request runs
         self.windowed = any(group.kind is not GroupKind.FULL for group in self.groups)
+        # a recurrent group: a hit must end where vLLM computes on from the loaded state
+        self.recurrent = any(group.kind is GroupKind.STATE for group in self.groups)
         # vLLM's KV cache manager (bind_kv_cache_manager): a window group's table as it is
         # now, where vLLM may have freed blocks we recorded
         self.kv_cache_manager: KVCacheManager | None = None
-        # window groups' blocks that a STORE read -> its request: when vLLM gives one to a
-        # request again, the step's workers wait for that STORE first (StepMetadata.fence)
+        # window and state groups' blocks that a STORE read -> its request: when vLLM gives
+        # one to a request again, the step's workers wait for that STORE first
+        # (StepMetadata.fence)
         self._window_stores: dict[int, str] = {}
         self.lookup_wait = config.lookup_wait
         self.roles = Roles.from_vllm(vllm_config)
@@ -133,15 +138,17 @@ class SchedulerSide:
             tracker.follow(looking_up=True)  # a preempted request's generated tokens too
         from_chunk = (tracker.lookup_from_chunk if asked
                       else tracker.first_chunk_to_look_up(num_computed_tokens))
+        end_chunk = self._lookup_end(tracker)
         if not asked and (not self.roles.loads or tracker.load_failed
-                          or from_chunk >= len(tracker.chunk_hashes)):
+                          or from_chunk >= end_chunk):
             # A kv_producer never loads; a failed load is not offered again; and chunks
             # the engine's own prefix cache covers entirely (or a prompt shorter than a
             # chunk) need no LOOKUP, no hold.
             tracker.record_lookup(num_vllm_hit_tokens=num_computed_tokens,
                                   num_lmcache_hit_chunks=0, from_chunk=from_chunk)
             return 0, False
-        hit = self.adapter.lookup_chunks(request.request_id, tracker.chunk_hashes[from_chunk:],
+        hit = self.adapter.lookup_chunks(request.request_id,
+                                         tracker.chunk_hashes[from_chunk:end_chunk],
                                          tracker.cache_salt, self.lookup_wait)
         if hit is None:
             # If vLLM admits the request anyway (taking none of our tokens, e.g. a request
@@ -156,6 +163,16 @@ class SchedulerSide:
                                         num_lmcache_hit_chunks=hit, from_chunk=from_chunk)
         tracker.hit_tiers = self.adapter.hit_tiers(request.request_id)
         return to_load, to_load > self.sync_load_max_tokens
+
+    def _lookup_end(self, tracker: VllmRequestTracker) -> int:
+        """The chunks a LOOKUP may ask for. With a recurrent group a hit must end at a
+        boundary vLLM computes on from, at most one token short of the request's tokens
+        (vLLM computes the last one): the loaded state is the state there, and a hit of
+        the whole prompt (the last token computed again) would restore a later one."""
+        if not self.recurrent:
+            return len(tracker.chunk_hashes)
+        return min(len(tracker.chunk_hashes),
+                   (len(tracker.token_ids) - 1) // self.layout.chunk_size)
 
     def external_hit_sources(self, request: Request, num_external_tokens: int
                              ) -> dict[CacheHitSource, int]:
@@ -245,12 +262,11 @@ class SchedulerSide:
         for tracker in self.trackers.values():
             if tracker.phase is Phase.LOAD_PLANNED:  # vLLM waits for it: always reported
                 plan = tracker.plan_step(0)
-                items = self._retrieve_items(tracker, plan)
+                items, failed = self._retrieve_items(tracker, plan)
                 # vLLM schedules a request in the step that plans its load only if the load
                 # is sync: the forward pass reads it (async loads wait outside the batch)
                 sync = tracker.request_id in scheduled
-                meta.loads.append(LoadSpec(tracker.request_id, items,
-                                           plan.unfillable_block_ids, sync))
+                meta.loads.append(LoadSpec(tracker.request_id, items, failed, sync))
                 self._apply(tracker, replace(plan, retrieve=None), meta)
                 if sync:
                     tracker.load_reported()  # the workers wait for it before this step's pass
@@ -295,18 +311,30 @@ class SchedulerSide:
         return sorted(fence)
 
     def _retrieve_items(self, tracker: VllmRequestTracker, plan: StepPlan
-                        ) -> tuple[TransferItem, ...]:
-        if plan.retrieve is None:
-            return ()
-        return retrieve_items(plan.retrieve, self.groups, tracker.group_block_ids, self.layout)
+                        ) -> tuple[tuple[TransferItem, ...], tuple[int, ...]]:
+        """The load's items, and the blocks it must report failed. A load whose state has
+        no block to land in (a recurrent group) is not sent: the attention KV would be
+        used without its state. Its blocks fail (vLLM recomputes the request) and its hold
+        is released."""
+        spec = plan.retrieve
+        if spec is None:
+            return (), plan.unfillable_block_ids
+        if self.recurrent and missing_state(spec, self.groups, tracker.group_block_ids,
+                                            self.layout):
+            logger.warning("request %s: vLLM gave no block for the recurrent state at the "
+                           "hit point: its load fails and vLLM recomputes it",
+                           tracker.request_id)
+            self.adapter.release(tracker.request_id, tracker.cache_salt)
+            return (), (*plan.unfillable_block_ids, *spec.block_ids)
+        return (retrieve_items(spec, self.groups, tracker.group_block_ids, self.layout),
+                plan.unfillable_block_ids)
 
     def _apply(self, tracker: VllmRequestTracker, plan: StepPlan, meta: StepMetadata,
                current: Sequence[Sequence[int]] | None = None) -> None:
         """One step's plan for the request into `meta`: its load and its STORE, one item per
         KV cache group; `current`: vLLM's block table of the request now, if known."""
         if plan.retrieve is not None:
-            meta.loads.append(LoadSpec(tracker.request_id, self._retrieve_items(tracker, plan),
-                                       plan.unfillable_block_ids))
+            meta.loads.append(LoadSpec(tracker.request_id, *self._retrieve_items(tracker, plan)))
         store = plan.store
         if store is not None and self.windowed and current is None \
                 and self.kv_cache_manager is not None:
@@ -315,7 +343,8 @@ class SchedulerSide:
             store, self.groups, tracker.group_block_ids, self.layout, current)
         if store is not None and chunks < len(store.chunk_hashes):
             logger.debug("request %s: %d of %d chunks stored: a window group freed blocks "
-                         "a hit needs", tracker.request_id, chunks, len(store.chunk_hashes))
+                         "a hit needs, or a recurrent group has no state at a chunk's end",
+                         tracker.request_id, chunks, len(store.chunk_hashes))
         if store is not None and chunks:
             meta.stores.append(items)
             for group, item in zip(self.groups, items):

@@ -46,7 +46,8 @@ class WorkerSide:
         ChunkLayout(self.block_size, config.chunk_size)  # refuses a block size that does not fit
         parallel_config = vllm_config.parallel_config
         self.parallel = parallel_strategy(vllm_config, parallel_config.rank)
-        self.groups = kv_groups(kv_cache_config, self.block_size, self.parallel.use_mla)
+        self.groups = kv_groups(kv_cache_config, self.block_size, self.parallel.use_mla,
+                                config.chunk_size)
         self.model = model_name(config, vllm_config, groups_suffix(self.groups))
         transfer_config = vllm_config.kv_transfer_config
         assert transfer_config is not None  # vLLM makes a connector only from one
@@ -88,9 +89,11 @@ class WorkerSide:
         """Worker, once at start-up: finds each layer's handle (cuda_ipc for a cache on a
         GPU, memfd on the CPU: the CacheClient passes the segments' descriptors to the
         server), checks the server's chunk size and registers each KV cache group's layers
-        (vLLM's groups alias the same tensors: a group's blocks are its own); raises if
-        any of that fails."""
-        layout = "mla" if self.parallel.use_mla else "mha"
+        (vLLM's groups alias the same tensors: a group's blocks are its own; a recurrent
+        group registers its states with the "state" layout, one block per chunk); raises
+        if any of that fails."""
+        attention = "mla" if self.parallel.use_mla else "mha"
+        layouts = [group.layout or attention for group in self.groups]
         if not kv_caches:
             raise ValueError("register_kv_caches: vLLM gave no KV cache tensors")
         self._kv_caches = dict(kv_caches)
@@ -100,12 +103,14 @@ class WorkerSide:
             # The server maps the cache by CUDA IPC; its STORE copies wait on this event,
             # recorded after each forward pass (start_stores).
             handles = [[as_server_layout(handle, layout, self.block_size)
-                        for handle in cuda_ipc_handles(tensors)] for tensors in per_group]
+                        for handle in cuda_ipc_handles(tensors)]
+                       for tensors, layout in zip(per_group, layouts)]
             self._store_event = StoreEvent(per_group[0][0].device)
         elif devices == {"cpu"}:
             try:
                 handles = [[as_server_layout(handle, layout, self.block_size)
-                            for handle, _ in memfd_handles(tensors)] for tensors in per_group]
+                            for handle, _ in memfd_handles(tensors)]
+                           for tensors, layout in zip(per_group, layouts)]
             except ValueError as exc:
                 raise ValueError(
                     f"lmcache-mp cannot register vLLM's KV cache: {exc}. On CPU the server "
@@ -122,21 +127,24 @@ class WorkerSide:
                 raise ValueError(f"the server at {self.url} stores chunks of "
                                  f"{hello.chunk_size} tokens, the connector's chunk_size is "
                                  f"{self.config.chunk_size}: make them equal")
-            for group, adapter, group_handles in zip(self.groups, self.adapter.adapters,
-                                                     handles):
+            for group, adapter, group_handles, layout in zip(
+                    self.groups, self.adapter.adapters, handles, layouts):
                 shard = adapter.parallel
                 # MLA groups form by tp_group: one group of layers per registration
                 tp_group = self.tp_group + (f"/g{group.index}" if len(self.groups) > 1 else "")
+                # a state registration's block is one chunk's: its state at the chunk's end
+                block_size = self.config.chunk_size if layout == "state" else self.block_size
                 adapter.registration = self.client.register(RegisterKVCacheRequest(
                     self.model, shard.kv_world_size, shard.kv_worker_id, layout,
-                    self.block_size, group_handles, shard.tp_rank, tp_group,
+                    block_size, group_handles, shard.tp_rank, tp_group,
                     self._store_event.handle if self._store_event is not None else b""))
         except LMCacheMPError as exc:
             raise RuntimeError(f"cannot register the KV cache with lmcache-mp-server at "
                                f"{self.url} (is it running?): {exc}") from exc
         self._by_layer = (self.config.load_by_layer and devices == {"cpu"}
                           and self.parallel.sends_transfers and len(self.groups) == 1)
-        for group, registration in zip(self.groups, self.adapter.registrations):
+        for group, registration, layout in zip(self.groups, self.adapter.registrations,
+                                               layouts):
             assert registration is not None  # registered just above
             logger.info("rank %d registered %d %s layers of %d blocks (KV cache group %d of "
                         "%d, %s) with %s as instance %d", self.parallel.worker_id,

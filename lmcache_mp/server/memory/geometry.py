@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-LAYOUTS = {"mha": 5, "mla": 3}  # tensor rank of one layer
+# tensor rank of one layer; "state": a recurrent layer's state (Mamba, linear attention),
+# one block of `state_size` per chunk, the state after the chunk's last token
+LAYOUTS = {"mha": 5, "mla": 3, "state": 2}
 
 DTYPES = {name: getattr(torch, name) for name in (
     "float16", "bfloat16", "float32", "float64", "uint8", "int8",
@@ -27,7 +29,8 @@ class Geometry:
 
     layout: str
     num_layers: int
-    # one block of one layer: (2, block_size, heads, head_dim), or (block_size, dim) for MLA
+    # one block of one layer: (2, block_size, heads, head_dim), (block_size, dim) for MLA,
+    # (state_size,) for a state
     block_shape: tuple[int, ...]
     dtype: str
     blocks_per_chunk: int

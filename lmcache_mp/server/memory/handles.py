@@ -62,6 +62,9 @@ def validate_handles(req: RegisterKVCacheRequest, chunk_size: int) -> tuple[Geom
     check(req.block_size > 0 and chunk_size % req.block_size == 0,
           f"`block_size`: {req.block_size} must be positive and divide the chunk size "
           f"{chunk_size}")
+    check(req.layout != "state" or req.block_size == chunk_size,
+          f"`block_size`: a \"state\" registration holds one state per chunk, so its "
+          f"block_size is the chunk size {chunk_size}, got {req.block_size}")
     check(0 <= req.kv_worker_id < req.kv_world_size,
           f"`kv_worker_id`: {req.kv_worker_id} not in [0, {req.kv_world_size})")
     first = req.layers[0]
@@ -101,8 +104,11 @@ def validate_handles(req: RegisterKVCacheRequest, chunk_size: int) -> tuple[Geom
               f"block_size, heads, head_dim], got {first.shape}")
         num_blocks, block_size = first.shape[1], first.shape[2]
         block_shape = (2, *first.shape[2:])
-    else:
+    elif req.layout == "mla":
         num_blocks, block_size = first.shape[0], first.shape[1]
+        block_shape = tuple(first.shape[1:])
+    else:  # a state: one block is the whole state, whatever block_size says
+        num_blocks, block_size = first.shape[0], req.block_size
         block_shape = tuple(first.shape[1:])
     check(block_size == req.block_size,
           f"`layers[0].shape`: block dimension {block_size} differs from block_size "
