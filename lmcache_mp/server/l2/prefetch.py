@@ -29,7 +29,7 @@ from ..cache.store import ChunkStore
 from ..copy.offload import Offload
 from ..memory.geometry import Geometry
 from ..memory.registry import Registry
-from .base import L2, L2Counters, L2Error
+from .base import L2, DirectL2, L2Counters, L2Error, PoolValue
 from .codec import ValueFormat, l2_key, namespace
 from .health import Health
 from .ledger import Ledger
@@ -137,6 +137,8 @@ class Prefetcher:
         `parents` (per kv worker); return how many chunks are in L1 after it (a bad value,
         a full pool or a parent gone from L1 ends the run there), and how many values
         failed their check."""
+        if isinstance(self.backend, DirectL2):
+            return await self._land_direct(self.backend, window, parents, geometries)
         flat = [pair for chunk in window for pair in chunk]
         values = await self.health.call("GET", self.backend.get([key for _, key in flat]))
         self.counters.bytes_read += sum(len(value) for value in values if value is not None)
@@ -144,43 +146,19 @@ class Prefetcher:
         intact = await self.offload.run(lambda: [
             value is not None and self.values.payload(key, value, size) is not None
             for (_, key), value, size in zip(flat, values, sizes)], lambda: None)
-        # L1 chunks to fill, with their values and the window's chunk they are of.
-        reserved: list[tuple[Chunk, bytes, int]] = []
-        chunks_ready = corrupt = 0
-        header_bytes = self.values.header_bytes
         workers = len(geometries)
-        for c in range(len(window)):
-            ranks = slice(c * workers, (c + 1) * workers)  # this chunk's value per kv worker
-            if not all(intact[ranks]):
-                corrupt = intact[ranks].count(False)
-                break
-            placed: list[tuple[Chunk, bytes, int]] = []
-            for (chunk_key, key), value in zip(flat[ranks], values[ranks]):
-                assert value is not None  # intact
-                worker = chunk_key.kv_worker_id
-                parent = window[c - 1][worker][0] if c else parents[worker]
-                reservation = self.store.reserve(chunk_key, len(value) - header_bytes,
-                                                 geometries[worker], parent=parent)
-                if reservation.status == StoreStatus.STORED:
-                    assert reservation.chunk is not None  # a STORED reservation has one
-                    placed.append((reservation.chunk, value, c))
-                elif reservation.status != StoreStatus.ALREADY_STORED:
-                    break  # no room, over the salt's cap, or its parent left L1: it ends here
-                self.ledger.seen(key)
-            else:
-                reserved.extend(placed)
-                chunks_ready += 1
-                continue
-            for chunk, _, _ in placed:
-                self.store.abort(chunk)
-            break
+        bad, corrupt = _first_bad(intact, workers, len(window))
+        reserved, chunks_ready = self._reserve(window[:bad], parents, geometries)
+        header_bytes = self.values.header_bytes
 
         def abort() -> None:
             for chunk, _, _ in reserved:
                 self.store.abort(chunk)
 
         def copy_reserved() -> None:
-            for chunk, value, _ in reserved:
+            for chunk, _, c in reserved:
+                value = values[c * workers + chunk.key.kv_worker_id]
+                assert value is not None  # intact
                 _copy_payload(value, header_bytes, self.pool.view(chunk.offset, chunk.nbytes))
         try:
             await self.offload.run(copy_reserved, abort)
@@ -189,12 +167,101 @@ class Prefetcher:
         except BaseException:
             abort()
             raise
-        # In prompt order, as STORE commits: a chunk whose parent went while it was copied
-        # (a CLEAR) is dropped by its commit, and so is every chunk after it.
+        # A value past where L1 had no room is not counted: the run ended before it.
+        return self._commit(reserved, chunks_ready), corrupt if chunks_ready == bad else 0
+
+    async def _land_direct(self, backend: DirectL2, window: list[list[tuple[ChunkKey, bytes]]],
+                           parents: list[ChunkKey | None], geometries: list[Geometry]
+                           ) -> tuple[int, int]:
+        """_land() without a copy: the window's L1 chunks are reserved first, the backend
+        reads each value's payload straight into its chunk's pool extent, and the chunks
+        are verified there before any is committed (visible)."""
+        reserved, chunks_ready = self._reserve(window, parents, geometries)
+        if not reserved:
+            return chunks_ready, 0
+        values = [PoolValue(key, bytearray(self.values.header_bytes),
+                            self.pool.view(chunk.offset, chunk.nbytes).data_ptr(), chunk.nbytes)
+                  for chunk, key, _ in reserved]
+
+        def abort() -> None:
+            for chunk, _, _ in reserved:
+                self.store.abort(chunk)
+        read = await self.health.call_on_pool("GET", backend.get_into(values), abort)
+        moved = sum(len(value.header) + value.size for value, whole in zip(values, read)
+                    if whole)
+        self.counters.bytes_read += moved
+        self.counters.zero_copy_bytes += moved
+
+        def verify() -> list[bool]:
+            return [whole and self.values.vouches(
+                value.key, value.header, self.pool.array_view(chunk.offset, chunk.nbytes).data)
+                for (chunk, _, _), value, whole in zip(reserved, values, read)]
+        try:
+            intact = await self.offload.run(verify, abort)
+        except asyncio.CancelledError:
+            raise  # aborted when the check's thread is done
+        except BaseException:
+            abort()
+            raise
+        corrupt = 0
+        failed = [c for (_, _, c), good in zip(reserved, intact) if not good]
+        if failed:  # the first chunk with a value that failed its check ends the run
+            corrupt = failed.count(failed[0])
+            chunks_ready = min(chunks_ready, failed[0])
+        return self._commit(reserved, chunks_ready), corrupt
+
+    def _reserve(self, window: list[list[tuple[ChunkKey, bytes]]],
+                 parents: list[ChunkKey | None], geometries: list[Geometry]
+                 ) -> tuple[list[tuple[Chunk, bytes, int]], int]:
+        """Reserve the window's chunks in L1, in prompt order, each after its parent, up to
+        the first that cannot be placed for every kv worker (no room, over the salt's cap,
+        its parent gone from L1). Return the reserved chunks (with their L2 key and their
+        index in the window) and how many of the window's chunks are placed: reserved, or
+        in L1 already."""
+        reserved: list[tuple[Chunk, bytes, int]] = []
+        for c, chunk in enumerate(window):
+            placed: list[tuple[Chunk, bytes, int]] = []
+            for chunk_key, key in chunk:
+                geometry = geometries[chunk_key.kv_worker_id]
+                parent = window[c - 1][chunk_key.kv_worker_id][0] if c else \
+                    parents[chunk_key.kv_worker_id]
+                reservation = self.store.reserve(chunk_key, geometry.chunk_bytes, geometry,
+                                                 parent=parent)
+                if reservation.status == StoreStatus.STORED:
+                    assert reservation.chunk is not None  # a STORED reservation has one
+                    placed.append((reservation.chunk, key, c))
+                elif reservation.status != StoreStatus.ALREADY_STORED:
+                    break
+                self.ledger.seen(key)
+            else:
+                reserved.extend(placed)
+                continue
+            for chunk_placed, _, _ in placed:
+                self.store.abort(chunk_placed)
+            return reserved, c
+        return reserved, len(window)
+
+    def _commit(self, reserved: list[tuple[Chunk, bytes, int]], chunks_ready: int) -> int:
+        """Commit the reserved chunks before the window's `chunks_ready`th, in prompt order
+        as STORE commits, and abort the rest; return how many chunks are in L1 after it (a
+        chunk whose parent went while it was filled, by a CLEAR, is dropped by its commit,
+        and so is every chunk after it)."""
         for chunk, _, c in reserved:
-            if not self.store.commit(chunk):
+            if c >= chunks_ready:
+                self.store.abort(chunk)
+            elif not self.store.commit(chunk):
                 chunks_ready = min(chunks_ready, c)
-        return chunks_ready, corrupt
+        return chunks_ready
 
     async def close(self) -> None:
         await self._pulls.close()
+
+
+def _first_bad(intact: list[bool], workers: int, chunks: int) -> tuple[int, int]:
+    """The index of the first chunk with a value (of its `workers`) that is not intact
+    (`chunks` if none), and how many of that chunk's values are not."""
+    for c in range(chunks):
+        values = intact[c * workers:(c + 1) * workers]
+        if not all(values):
+            return c, values.count(False)
+    return chunks, 0

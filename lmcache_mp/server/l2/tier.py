@@ -15,7 +15,7 @@ from ..cache.pool import CpuPool
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
 from ..memory.registry import Registry
-from .base import L2, L2Counters, L2Error
+from .base import L2, L2Counters, L2Error, PoolRegion
 from .codec import ValueFormat, value_format
 from .health import Health
 from .keyfile import read_key_file
@@ -48,7 +48,8 @@ class L2Tier:
         password = read_password_file(config.l2_password_file) if config.l2_password_file \
             else None
         keys = read_key_file(config.l2_key_file) if config.l2_key_file else None
-        backend = open_backend(config.l2, password, config.l2_timeout)
+        backend = open_backend(config.l2, password, config.l2_timeout,
+                               PoolRegion(pool.buffer.data_ptr(), pool.capacity))
         return cls(backend, store, registry, pool, chunk_view, budget=config.l2_budget,
                    ttl_s=config.l2_ttl, queue_limit=config.l2_queue_size,
                    prefetch_wait_s=config.l2_prefetch_wait, timeout_s=config.l2_timeout,
@@ -90,10 +91,11 @@ class L2Tier:
             pass  # the connections are gone either way
 
 
-def open_backend(url: str, password: str | None, timeout_s: float) -> L2:
-    """The backend the URL names; its client library is imported only when it is used."""
+def open_backend(url: str, password: str | None, timeout_s: float, pool: PoolRegion) -> L2:
+    """The backend the URL names; its client library is imported only when it is used.
+    `pool`: the memory a direct backend (Mooncake) registers with its store, for zero-copy."""
     if url.startswith(MOONCAKE_SCHEME):
         from .mooncake import MooncakeL2
-        return MooncakeL2(url)
+        return MooncakeL2(url, pool)
     from .redis import RedisL2
     return RedisL2(url, password, timeout_s)

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.chunk import Chunk
+from ..cache.chunk import CPU_TIER, Chunk
 from ..cache.quotas import QuotaBook
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
-from .base import L2, L2Counters, L2Error
+from .base import L2, DirectL2, L2Counters, L2Error, PoolValue
 from .codec import ValueFormat, l2_key, namespace
 from .health import Health
 from .ledger import Ledger
@@ -116,55 +116,102 @@ class WriteBehind:
                     self._queue.clear()
 
     async def _write(self, batch: list[_Queued]) -> None:
-        counters = self.counters
         try:
             present = await self.health.call("EXISTS", self.backend.exists(
                 [queued.key for queued in batch]))
         except L2Error:
-            counters.dropped += len(batch)
+            self.counters.dropped += len(batch)
             self._settle(batch)
             return
         except BaseException:
             self._settle(batch)
             raise
+        todo, victims = self._admit(batch, present)
+        # A CPU-pool chunk goes from its extent (a direct backend: no copy), held until the
+        # backend's thread is done with it; any other is copied out into a sealed value.
+        direct = [queued for queued in todo if self._direct(queued.chunk)]
+        copied = [queued for queued in todo if not self._direct(queued.chunk)]
+        try:
+            values, headers = await self.offload.run(
+                lambda: (self._encode(copied), self._seal(direct)), lambda: self._settle(batch))
+        except asyncio.CancelledError:
+            raise  # settled when the copy thread is done
+        except BaseException:
+            self._settle(batch)
+            raise
+        if not direct:
+            self._settle(batch)
+        try:
+            if victims:
+                await self.health.call("UNLINK", self.backend.delete(victims))
+            if copied:
+                await self.health.call("SET", self.backend.put(
+                    [(queued.key, memoryview(value)) for queued, value in zip(copied, values)],
+                    self.ledger.ttl_s))
+        except BaseException as exc:
+            if direct:
+                self._settle(batch)  # the direct values were never sent
+            if not isinstance(exc, L2Error):
+                raise
+            self._failed(todo)
+            return
+        moved = 0
+        if direct:
+            if await self._put_direct(batch, direct, headers):
+                moved = sum(len(header) + queued.chunk.nbytes
+                            for queued, header in zip(direct, headers))
+            else:
+                self._failed(direct)
+                direct = []
+        self.counters.chunks_written += len(copied) + len(direct)
+        self.counters.bytes_written += sum(len(value) for value in values) + moved
+        self.counters.zero_copy_bytes += moved
+
+    def _admit(self, batch: list[_Queued], present: list[bool]
+               ) -> tuple[list[_Queued], list[bytes]]:
+        """The batch's chunks to write (those not in L2, within the budget and their salt's
+        cap, each entered in the ledger) and the values to delete to make room for them."""
         todo, victims = [], []
         # A batch's later chunks first (a queue holds prompts in order): the budget deletes
         # the oldest values first, so a prompt's end leaves L2 before its start.
         for queued, here in reversed(list(zip(batch, present))):
             if here:
                 self.ledger.seen(queued.key)
-                counters.chunks_skipped += 1
+                self.counters.chunks_skipped += 1
                 continue
             salt = queued.chunk.key.cache_salt
             room = self.ledger.make_room(salt, queued.chunk.nbytes, self.quotas.get(salt).cap)
             if room is None:
-                counters.dropped += 1
+                self.counters.dropped += 1
                 continue
             victims.extend(room)
             self.ledger.add(queued.key, salt, queued.chunk.nbytes)
             todo.append(queued)
+        return todo, victims
+
+    def _failed(self, todo: list[_Queued]) -> None:
+        """These chunks' values were not written."""
+        for queued in todo:
+            self.ledger.discard(queued.key)
+        self.counters.dropped += len(todo)
+
+    def _direct(self, chunk: Chunk) -> bool:
+        return isinstance(self.backend, DirectL2) and chunk.tier == CPU_TIER
+
+    async def _put_direct(self, batch: list[_Queued], direct: list[_Queued],
+                          headers: list[bytearray]) -> bool:
+        """Put `direct`'s values from their pool extents; let go of the batch's chunks once
+        the backend's thread is done with them. Whether the values were written."""
+        assert isinstance(self.backend, DirectL2)  # _direct() chose them
+        values = [PoolValue(queued.key, header, self.chunk_view(queued.chunk).data_ptr(),
+                            queued.chunk.nbytes) for queued, header in zip(direct, headers)]
         try:
-            values = await self.offload.run(lambda: self._encode(todo),
-                                            lambda: self._settle(batch))
-        except asyncio.CancelledError:
-            raise  # settled when the copy thread is done
-        except BaseException:
-            self._settle(batch)
-            raise
-        self._settle(batch)
-        try:
-            if victims:
-                await self.health.call("UNLINK", self.backend.delete(victims))
-            await self.health.call("SET", self.backend.put(
-                [(queued.key, memoryview(value)) for queued, value in zip(todo, values)],
-                self.ledger.ttl_s))
+            await self.health.call_on_pool("SET", self.backend.put_from(values),
+                                           lambda: self._settle(batch))
         except L2Error:
-            for queued in todo:
-                self.ledger.discard(queued.key)
-            counters.dropped += len(todo)
-            return
-        counters.chunks_written += len(todo)
-        counters.bytes_written += sum(len(value) for value in values)
+            return False
+        self._settle(batch)
+        return True
 
     def _encode(self, todo: list[_Queued]) -> list[bytearray]:
         """Copy each chunk out of its pool into a sealed value (a copy thread)."""
@@ -176,6 +223,17 @@ class WriteBehind:
             self.values.seal(queued.key, value)
             values.append(value)
         return values
+
+    def _seal(self, todo: list[_Queued]) -> list[bytearray]:
+        """Each CPU-pool chunk's header, sealed over its bytes where they lie (a copy
+        thread)."""
+        headers = []
+        for queued in todo:
+            header = bytearray(self.values.header_bytes)
+            self.values.seal_header(queued.key, header,
+                                    self.chunk_view(queued.chunk).numpy().data)
+            headers.append(header)
+        return headers
 
     async def close(self) -> None:
         """Stop writing; the queue's chunks are let go (a batch being copied out, once its
