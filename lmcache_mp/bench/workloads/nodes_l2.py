@@ -143,6 +143,7 @@ class _Pool:
         for i, value in enumerate(values):
             self.array[i * self.size:(i + 1) * self.size] = np.frombuffer(
                 value, dtype=np.uint8, offset=self.header)
+        self.array[self.array.nbytes // 2:] = 1  # its pages in memory, as a server's pool
         self.region = PoolRegion(self.array.ctypes.data, self.array.nbytes)
 
     def _values(self, keys: Sequence[bytes], values: Sequence[bytes], window: slice,
