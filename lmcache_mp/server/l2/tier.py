@@ -84,7 +84,9 @@ class L2Tier:
         self.closed = True
         await self.prefetcher.close()
         await self.writer.close()
-        await self.offload.close()  # no thread touches the pool after this
+        # No copy thread touches the pool after this; a direct transfer still under way (a
+        # stalled master) touches only the extents held or reserved for it until it returns.
+        await self.offload.close()
         try:
             await self.health.call("close", self.backend.close())
         except L2Error:
