@@ -6,15 +6,19 @@ written; once SYNC_BYTES are written (or the queue is empty) they are made durab
 (fdatasync), and only then recorded in the journal (one append, synced, with the new
 salts' names before it in one write and sync of their own) and made visible in the
 index: a crash at any moment leaves each chunk either whole and recorded, or unrecorded.
-Chunks that left the tier (space.removals) are recorded as removals before any byte of a
-batch is written (one append, synced), so no extent is rewritten while a synced record
-still names the chunk it held; with nothing to write, they are recorded once the queue
-is empty. A write error that is the batch's own (BATCH_FAULTS) drops the batch; any other
-stops writes for a while (space.write_failed). The queue is bounded
-in bytes; past it, or while the disk is failing, a chunk is dropped and counted rather
-than waiting. A queued chunk is not held: the pool evicts as it always does (a STORE never
-waits for the disk, nor fails because chunks wait for it), and a chunk evicted before its
-turn is dropped and counted; a chunk being written is held until its bytes are out.
+That commit runs on a thread of its own while the next batch is placed and written (one
+commit at a time; the journal's appends, one at a time, under a lock). Chunks that left
+the tier (space.removals) are recorded as removals before any byte of a batch is written
+(one append, synced, by the batch's own thread), so no extent is rewritten while a synced
+record still names the chunk it held; a commit running beside the writes takes none of
+them (a batch placed meanwhile could be given their extents), and with nothing to write
+they are recorded once the queue is empty. A write error that is the batch's own
+(BATCH_FAULTS) drops the batch; any other stops writes for a while (space.write_failed).
+The queue is bounded in bytes; past it, or while the disk is failing, a chunk is dropped
+and counted rather than waiting. A queued chunk is not held: the pool evicts as it always
+does (a STORE never waits for the disk, nor fails because chunks wait for it), and a chunk
+evicted before its turn is dropped and counted; a chunk being written is held until its
+bytes are out.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import errno
 import logging
 import os
 import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -111,7 +116,10 @@ class DiskWriter:
         self.admission = admission  # which chunks offer() queues: admission.py
         self.key_of = key_of
         self.queue_limit = queue_limit
-        self.offload = Offload("disk-write", 1)  # one writer: the journal is one sequence
+        # Two threads: a batch's write, and the commit of the batches before it.
+        self.offload = Offload("disk-write", 2)
+        self._journal_lock = threading.Lock()  # the journal's appends are one sequence
+        self._committing: asyncio.Task | None = None  # the commit beside the writes
         self._parallel = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="disk-write-io")
         self._macs = ThreadPoolExecutor(MAC_THREADS, thread_name_prefix="disk-write-mac")
         self._queue: deque[_Queued] = deque()
@@ -128,6 +136,7 @@ class DiskWriter:
         self._recorded = asyncio.Event()  # set whenever removals were recorded
         self._batch_fault_logged = False
         self._fault = faults.point()  # read once: "disk-einval-once" fires once
+        self._commit_appended = threading.Event()  # DISK_KILL_BESIDE_COMMIT's, alone
 
     def start(self, loaded: asyncio.Event) -> None:
         self._loaded = loaded
@@ -210,17 +219,36 @@ class DiskWriter:
                         await self._write(batch)
                     if self._unsynced and (not self._queue
                                            or self._unsynced_bytes >= SYNC_BYTES):
-                        await self._commit()
-                        await self._compact_if_due()
+                        await self._committed()
+                        self._start_commit()
                 except Exception:  # a bug here must not end write-through, nor reach a STORE
                     logger.exception("disk tier write-through failed")
-            if len(self.space.removals) and self.space.writable():
-                try:
-                    await self._commit()  # removals alone: nothing else to write
-                except Exception:
-                    logger.exception("disk tier write-through failed")
+            if self._committing is not None and not self._committing.done():
+                continue  # chunks queued meanwhile are written beside it; its end wakes us
+            try:
+                await self._committed()
+                if len(self.space.removals) and self.space.writable():
+                    # Removals alone (nothing else to write): nothing is placed meanwhile.
+                    await self._commit(self.space.removals.take())
+            except Exception:
+                logger.exception("disk tier write-through failed")
             self._count_busy()
             self._idle.set()
+
+    def _start_commit(self) -> None:
+        """Commit what is written, on the commit thread, while the loop places and writes
+        the next batches; the writer wakes when it is done."""
+        self._committing = asyncio.create_task(self._commit(None))
+        self._committing.add_done_callback(lambda _: self._wake.set())
+
+    async def _committed(self) -> None:
+        """Wait for the commit running beside the writes, if any (its outcome: an error
+        it raised is raised here); then compact the journal if it is due (no write nor
+        commit runs then)."""
+        if self._committing is not None:
+            committing, self._committing = self._committing, None
+            await committing
+        await self._compact_if_due()
 
     def _task_done(self) -> bool:
         return self._task is None or self._task.done()
@@ -304,17 +332,22 @@ class DiskWriter:
         chunks = [p.queued.chunk for p in placed]
         removals = space.removals.take()  # those _place just made among them
         recorded = False
+        beside = self._committing is not None and not self._committing.done()
 
         def work() -> None:
             nonlocal recorded
             if len(removals):
-                self.journal.append((), removals)
+                with self._journal_lock:
+                    self.journal.append((), removals)
                 recorded = True
             if self._fault == faults.DISK_EINVAL_ONCE:
                 self._fault = ""
                 raise OSError(errno.EINVAL, "a write refused (the test's fault point)")
             self._write_out(placed)
             if len(removals) and self._fault == faults.DISK_REUSE_UNSYNCED:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if beside and self._fault == faults.DISK_KILL_BESIDE_COMMIT:
+                self._commit_appended.wait(60)  # the records of the commit beside it synced
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def forget() -> None:
@@ -338,6 +371,9 @@ class DiskWriter:
             raise
         self._removals_settled(removals, True)
         self.store.unhold(chunks)
+        if not space.writable():  # the commit beside it failed: these bytes may be gone too
+            self._unwritten(placed)
+            return
         self._unsynced.extend(placed)
         self._unsynced_bytes += sum(p.queued.chunk.nbytes for p in placed)
 
@@ -361,32 +397,38 @@ class DiskWriter:
         self._unwritten(self._unsynced)
         self._unsynced, self._unsynced_bytes = [], 0
 
-    async def _commit(self) -> None:
+    async def _commit(self, removals: np.ndarray | None) -> None:
         """Make the written chunks durable and visible: the data file synced, then the new
-        salts' names, then the removals made since the last write and the chunks' journal
-        records appended and synced (a thread); then each chunk enters the index."""
+        salts' names, then `removals` (Removals.take()'s, taken by a commit that nothing
+        runs beside) and the chunks' journal records appended and synced (a thread); then
+        each chunk enters the index. What it commits is taken before its first await."""
         space = self.space
         placed, self._unsynced, self._unsynced_bytes = self._unsynced, [], 0
         names = [(salt_digest(name), name) for name in space.unsaved_salts]
         space.unsaved_salts = []
-        removals = space.removals.take()
+        hold = bool(placed) and len(space.index) > 0 \
+            and self._fault == faults.DISK_KILL_BESIDE_COMMIT
 
         def forget() -> None:
             space.unsaved_salts.extend(name for _, name in names)
-            self._removals_settled(removals, False)
+            if removals is not None:
+                self._removals_settled(removals, False)
             self._unwritten(placed)
         try:
-            await self.offload.run(lambda: self._record(placed, names, removals), forget)
+            await self.offload.run(lambda: self._record(placed, names, removals, hold),
+                                   forget)
         except asyncio.CancelledError:
             raise  # forgotten when the write thread is done
         except OSError as exc:
             forget()
+            self._drop_unsynced()  # written beside it: their bytes may be gone too
             space.write_failed(exc)
             return
         except BaseException:
             forget()
             raise
-        self._removals_settled(removals, True)
+        if removals is not None:
+            self._removals_settled(removals, True)
         counters = self.counters
         for p in placed:
             nbytes = p.queued.chunk.nbytes
@@ -425,17 +467,22 @@ class DiskWriter:
                 raise error
 
     def _record(self, placed: list[_Placed], names: list[tuple[bytes, str]],
-                removals: np.ndarray) -> None:
-        """The write thread: the data file synced, then the salts' names (one write and
+                removals: np.ndarray | None, hold: bool) -> None:
+        """The commit thread: the data file synced, then the salts' names (one write and
         sync) and the journal's removals and records (one more): a record is never
-        durable before its bytes."""
+        durable before its bytes. `hold` (DISK_KILL_BESIDE_COMMIT): then wait for the
+        kill, which the next batch's write gives once its bytes are out."""
         if placed:
             self.data.sync()
-        self.names.add(names)
-        self.journal.append([
-            ChunkRecord(p.queued.key, p.queued.parent or NO_KEY,
-                        salt_digest(p.queued.chunk.key.cache_salt), p.offset,
-                        p.queued.chunk.nbytes, p.mac) for p in placed], removals)
+        with self._journal_lock:
+            self.names.add(names)
+            self.journal.append([
+                ChunkRecord(p.queued.key, p.queued.parent or NO_KEY,
+                            salt_digest(p.queued.chunk.key.cache_salt), p.offset,
+                            p.queued.chunk.nbytes, p.mac) for p in placed], removals)
+        if hold:
+            self._commit_appended.set()
+            threading.Event().wait(60)
 
     def _write_run(self, run: list[_Placed]) -> OSError | None:
         """One run of chunks whose extents follow each other, in one pwritev per IOV_MAX
@@ -461,9 +508,12 @@ class DiskWriter:
         digests = np.array([int.from_bytes(salt_digest(name), "little")
                             for name in self.space.salt_names], dtype=np.uint64)
         frozen = index.frozen()  # a copy here; its ordering on the write thread
+
+        def rewrite() -> None:
+            with self._journal_lock:
+                self.journal.rewrite(frozen.live(digests))
         try:
-            await self.offload.run(lambda: self.journal.rewrite(frozen.live(digests)),
-                                   lambda: None)
+            await self.offload.run(rewrite, lambda: None)
         except OSError as exc:
             self.space.write_failed(exc)
 
@@ -471,9 +521,10 @@ class DiskWriter:
         """Stop writing; what waits is let go (a batch being written, once its thread is
         done). False if a write still runs `timeout_s` later (a disk stuck in it): it is
         abandoned, its chunks never recorded nor counted as written."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._committing):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         self._forget(list(self._queue))
         self._queue.clear()
         finished = await self.offload.close(timeout_s)
