@@ -32,7 +32,7 @@ from ...errors import SetupError
 from ..cache.chunk import Chunk, ChunkKey
 from ..cache.pool import ALIGNMENT, CpuPool, ExtentAllocator
 from ..cache.store import ChunkStore
-from ..l2.codec import namespace
+from ..lower.names import namespace
 from ..memory.registry import Registry
 from ..private_dir import PrivateDir, UnsafePath
 from .admission import Admission

@@ -1,7 +1,7 @@
 """L2 keys and values: what a chunk is called in L2, and the checked form its bytes take there.
 
 Key: `lmcache-mp:1:<namespace>:<salt>:<kv_world_size>.<kv_worker_id>:<chunk hash>`, where
-`namespace` is a digest of the model and the chunk geometry, `salt` a digest of the
+`namespace` (lower/names.py) is a digest of the model and the chunk geometry, `salt` a digest of the
 cache_salt (salts stay apart, and a salt's characters never reach the key), and the
 chunk hash is in hex. The key has no hash tag: a chunk hash already names a whole
 prefix, so keys spread over a cluster's slots, and a pipeline reaches each node at once.
@@ -22,9 +22,9 @@ import hmac
 import struct
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
 
 from ..cache.chunk import ChunkKey
+from ..lower.names import digest
 from .keyfile import L2Keys
 
 KEY_PREFIX = b"lmcache-mp:1:"
@@ -32,17 +32,8 @@ VALUE_MAGIC = b"LMCV"
 KEY_ID_BYTES = 8
 
 
-def _digest(*parts: object) -> str:
-    return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
-
-
-def namespace(model: str, geometry: Hashable) -> str:
-    """The digest of what makes a chunk's bytes differ for the same tokens."""
-    return _digest(model, geometry)
-
-
 def l2_key(space: str, key: ChunkKey) -> bytes:
-    return (KEY_PREFIX + f"{space}:{_digest(key.cache_salt)}:{key.kv_world_size}."
+    return (KEY_PREFIX + f"{space}:{digest(key.cache_salt)}:{key.kv_world_size}."
             f"{key.kv_worker_id}:{key.chunk_hash.hex()}".encode())
 
 

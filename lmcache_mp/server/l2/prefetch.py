@@ -27,10 +27,11 @@ from ..cache.pulls import Pulls
 from ..cache.scan import short_runs
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
+from ..lower.names import namespace
 from ..memory.geometry import Geometry
 from ..memory.registry import Registry
 from .base import L2, DirectL2, L2Counters, L2Error, PoolValue
-from .codec import ValueFormat, l2_key, namespace
+from .codec import ValueFormat, l2_key
 from .health import Health
 from .ledger import Ledger
 

@@ -20,8 +20,9 @@ from ..cache.chunk import CPU_TIER, Chunk
 from ..cache.quotas import QuotaBook
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
+from ..lower.names import namespace
 from .base import L2, DirectL2, L2Counters, L2Error, PoolValue
-from .codec import ValueFormat, l2_key, namespace
+from .codec import ValueFormat, l2_key
 from .health import Health
 from .ledger import Ledger
 

@@ -15,8 +15,9 @@ import torch
 
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
 from lmcache_mp.server.cache.chunk import ChunkKey
-from lmcache_mp.server.l2.codec import CrcFormat, MacFormat, key_id, l2_key, namespace
+from lmcache_mp.server.l2.codec import CrcFormat, MacFormat, key_id, l2_key
 from lmcache_mp.server.l2.keyfile import read_key_file
+from lmcache_mp.server.lower.names import namespace
 from lmcache_mp.server.memory.geometry import Geometry
 
 from ...mooncake_servers import mooncake_store

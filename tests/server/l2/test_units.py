@@ -21,13 +21,13 @@ from lmcache_mp.server.l2.codec import (
     ValueFormat,
     key_id,
     l2_key,
-    namespace,
     value_format,
 )
 from lmcache_mp.server.l2.health import Health
 from lmcache_mp.server.l2.keyfile import L2Keys, read_key_file
 from lmcache_mp.server.l2.ledger import Ledger
 from lmcache_mp.server.l2.urls import MooncakeUrl, check_url, parse_cluster_url, parse_mooncake_url
+from lmcache_mp.server.lower.names import namespace
 
 from ...utils import FakeClock
 

@@ -1,0 +1,1 @@
+"""What the lower tiers (disk, L2) share: chunk names, the LOOKUP hook and the read-back."""
