@@ -20,13 +20,15 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ...protocol import LOOKUP_SLICE_PROBES, StoreStatus
+from ...protocol import LOOKUP_SLICE_PROBES
 from ..cache.chunk import Chunk, ChunkKey
 from ..cache.pool import CpuPool, aligned
 from ..cache.pulls import Pulls
 from ..cache.scan import short_runs
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
+from ..lower import landing
+from ..lower.landing import Reserved, chunks_per_window, first_parents
 from ..memory.geometry import Geometry
 from ..memory.registry import Registry
 from .files import DataFile, ShortRead
@@ -35,7 +37,6 @@ from .space import DiskSpace
 
 logger = logging.getLogger("lmcache_mp.server.disk")
 
-WINDOW_BYTES = 64 * 1024**2  # chunk bytes read in one go (at least one chunk)
 MAX_READS = 64  # read-backs in flight at once; LOOKUPs beyond it answer from memory alone
 READ_THREADS = 4  # a disk serves several reads at once faster than one after the other
 # Adjacent extents are read as one run of at most RUN_BYTES: one large read costs the disk
@@ -118,11 +119,8 @@ class DiskReader:
                     geometries: list[Geometry]) -> None:
         """Bring the disk's run of `hashes` into the pool, the prompt's chunks after the one
         of hash `after` (None: from its start); never raises."""
-        parents: list[ChunkKey | None] = [
-            None if after is None else ChunkKey(model, kv_world_size, worker, cache_salt, after)
-            for worker in range(kv_world_size)]
-        chunk_bytes = sum(geometry.chunk_bytes for geometry in geometries)
-        per_window = max(1, WINDOW_BYTES // chunk_bytes)
+        parents = first_parents(model, kv_world_size, cache_salt, after)
+        per_window = chunks_per_window(geometries)
         counters = self.counters
         position = 0
         try:
@@ -147,46 +145,20 @@ class DiskReader:
         except Exception:  # nothing of a read-back may reach a LOOKUP
             logger.exception("disk tier read-back failed")
 
-    def _reserve(self, window: list[list[tuple[ChunkKey, int]]],
-                 parents: list[ChunkKey | None], geometries: list[Geometry]
-                 ) -> tuple[list[_Read], int]:
-        """Pool chunks for the window's chunks, in order, until one cannot be placed; and
-        how many chunks were placed (every kv worker's reserved, or in memory already)."""
-        index = self.space.index
-        reads: list[_Read] = []
-        for position, chunk in enumerate(window):
-            placed: list[_Read] = []
-            for worker, (chunk_key, rid) in enumerate(chunk):
-                parent = window[position - 1][worker][0] if position else parents[worker]
-                nbytes = index.nbytes(rid)
-                reservation = self.store.reserve(chunk_key, nbytes, geometries[worker],
-                                                 parent=parent)
-                if reservation.status == StoreStatus.STORED:
-                    assert reservation.chunk is not None  # a STORED reservation has one
-                    placed.append(_Read(reservation.chunk, rid, position, index.offset(rid),
-                                        nbytes, index.key(rid), index.mac(rid)))
-                elif reservation.status != StoreStatus.ALREADY_STORED:
-                    break  # no room, over the salt's cap, or its parent left memory
-            else:
-                reads.extend(placed)
-                continue
-            for read in placed:
-                self.store.abort(read.chunk)
-            return reads, position
-        return reads, len(window)
-
     async def _land(self, window: list[list[tuple[ChunkKey, int]]],
                     parents: list[ChunkKey | None], geometries: list[Geometry]) -> int:
         """Read, verify and commit one window, in order; return how many of its chunks are
         in memory after it (a chunk that could not be placed or read ends the run)."""
-        reads, ready = self._reserve(window, parents, geometries)
         index = self.space.index
+        reserved, ready = landing.reserve(self.store, window, parents, geometries,
+                                          lambda rid, _: index.nbytes(rid))
+        reads = [self._read_of(item) for item in reserved]
         for read in reads:
             index.hold(read.rid)
 
         def abort() -> None:
+            landing.abort(self.store, reserved)
             for read in reads:
-                self.store.abort(read.chunk)
                 index.unhold(read.rid)
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -212,14 +184,13 @@ class DiskReader:
             else:
                 counters.bytes_read += read.nbytes
                 index.touch(read.rid)
-        # In prompt order, as STORE commits: a chunk whose parent went while it was read (a
-        # CLEAR) is dropped by its commit, and so is every chunk after it.
-        for read in reads:
-            if read.position >= ready:
-                self.store.abort(read.chunk)
-            elif not self.store.commit(read.chunk):
-                ready = min(ready, read.position)
-        return ready
+        return landing.commit(self.store, reserved, ready)
+
+    def _read_of(self, item: Reserved[int]) -> _Read:
+        """What the read of a reserved chunk needs from its disk record."""
+        index, rid = self.space.index, item.source
+        return _Read(item.chunk, rid, item.position, index.offset(rid), index.nbytes(rid),
+                     index.key(rid), index.mac(rid))
 
     def _read_in(self, reads: list[_Read]) -> None:
         """An offload thread: every chunk's bytes into its pool extent, several runs of

@@ -3,9 +3,8 @@
 A LOOKUP item whose run of chunks stops short in L1 starts a pull of the rest: one
 pipelined EXISTS finds how far L2's run goes, then GETs in windows bring the values,
 which are verified (a bad value ends the run, as a miss) and copied into reserved L1
-chunks, committed in prompt order. Each pulled chunk is reserved with its parent (the
-chunk before it in the prompt, of the same kv worker: for the first, the last one L1
-had), so that what L1 keeps of the prompt stays a prefix of it. The LOOKUP waits for
+chunks, committed in prompt order (lower/landing.py: each pulled chunk is reserved with
+its parent, so that what L1 keeps of the prompt stays a prefix of it). The LOOKUP waits for
 its pulls at most --l2-prefetch-wait, then answers from L1 with whatever has landed; the
 pull goes on for the next LOOKUP. Two LOOKUPs of the same run share one pull. RETRIEVE
 never waits on L2.
@@ -20,13 +19,15 @@ from collections.abc import Awaitable, Sequence
 
 import torch
 
-from ...protocol import LOOKUP_SLICE_PROBES, StoreStatus
-from ..cache.chunk import Chunk, ChunkKey
+from ...protocol import LOOKUP_SLICE_PROBES
+from ..cache.chunk import ChunkKey
 from ..cache.pool import CpuPool
 from ..cache.pulls import Pulls
 from ..cache.scan import short_runs
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
+from ..lower import landing
+from ..lower.landing import Reserved, Window, chunks_per_window, first_parents
 from ..lower.names import namespace
 from ..memory.geometry import Geometry
 from ..memory.registry import Registry
@@ -37,7 +38,6 @@ from .ledger import Ledger
 
 logger = logging.getLogger("lmcache_mp.server.l2")
 
-WINDOW_BYTES = 64 * 1024**2  # value bytes fetched in one pipeline (at least one chunk)
 MAX_PULLS = 64  # pulls in flight at once; LOOKUPs beyond it answer from L1 alone
 
 
@@ -96,9 +96,7 @@ class Prefetcher:
                     geometries: list[Geometry]) -> None:
         """Bring L2's run of `hashes` into L1, the prompt's chunks after the one of hash
         `after` (None: from its start); never raises (an L2 failure is counted)."""
-        parents = [None if after is None else
-                   ChunkKey(model, kv_world_size, worker, cache_salt, after)
-                   for worker in range(kv_world_size)]
+        parents = first_parents(model, kv_world_size, cache_salt, after)
         spaces = [namespace(model, geometry) for geometry in geometries]
         keys = [[(ChunkKey(model, kv_world_size, worker, cache_salt, chunk_hash),
                   l2_key(spaces[worker], ChunkKey(model, kv_world_size, worker, cache_salt,
@@ -113,8 +111,7 @@ class Prefetcher:
                                                   (run + 1) * kv_world_size]):
                 run += 1
             counters.misses += len(keys) - run
-            chunk_bytes = sum(geometry.chunk_bytes for geometry in geometries)
-            per_window = max(1, WINDOW_BYTES // chunk_bytes)
+            per_window = chunks_per_window(geometries)
             for start in range(0, run, per_window):
                 window = keys[start:min(run, start + per_window)]
                 landed, corrupt = await self._land(window, parents, geometries)
@@ -153,12 +150,12 @@ class Prefetcher:
         header_bytes = self.values.header_bytes
 
         def abort() -> None:
-            for chunk, _, _ in reserved:
-                self.store.abort(chunk)
+            landing.abort(self.store, reserved)
 
         def copy_reserved() -> None:
-            for chunk, _, c in reserved:
-                value = values[c * workers + chunk.key.kv_worker_id]
+            for item in reserved:
+                chunk = item.chunk
+                value = values[item.position * workers + chunk.key.kv_worker_id]
                 assert value is not None  # intact
                 _copy_payload(value, header_bytes, self.pool.view(chunk.offset, chunk.nbytes))
         try:
@@ -169,7 +166,8 @@ class Prefetcher:
             abort()
             raise
         # A value past where L1 had no room is not counted: the run ended before it.
-        return self._commit(reserved, chunks_ready), corrupt if chunks_ready == bad else 0
+        return landing.commit(self.store, reserved, chunks_ready), \
+            corrupt if chunks_ready == bad else 0
 
     async def _land_direct(self, backend: DirectL2, window: list[list[tuple[ChunkKey, bytes]]],
                            parents: list[ChunkKey | None], geometries: list[Geometry]
@@ -180,13 +178,13 @@ class Prefetcher:
         reserved, chunks_ready = self._reserve(window, parents, geometries)
         if not reserved:
             return chunks_ready, 0
-        values = [PoolValue(key, bytearray(self.values.header_bytes),
-                            self.pool.view(chunk.offset, chunk.nbytes).data_ptr(), chunk.nbytes)
-                  for chunk, key, _ in reserved]
+        values = [PoolValue(item.source, bytearray(self.values.header_bytes),
+                            self.pool.view(item.chunk.offset, item.chunk.nbytes).data_ptr(),
+                            item.chunk.nbytes)
+                  for item in reserved]
 
         def abort() -> None:
-            for chunk, _, _ in reserved:
-                self.store.abort(chunk)
+            landing.abort(self.store, reserved)
         read = await self.health.call_on_pool("GET", backend.get_into(values), abort)
         moved = sum(len(value.header) + value.size for value, whole in zip(values, read)
                     if whole)
@@ -195,8 +193,9 @@ class Prefetcher:
 
         def verify() -> list[bool]:
             return [whole and self.values.vouches(
-                value.key, value.header, self.pool.array_view(chunk.offset, chunk.nbytes).data)
-                for (chunk, _, _), value, whole in zip(reserved, values, read)]
+                value.key, value.header,
+                self.pool.array_view(item.chunk.offset, item.chunk.nbytes).data)
+                for item, value, whole in zip(reserved, values, read)]
         try:
             intact = await self.offload.run(verify, abort)
         except asyncio.CancelledError:
@@ -205,57 +204,29 @@ class Prefetcher:
             abort()
             raise
         corrupt = 0
-        failed = [c for (_, _, c), good in zip(reserved, intact) if not good]
+        failed = [item.position for item, good in zip(reserved, intact) if not good]
         if failed:  # the first chunk with a value that failed its check ends the run
             corrupt = failed.count(failed[0])
             chunks_ready = min(chunks_ready, failed[0])
-        return self._commit(reserved, chunks_ready), corrupt
+        return landing.commit(self.store, reserved, chunks_ready), corrupt
 
-    def _reserve(self, window: list[list[tuple[ChunkKey, bytes]]],
-                 parents: list[ChunkKey | None], geometries: list[Geometry]
-                 ) -> tuple[list[tuple[Chunk, bytes, int]], int]:
-        """Reserve the window's chunks in L1, in prompt order, each after its parent, up to
-        the first that cannot be placed for every kv worker (no room, over the salt's cap,
-        its parent gone from L1). Return the reserved chunks (with their L2 key and their
-        index in the window) and how many of the window's chunks are placed: reserved, or
-        in L1 already."""
-        reserved: list[tuple[Chunk, bytes, int]] = []
-        for c, chunk in enumerate(window):
-            placed: list[tuple[Chunk, bytes, int]] = []
-            for chunk_key, key in chunk:
-                geometry = geometries[chunk_key.kv_worker_id]
-                parent = window[c - 1][chunk_key.kv_worker_id][0] if c else \
-                    parents[chunk_key.kv_worker_id]
-                reservation = self.store.reserve(chunk_key, geometry.chunk_bytes, geometry,
-                                                 parent=parent)
-                if reservation.status == StoreStatus.STORED:
-                    assert reservation.chunk is not None  # a STORED reservation has one
-                    placed.append((reservation.chunk, key, c))
-                elif reservation.status != StoreStatus.ALREADY_STORED:
-                    break
+    def _reserve(self, window: Window[bytes], parents: list[ChunkKey | None],
+                 geometries: list[Geometry]) -> tuple[list[Reserved[bytes]], int]:
+        """landing.reserve() of the window's chunks, each with its L2 key; the values of
+        those placed are known to be in L2 from now on."""
+        reserved, placed = landing.reserve(self.store, window, parents, geometries,
+                                           _chunk_bytes)
+        for chunk in window[:placed]:
+            for _, key in chunk:
                 self.ledger.seen(key)
-            else:
-                reserved.extend(placed)
-                continue
-            for chunk_placed, _, _ in placed:
-                self.store.abort(chunk_placed)
-            return reserved, c
-        return reserved, len(window)
-
-    def _commit(self, reserved: list[tuple[Chunk, bytes, int]], chunks_ready: int) -> int:
-        """Commit the reserved chunks before the window's `chunks_ready`th, in prompt order
-        as STORE commits, and abort the rest; return how many chunks are in L1 after it (a
-        chunk whose parent went while it was filled, by a CLEAR, is dropped by its commit,
-        and so is every chunk after it)."""
-        for chunk, _, c in reserved:
-            if c >= chunks_ready:
-                self.store.abort(chunk)
-            elif not self.store.commit(chunk):
-                chunks_ready = min(chunks_ready, c)
-        return chunks_ready
+        return reserved, placed
 
     async def close(self) -> None:
         await self._pulls.close()
+
+
+def _chunk_bytes(_key: bytes, geometry: Geometry) -> int:
+    return geometry.chunk_bytes
 
 
 def _first_bad(intact: list[bool], workers: int, chunks: int) -> tuple[int, int]:
