@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
-from ...protocol import LOOKUP_SLICE_PROBES
 from ..cache.chunk import Chunk, ChunkKey
 from ..cache.pool import CpuPool, aligned
-from ..cache.pulls import Pulls
-from ..cache.scan import short_runs
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
 from ..lower import landing
+from ..lower.hook import LookupHook
 from ..lower.landing import Reserved, chunks_per_window, first_parents
 from ..memory.geometry import Geometry
 from ..memory.registry import Registry
@@ -63,7 +62,6 @@ class DiskReader:
         self.space = space
         self.counters = space.counters
         self.store = store
-        self.registry = registry
         self.pool = pool
         self.data = data
         self.mac = mac
@@ -71,33 +69,25 @@ class DiskReader:
         self.observe_read = observe_read  # seconds each window's reads took
         self.offload = Offload("disk-read", 2)
         self._parallel = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="disk-read-io")
-        self._reads = Pulls(MAX_READS, wait_s, self._timed_out)
+        self._hook = LookupHook(store, registry, MAX_READS, wait_s, self._timed_out,
+                                self._serving, self._start_read)
 
     def before_lookup(self, model: str, kv_world_size: int,
                       items: Sequence[tuple[str, Sequence[bytes]]]) -> Awaitable[None] | None:
         """Start (or join) read-backs for the items whose run continues on disk; return what
         the LOOKUP should await before it looks in memory, or None to look at once."""
-        if not self.counters.loaded or not len(self.space.index):
+        return self._hook.before_lookup(model, kv_world_size, items)
+
+    def _serving(self) -> bool:
+        return self.counters.loaded and len(self.space.index) > 0
+
+    def _start_read(self, model: str, kv_world_size: int, cache_salt: str,
+                    after: bytes | None, hashes: Sequence[bytes],
+                    geometries: list[Geometry]) -> Coroutine[Any, Any, None] | None:
+        """The read-back of the run `hashes`, or None if the disk lacks even its first chunk."""
+        if self._on_disk(model, kv_world_size, cache_salt, hashes[0], geometries) is None:
             return None
-        geometries = self.registry.geometries(model, kv_world_size)
-        if geometries is None:
-            return None
-        reads: list[asyncio.Task] = []
-        for cache_salt, hashes, stored in short_runs(self.store, model, kv_world_size, items,
-                                                     LOOKUP_SLICE_PROBES):
-            wanted = tuple(hashes[stored:])
-            # Chained hashes: the first and last name the whole run.
-            ident = (model, kv_world_size, cache_salt, wanted[0], wanted[-1])
-            read = self._reads.running(ident)
-            if read is None:
-                if self._on_disk(model, kv_world_size, cache_salt, wanted[0], geometries) is None:
-                    continue  # not even its first chunk: no read to start
-                after = hashes[stored - 1] if stored else None
-                read = self._reads.start(ident, self._read(model, kv_world_size, cache_salt,
-                                                           after, wanted, geometries))
-            if read is not None:
-                reads.append(read)
-        return self._reads.wait(reads)
+        return self._read(model, kv_world_size, cache_salt, after, hashes, geometries)
 
     def _timed_out(self) -> None:
         self.counters.prefetch_timeouts += 1
@@ -246,7 +236,7 @@ class DiskReader:
     async def close(self, timeout_s: float) -> bool:
         """Cancel the reads; False if one still runs `timeout_s` later (a disk stuck in
         it): it is abandoned."""
-        await self._reads.close()
+        await self._hook.close()
         finished = await self.offload.close(timeout_s)
         self._parallel.shutdown(wait=finished)
         return finished

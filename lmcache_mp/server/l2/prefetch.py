@@ -19,14 +19,12 @@ from collections.abc import Awaitable, Sequence
 
 import torch
 
-from ...protocol import LOOKUP_SLICE_PROBES
 from ..cache.chunk import ChunkKey
 from ..cache.pool import CpuPool
-from ..cache.pulls import Pulls
-from ..cache.scan import short_runs
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
 from ..lower import landing
+from ..lower.hook import LookupHook
 from ..lower.landing import Reserved, Window, chunks_per_window, first_parents
 from ..lower.names import namespace
 from ..memory.geometry import Geometry
@@ -58,35 +56,18 @@ class Prefetcher:
         self.counters = counters
         self.ledger = ledger
         self.store = store
-        self.registry = registry
         self.pool = pool
         self.offload = offload
         self.values = values
-        self._pulls = Pulls(MAX_PULLS, wait_s, self._timed_out)
+        self._hook = LookupHook(store, registry, MAX_PULLS, wait_s, self._timed_out,
+                                health.available, self._pull)
 
     def before_lookup(self, model: str, kv_world_size: int,
                       items: Sequence[tuple[str, Sequence[bytes]]]) -> Awaitable[None] | None:
-        """Start (or join) pulls for the items whose run continues past L1; return what the
-        LOOKUP should await before it looks in L1, or None to look at once."""
-        if not self.health.available():
-            return None
-        geometries = self.registry.geometries(model, kv_world_size)
-        if geometries is None:
-            return None
-        pulls: list[asyncio.Task] = []
-        for cache_salt, hashes, stored in short_runs(self.store, model, kv_world_size, items,
-                                                     LOOKUP_SLICE_PROBES):
-            wanted = tuple(hashes[stored:])
-            # Chained hashes: the first and last name the whole run.
-            ident = (model, kv_world_size, cache_salt, wanted[0], wanted[-1])
-            pull = self._pulls.running(ident)
-            if pull is None:
-                after = hashes[stored - 1] if stored else None
-                pull = self._pulls.start(ident, self._pull(model, kv_world_size, cache_salt,
-                                                           after, wanted, geometries))
-            if pull is not None:
-                pulls.append(pull)
-        return self._pulls.wait(pulls)
+        """Start (or join) pulls for the items whose run continues past L1 (none while L2
+        is known down); return what the LOOKUP should await before it looks in L1, or None
+        to look at once."""
+        return self._hook.before_lookup(model, kv_world_size, items)
 
     def _timed_out(self) -> None:
         self.counters.prefetch_timeouts += 1
@@ -222,7 +203,7 @@ class Prefetcher:
         return reserved, placed
 
     async def close(self) -> None:
-        await self._pulls.close()
+        await self._hook.close()
 
 
 def _chunk_bytes(_key: bytes, geometry: Geometry) -> int:
