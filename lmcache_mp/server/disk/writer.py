@@ -30,7 +30,6 @@ import os
 import signal
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from ..cache.pool import CpuPool, aligned
 from ..cache.quotas import QuotaBook
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
+from ..lower.queue import Queued, WriteQueue
 from .admission import Admission
 from .files import BATCH_FAULTS, DataFile, staging_buffer
 from .journal import ChunkMac, ChunkRecord, Journal, SaltNames, salt_digest
@@ -84,9 +84,7 @@ def journal_limit(capacity: int) -> int:
 
 
 @dataclass
-class _Queued:
-    chunk: Chunk
-    key: bytes
+class _Queued(Queued):
     parent: bytes | None  # the disk key of the chunk before it in its prompt
 
 
@@ -113,17 +111,17 @@ class DiskWriter:
         self.journal = journal
         self.names = names
         self.mac = mac
-        self.admission = admission  # which chunks offer() queues: admission.py
         self.key_of = key_of
-        self.queue_limit = queue_limit
         # Two threads: a batch's write, and the commit of the batches before it.
         self.offload = Offload("disk-write", 2)
         self._journal_lock = threading.Lock()  # the journal's appends are one sequence
         self._committing: asyncio.Task | None = None  # the commit beside the writes
         self._parallel = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="disk-write-io")
         self._macs = ThreadPoolExecutor(MAC_THREADS, thread_name_prefix="disk-write-mac")
-        self._queue: deque[_Queued] = deque()
-        self._queued: set[bytes] = set()
+        self._queue = WriteQueue(store, self.counters, queue_limit, hold_on_offer=False,
+                                 available=space.writable, name=key_of,
+                                 holds=lambda key: space.index.find(key) >= 0,
+                                 item=self._queued, admit=admission.admit)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # nothing queued nor being written
         self._idle.set()
@@ -145,28 +143,13 @@ class DiskWriter:
     def offer(self, chunks: Sequence[Chunk]) -> None:
         """Queue chunks a STORE has just committed, each prompt's in order (loop thread;
         never waits)."""
-        counters, space = self.counters, self.space
-        for chunk in chunks:
-            if not space.writable():
-                counters.dropped += 1
-                continue
-            key = self.key_of(chunk)
-            if key in self._queued or space.index.find(key) >= 0:
-                counters.chunks_skipped += 1
-                continue
-            if not self.admission.admit(key):
-                continue
-            if counters.queue_bytes + chunk.nbytes > self.queue_limit:
-                counters.dropped += 1
-                continue
-            parent = self.key_of(chunk.parent) if chunk.parent is not None else None
-            self._queue.append(_Queued(chunk, key, parent))
-            self._queued.add(key)
-            counters.queue_bytes += chunk.nbytes
-            counters.queue_chunks += 1
-        if self._queue:
+        if self._queue.offer(chunks):
             self._busy()
             self._wake.set()
+
+    def _queued(self, chunk: Chunk, key: bytes) -> _Queued:
+        parent = self.key_of(chunk.parent) if chunk.parent is not None else None
+        return _Queued(chunk, key, parent)
 
     def _busy(self) -> None:
         if self._idle.is_set():
@@ -178,42 +161,14 @@ class DiskWriter:
         self.counters.write_busy_seconds += now - self._busy_since
         self._busy_since = now
 
-    def _take(self) -> list[_Queued]:
-        """The next batch, each of its chunks held now; those evicted while they waited are
-        dropped."""
-        batch: list[_Queued] = []
-        size = 0
-        limit = min(BATCH_BYTES, int(self.pool.capacity * BATCH_SHARE))
-        while self._queue and (not batch or size + self._queue[0].chunk.nbytes <= limit):
-            queued = self._queue.popleft()
-            held = self.store.hold_if_stored(queued.chunk.key, queued.chunk.geometry)
-            if held is None:
-                self._forget([queued])
-                self.counters.dropped += 1
-                continue
-            queued.chunk = held
-            batch.append(queued)
-            size += queued.chunk.nbytes
-        return batch
-
-    def _forget(self, queued: Sequence[_Queued]) -> None:
-        for one in queued:
-            self._queued.discard(one.key)
-            self.counters.queue_bytes -= one.chunk.nbytes
-            self.counters.queue_chunks -= 1
-
-    def _settle(self, batch: Sequence[_Queued]) -> None:
-        """These chunks will not be written: let go of them."""
-        self._forget(batch)
-        self.store.unhold([queued.chunk for queued in batch])
-
     async def _run(self, loaded: asyncio.Event) -> None:
         await loaded.wait()
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
-                batch = self._take()
+                batch = self._queue.take(
+                    min(BATCH_BYTES, int(self.pool.capacity * BATCH_SHARE)))
                 try:
                     if batch:
                         await self._write(batch)
@@ -323,10 +278,10 @@ class DiskWriter:
         space = self.space
         if not space.writable():
             self.counters.dropped += len(batch)
-            self._settle(batch)
+            self._queue.settle(batch)
             return
         placed, left = self._place(batch)
-        self._settle(left)
+        self._queue.settle(left)
         if not placed:
             return
         chunks = [p.queued.chunk for p in placed]
@@ -390,7 +345,7 @@ class DiskWriter:
         """Their write failed or will not be recorded: their extents are free, counted."""
         for p in placed:
             self.space.not_written(p.salt, p.offset, p.queued.chunk.nbytes)
-        self._forget([p.queued for p in placed])
+        self._queue.forget([p.queued for p in placed])
         self.counters.dropped += len(placed)
 
     def _drop_unsynced(self) -> None:
@@ -435,7 +390,7 @@ class DiskWriter:
             space.written(p.queued.key, p.queued.parent, p.salt, p.offset, nbytes, p.mac)
             counters.chunks_written += 1
             counters.bytes_written += nbytes
-        self._forget([p.queued for p in placed])
+        self._queue.forget([p.queued for p in placed])
         self._count_busy()
 
     def _bytes_of(self, chunk: Chunk) -> memoryview:
@@ -525,7 +480,6 @@ class DiskWriter:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        self._forget(list(self._queue))
         self._queue.clear()
         finished = await self.offload.close(timeout_s)
         self._parallel.shutdown(wait=finished)
