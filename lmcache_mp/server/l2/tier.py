@@ -1,11 +1,13 @@
 """The L2 tier's front: what the server builds from --l2 and the hooks the dispatcher calls.
 
-The dispatcher calls after_store() with the chunks a STORE committed (write-behind) and
-before_lookup() before it looks a LOOKUP up in L1 (prefetch); STATS reads counters.
+A lower tier (lower/front.py), the last the ops ask: after_store() queues the chunks a
+STORE committed (write-behind), before_lookup() pulls what a LOOKUP misses in L1 and on disk
+(prefetch); STATS reads its counters.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 import torch
@@ -14,6 +16,7 @@ from ..cache.chunk import Chunk
 from ..cache.pool import CpuPool
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
+from ..lower.front import LowerTier
 from ..memory.registry import Registry
 from .base import L2, L2Counters, L2Error, PoolRegion
 from .codec import ValueFormat, value_format
@@ -24,8 +27,13 @@ from .prefetch import Prefetcher
 from .urls import MOONCAKE_SCHEME, read_password_file
 from .writeback import WriteBehind
 
+logger = logging.getLogger("lmcache_mp.server.l2")
 
-class L2Tier:
+
+class L2Tier(LowerTier):
+    name = "l2"
+    hit_column = 2
+
     def __init__(self, backend: L2, store: ChunkStore, registry: Registry, pool: CpuPool,
                  chunk_view: Callable[[Chunk], torch.Tensor], *, budget: int | None,
                  ttl_s: int, queue_limit: int, prefetch_wait_s: float, timeout_s: float,
@@ -80,7 +88,10 @@ class L2Tier:
         self.counters.bytes_held = self.ledger.bytes_held
         return self.counters
 
-    async def close(self) -> None:
+    async def close(self, drain_s: float) -> bool:
+        """Stop at once: `drain_s` is not waited for, as what write-behind has queued is let
+        go, not written (a value not in L2 is a miss, as one evicted from it)."""
+        logger.info("shutdown: stopping L2 write-behind and prefetch")
         self.closed = True
         await self.prefetcher.close()
         await self.writer.close()
@@ -91,6 +102,7 @@ class L2Tier:
             await self.health.call("close", self.backend.close())
         except L2Error:
             pass  # the connections are gone either way
+        return True
 
 
 def open_backend(url: str, password: str | None, timeout_s: float, pool: PoolRegion) -> L2:
