@@ -1,1 +1,2 @@
-"""What the lower tiers (disk, L2) share: chunk names, the LOOKUP hook and the read-back."""
+"""What the lower tiers (disk, L2) share: their front, the write queue, the LOOKUP hook,
+the landing of pulled chunks, and the names of chunks."""
