@@ -435,6 +435,7 @@ class StatsReply:
     l2_corrupt: int = 0
     l2_bytes_read: int = 0
     l2_bytes_written: int = 0
+    l2_zero_copy_bytes: int = 0
     l2_chunks_written: int = 0
     l2_chunks_skipped: int = 0
     l2_dropped: int = 0

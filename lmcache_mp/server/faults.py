@@ -11,6 +11,10 @@ demand. Unset, as in any real deployment, every point is inert. The points:
 - `disk-reuse-unsynced`: the disk writer SIGKILLs the server once a batch that reuses
   extents of removed chunks has its bytes written, before they are synced or recorded
   (the window a crash could meet: disk/writer.py).
+- `disk-kill-beside-commit`: a commit that starts while the tier holds chunks waits, once
+  its journal records are synced, and the next batch's write (placed and written beside
+  it) SIGKILLs the server once its bytes are out: a crash with one batch recorded but not
+  yet visible and the next written but not synced nor recorded (disk/writer.py).
 - `disk-einval-once`: the disk writer's first batch fails its write with EINVAL, as a
   buffer set the kernel refuses would (disk/writer.py).
 """
@@ -22,6 +26,7 @@ import os
 ENV = "LMCACHE_MP_TEST_FAULT"
 DISK_REUSE_UNSYNCED = "disk-reuse-unsynced"
 DISK_EINVAL_ONCE = "disk-einval-once"
+DISK_KILL_BESIDE_COMMIT = "disk-kill-beside-commit"
 
 
 def point() -> str:

@@ -104,10 +104,8 @@ class Server:
         config, parts = self.config, self.parts
         loop = asyncio.get_running_loop()
         parts.pool.start_prefault()
-        if parts.disk is not None:
-            parts.disk.start()
-        if parts.l2 is not None:
-            parts.l2.start()
+        for tier in parts.lower:
+            tier.start()
         parts.fd_channel.start(loop)
         parts.router.bind()
         parts.router.start(loop)
@@ -259,14 +257,9 @@ class Server:
         if router.in_flight:
             await asyncio.wait(list(router.in_flight), timeout=self.config.shutdown_timeout)
         router.fail_in_flight()
-        if parts.disk is not None:
-            left = max(0.0, drained_by - loop.time())
-            logger.info("shutdown: writing the disk tier's queue (up to %.1f s), then stopping "
-                        "it", left)
-            self._abandoned = not await parts.disk.close(left)
-        if parts.l2 is not None:
-            logger.info("shutdown: stopping L2 write-behind and prefetch")
-            await parts.l2.close()
+        for tier in parts.lower:
+            if not await tier.close(max(0.0, drained_by - loop.time())):
+                self._abandoned = True
         logger.info("shutdown: waiting for running copies")
         parts.copy_engine.shutdown()
         if parts.copier is not None:

@@ -19,6 +19,7 @@ from .config import Config
 from .copy.device import CudaDevice
 from .copy.engine import CopyEngine
 from .copy.streams import StreamCopier
+from .lower.front import in_order
 from .memory.cuda_ipc import CudaIpcSupport, MappingThread, SharedAllocations
 from .memory.registry import Registry
 from .net.access import Sessions, load_or_create_token, prepare_runtime_dir, read_token_file
@@ -33,6 +34,7 @@ from .warm.segment import KEY_NAME, WarmStart
 if TYPE_CHECKING:
     from .disk.tier import DiskTier
     from .l2.tier import L2Tier
+    from .lower.front import LowerTier
 
 _GPU_COPY_TIMEOUT_S = 60.0  # one request's device work; a GPU that takes longer has failed
 _GPU_MAP_TIMEOUT_S = 60.0  # one registration's IPC opens and set-up, a new GPU's context included
@@ -59,6 +61,11 @@ class Components:
     metrics: ServerMetrics
     dispatcher: Dispatcher
     router: Router
+
+    @property
+    def lower(self) -> tuple[LowerTier, ...]:
+        """The lower tiers there are, in the order the ops ask them: the disk tier, then L2."""
+        return in_order(self.disk, self.l2)
 
 
 def wire(config: Config) -> Components:

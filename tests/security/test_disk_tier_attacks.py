@@ -1,6 +1,7 @@
 """The disk tier against a local attacker and a crash, each against a real server process:
 bytes planted in its data file with a valid CRC-32 are refused; a crash in the window where
-an evicted chunk's extent holds another salt's unsynced bytes serves nothing of them; chunks
+an evicted chunk's extent holds another salt's unsynced bytes serves nothing of them, nor
+does one while a batch's commit runs beside the next batch's writes; chunks
 of 256 bytes are written and read back; a CLEAR and a shrunk quota last across a restart;
 a padded journal costs no more memory at start-up than a valid one; the key lives outside
 the disk directory (issue 43): in the runtime directory, or in --disk-key-file, which keeps
@@ -37,7 +38,7 @@ from ..server.disk.test_disk_tier import (
     stored_and_stopped,
     written,
 )
-from ..utils import run_server, server_process, started_process
+from ..utils import run_server, server_process, started_process, wait_for
 from ..workers import (
     Job,
     WorkerProcess,
@@ -127,6 +128,48 @@ def test_a_crash_while_an_evicted_chunks_extent_holds_new_bytes_serves_none_of_t
         assert loaded(server).disk_loaded_chunks == 1
         assert assert_prefix_served(server, first, 11, "a") == 1
         assert assert_prefix_served(server, second, 12, "b") == 0
+        assert stats(server).disk_corrupt == 0
+
+
+def test_a_crash_while_a_commit_runs_beside_the_next_batchs_writes_serves_nothing_wrong(
+        tmp_path, monkeypatch):
+    """A tier of three chunks holds tenant a's prompt of two; tenant b's chunk is written and
+    its commit, running beside the writes, has synced b's record (the journal grew) when a
+    fault point holds it there; tenant c's chunk then evicts a's last one and is written
+    into its extent beside that commit, and the server is SIGKILLed once c's bytes are out.
+    After a restart: b's chunk is served (its record was durable, its bytes synced
+    first), a's last chunk is a miss (its removal was recorded before c's bytes), a's first
+    is served, c's is not there, and no chunk failed its MAC (no record names c's bytes)."""
+    directory, runtime = tmp_path / "disk", tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    first = prompt(tag=4310, num_chunks=2)
+    second, third = prompt(tag=4311, num_chunks=1), prompt(tag=4312, num_chunks=1)
+    flags = [*SMALL_POOL, "--disk-dir", str(directory), "--disk-size", "1536KiB",
+             "--disk-prefetch-wait", "30"]
+    monkeypatch.setenv("LMCACHE_MP_TEST_FAULT", "disk-kill-beside-commit")
+    server = server_process(None, flags, str(runtime))
+    server.start()
+    try:
+        store(server, first, 11, salt="a")
+        written(server, 2)  # its commit ran with no chunk on disk: the fault let it be
+        journal = directory / "journal"
+        before = journal.stat().st_size
+        store(server, second, 12, salt="b", settle=False)
+        wait_for(lambda: journal.stat().st_size > before, "b's record in the journal")
+        # A worker that never talks to the server after its STORE: the server dies under it.
+        with WorkerProcess(abandoned_store_worker, Job(server.url, NUM_BLOCKS, 13, third,
+                                                       chunk_blocks([0]), cache_salt="c")) \
+                as worker:
+            worker.receive()
+            started_process(server).wait(timeout=60)
+    finally:
+        assert server.close() == -9, server.output()
+    monkeypatch.delenv("LMCACHE_MP_TEST_FAULT")
+    with run_server(*flags, runtime_dir=str(runtime)) as server:
+        assert loaded(server).disk_loaded_chunks == 2
+        assert assert_prefix_served(server, second, 12, "b") == 1
+        assert assert_prefix_served(server, first, 11, "a") == 1
+        assert assert_prefix_served(server, third, 13, "c") == 0
         assert stats(server).disk_corrupt == 0
 
 

@@ -14,7 +14,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ...server.l2.base import L2
+import numpy as np
+
+from ...server.l2.base import L2, DirectL2, PoolRegion, PoolValue
 from ...server.l2.codec import CrcFormat
 from ...server.l2.tier import open_backend
 from ...sizes import parse_size
@@ -104,29 +106,78 @@ def measure_rates(store: L2Store, options: BenchOptions, run_id: str,
 
 async def _timed(url: str, keys: Sequence[bytes], values: Sequence[bytes], timeout: float
                  ) -> tuple[float, float, int, int]:
-    """(write GB/s, read GB/s, values read back whole, values read back with other bytes)."""
-    backend = open_backend(url, None, timeout)
+    """(write GB/s, read GB/s, values read back whole, values read back with other bytes).
+    A direct backend (Mooncake) moves them as the server does: each value's payload from and
+    into a pool of the bench's own (registered once), its header beside it."""
+    pool = _Pool(values)
+    backend = open_backend(url, None, timeout, pool.region)
     per_window = max(1, WINDOW_BYTES // len(values[0]))
     windows = [slice(first, first + per_window) for first in range(0, len(keys), per_window)]
     total = sum(len(value) for value in values)
     try:
         started = time.perf_counter()
         for window in windows:
-            await _bounded(backend.put(list(zip(keys[window], values[window])), RATE_TTL_S),
-                           timeout)
+            await _bounded(pool.put(backend, keys, values, window), timeout)
         write_s = time.perf_counter() - started
         read_back = mismatched = 0
         started = time.perf_counter()
         for window in windows:
-            got = await _bounded(backend.get(keys[window]), timeout)
-            for value, expected in zip(got, values[window]):
-                read_back += value is not None and value == expected
-                mismatched += value is not None and value != expected
+            same = await _bounded(pool.get(backend, keys, values, window), timeout)
+            read_back += same.count(True)
+            mismatched += same.count(False)
         read_s = time.perf_counter() - started
         await _bounded(_delete(backend, keys, per_window), timeout)
     finally:
         await backend.close()
     return rate(total, write_s) / GB, rate(total, read_s) / GB, read_back, mismatched
+
+
+class _Pool:
+    """The values' payloads side by side, as a server's pool holds chunks (filled before the
+    clock starts), then room as large for what a direct get reads back."""
+
+    def __init__(self, values: Sequence[bytes]):
+        self.header = CrcFormat.header.size
+        self.size = len(values[0]) - self.header
+        self.array = np.zeros(2 * self.size * len(values), dtype=np.uint8)
+        for i, value in enumerate(values):
+            self.array[i * self.size:(i + 1) * self.size] = np.frombuffer(
+                value, dtype=np.uint8, offset=self.header)
+        self.array[self.array.nbytes // 2:] = 1  # its pages in memory, as a server's pool
+        self.region = PoolRegion(self.array.ctypes.data, self.array.nbytes)
+
+    def _values(self, keys: Sequence[bytes], values: Sequence[bytes], window: slice,
+                base: int) -> list[PoolValue]:
+        return [PoolValue(keys[i], bytearray(values[i][:self.header]),
+                          self.region.address + base + i * self.size, self.size)
+                for i in range(*window.indices(len(keys)))]
+
+    async def put(self, backend: L2, keys: Sequence[bytes], values: Sequence[bytes],
+                  window: slice) -> None:
+        if not isinstance(backend, DirectL2):
+            return await backend.put(list(zip(keys[window], values[window])), RATE_TTL_S)
+        await backend.put_from(self._values(keys, values, window, 0))
+
+    async def get(self, backend: L2, keys: Sequence[bytes], values: Sequence[bytes],
+                  window: slice) -> list[bool | None]:
+        """Per value of the window: None (not read back), True (read back whole, byte for
+        byte), False (read back with other bytes)."""
+        if not isinstance(backend, DirectL2):
+            got = await backend.get(keys[window])
+            return [None if value is None else value == expected
+                    for value, expected in zip(got, values[window])]
+        into = self._values(keys, values, window, self.array.nbytes // 2)
+        for value in into:
+            value.header[:] = bytes(self.header)
+        whole = await backend.get_into(into)
+        return [self._same(value, expected) if ok else None
+                for value, expected, ok in zip(into, values[window], whole)]
+
+    def _same(self, value: PoolValue, expected: bytes) -> bool:
+        start = value.address - self.region.address
+        return value.header == expected[:self.header] and np.array_equal(
+            self.array[start:start + self.size],
+            np.frombuffer(expected, dtype=np.uint8, offset=self.header))
 
 
 async def _delete(backend: L2, keys: Sequence[bytes], per_window: int) -> None:

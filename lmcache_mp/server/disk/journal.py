@@ -201,7 +201,8 @@ class Removals:
 
 class Journal:
     """The journal file, open. append() and rewrite() run on one thread at a time (the
-    tier's writer thread); replay() before the first of them, at start-up."""
+    tier's write threads take a lock around them); replay() before the first of them, at
+    start-up."""
 
     def __init__(self, fd: int, secret: bytes, directory: PrivateDir, name: str,
                  read_only: bool = False):

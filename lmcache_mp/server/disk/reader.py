@@ -4,7 +4,8 @@ A LOOKUP item whose run of chunks stops short in memory starts a read of the res
 the disk holds: in prompt order, a window of chunks at a time, each chunk read straight
 into a pool extent reserved for it (with its parent, so that what memory keeps stays a
 prefix), its MAC verified (journal.ChunkMac: the bytes this server wrote for that key, and
-no others), and committed in order; the disk chunks are held
+no others), and committed in order (chunks whose extents follow each other on disk are
+read in one preadv, up to RUN_BYTES, as the writer wrote them); the disk chunks are held
 meanwhile (never evicted, their extents never rewritten). The LOOKUP waits for its reads
 at most --disk-prefetch-wait, then counts what has landed as hits (and holds it, as any
 chunk in memory); the read goes on for the next LOOKUP. A chunk that fails its MAC
@@ -15,17 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
-from ...protocol import LOOKUP_SLICE_PROBES, StoreStatus
 from ..cache.chunk import Chunk, ChunkKey
 from ..cache.pool import CpuPool, aligned
-from ..cache.pulls import Pulls
-from ..cache.scan import short_runs
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
+from ..lower import landing
+from ..lower.hook import LookupHook
+from ..lower.landing import Reserved, chunks_per_window, first_parents
 from ..memory.geometry import Geometry
 from ..memory.registry import Registry
 from .files import DataFile, ShortRead
@@ -34,9 +36,11 @@ from .space import DiskSpace
 
 logger = logging.getLogger("lmcache_mp.server.disk")
 
-WINDOW_BYTES = 64 * 1024**2  # chunk bytes read in one go (at least one chunk)
 MAX_READS = 64  # read-backs in flight at once; LOOKUPs beyond it answer from memory alone
 READ_THREADS = 4  # a disk serves several reads at once faster than one after the other
+# Adjacent extents are read as one run of at most RUN_BYTES: one large read costs the disk
+# less than as many chunk-sized ones (DataFile.read passes IOV_MAX buffers a call).
+RUN_BYTES = 8 * 1024**2
 
 
 @dataclass
@@ -58,7 +62,6 @@ class DiskReader:
         self.space = space
         self.counters = space.counters
         self.store = store
-        self.registry = registry
         self.pool = pool
         self.data = data
         self.mac = mac
@@ -66,33 +69,25 @@ class DiskReader:
         self.observe_read = observe_read  # seconds each window's reads took
         self.offload = Offload("disk-read", 2)
         self._parallel = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="disk-read-io")
-        self._reads = Pulls(MAX_READS, wait_s, self._timed_out)
+        self._hook = LookupHook(store, registry, MAX_READS, wait_s, self._timed_out,
+                                self._serving, self._start_read)
 
     def before_lookup(self, model: str, kv_world_size: int,
                       items: Sequence[tuple[str, Sequence[bytes]]]) -> Awaitable[None] | None:
         """Start (or join) read-backs for the items whose run continues on disk; return what
         the LOOKUP should await before it looks in memory, or None to look at once."""
-        if not self.counters.loaded or not len(self.space.index):
+        return self._hook.before_lookup(model, kv_world_size, items)
+
+    def _serving(self) -> bool:
+        return self.counters.loaded and len(self.space.index) > 0
+
+    def _start_read(self, model: str, kv_world_size: int, cache_salt: str,
+                    after: bytes | None, hashes: Sequence[bytes],
+                    geometries: list[Geometry]) -> Coroutine[Any, Any, None] | None:
+        """The read-back of the run `hashes`, or None if the disk lacks even its first chunk."""
+        if self._on_disk(model, kv_world_size, cache_salt, hashes[0], geometries) is None:
             return None
-        geometries = self.registry.geometries(model, kv_world_size)
-        if geometries is None:
-            return None
-        reads: list[asyncio.Task] = []
-        for cache_salt, hashes, stored in short_runs(self.store, model, kv_world_size, items,
-                                                     LOOKUP_SLICE_PROBES):
-            wanted = tuple(hashes[stored:])
-            # Chained hashes: the first and last name the whole run.
-            ident = (model, kv_world_size, cache_salt, wanted[0], wanted[-1])
-            read = self._reads.running(ident)
-            if read is None:
-                if self._on_disk(model, kv_world_size, cache_salt, wanted[0], geometries) is None:
-                    continue  # not even its first chunk: no read to start
-                after = hashes[stored - 1] if stored else None
-                read = self._reads.start(ident, self._read(model, kv_world_size, cache_salt,
-                                                           after, wanted, geometries))
-            if read is not None:
-                reads.append(read)
-        return self._reads.wait(reads)
+        return self._read(model, kv_world_size, cache_salt, after, hashes, geometries)
 
     def _timed_out(self) -> None:
         self.counters.prefetch_timeouts += 1
@@ -114,11 +109,8 @@ class DiskReader:
                     geometries: list[Geometry]) -> None:
         """Bring the disk's run of `hashes` into the pool, the prompt's chunks after the one
         of hash `after` (None: from its start); never raises."""
-        parents: list[ChunkKey | None] = [
-            None if after is None else ChunkKey(model, kv_world_size, worker, cache_salt, after)
-            for worker in range(kv_world_size)]
-        chunk_bytes = sum(geometry.chunk_bytes for geometry in geometries)
-        per_window = max(1, WINDOW_BYTES // chunk_bytes)
+        parents = first_parents(model, kv_world_size, cache_salt, after)
+        per_window = chunks_per_window(geometries)
         counters = self.counters
         position = 0
         try:
@@ -143,46 +135,20 @@ class DiskReader:
         except Exception:  # nothing of a read-back may reach a LOOKUP
             logger.exception("disk tier read-back failed")
 
-    def _reserve(self, window: list[list[tuple[ChunkKey, int]]],
-                 parents: list[ChunkKey | None], geometries: list[Geometry]
-                 ) -> tuple[list[_Read], int]:
-        """Pool chunks for the window's chunks, in order, until one cannot be placed; and
-        how many chunks were placed (every kv worker's reserved, or in memory already)."""
-        index = self.space.index
-        reads: list[_Read] = []
-        for position, chunk in enumerate(window):
-            placed: list[_Read] = []
-            for worker, (chunk_key, rid) in enumerate(chunk):
-                parent = window[position - 1][worker][0] if position else parents[worker]
-                nbytes = index.nbytes(rid)
-                reservation = self.store.reserve(chunk_key, nbytes, geometries[worker],
-                                                 parent=parent)
-                if reservation.status == StoreStatus.STORED:
-                    assert reservation.chunk is not None  # a STORED reservation has one
-                    placed.append(_Read(reservation.chunk, rid, position, index.offset(rid),
-                                        nbytes, index.key(rid), index.mac(rid)))
-                elif reservation.status != StoreStatus.ALREADY_STORED:
-                    break  # no room, over the salt's cap, or its parent left memory
-            else:
-                reads.extend(placed)
-                continue
-            for read in placed:
-                self.store.abort(read.chunk)
-            return reads, position
-        return reads, len(window)
-
     async def _land(self, window: list[list[tuple[ChunkKey, int]]],
                     parents: list[ChunkKey | None], geometries: list[Geometry]) -> int:
         """Read, verify and commit one window, in order; return how many of its chunks are
         in memory after it (a chunk that could not be placed or read ends the run)."""
-        reads, ready = self._reserve(window, parents, geometries)
         index = self.space.index
+        reserved, ready = landing.reserve(self.store, window, parents, geometries,
+                                          lambda rid, _: index.nbytes(rid))
+        reads = [self._read_of(item) for item in reserved]
         for read in reads:
             index.hold(read.rid)
 
         def abort() -> None:
+            landing.abort(self.store, reserved)
             for read in reads:
-                self.store.abort(read.chunk)
                 index.unhold(read.rid)
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -208,25 +174,51 @@ class DiskReader:
             else:
                 counters.bytes_read += read.nbytes
                 index.touch(read.rid)
-        # In prompt order, as STORE commits: a chunk whose parent went while it was read (a
-        # CLEAR) is dropped by its commit, and so is every chunk after it.
-        for read in reads:
-            if read.position >= ready:
-                self.store.abort(read.chunk)
-            elif not self.store.commit(read.chunk):
-                ready = min(ready, read.position)
-        return ready
+        return landing.commit(self.store, reserved, ready)
+
+    def _read_of(self, item: Reserved[int]) -> _Read:
+        """What the read of a reserved chunk needs from its disk record."""
+        index, rid = self.space.index, item.source
+        return _Read(item.chunk, rid, item.position, index.offset(rid), index.nbytes(rid),
+                     index.key(rid), index.mac(rid))
 
     def _read_in(self, reads: list[_Read]) -> None:
-        """An offload thread: every chunk's bytes into its pool extent, several reads at
-        once, each checked against its MAC."""
-        if reads:
-            list(self._parallel.map(self._read_one, reads))
+        """An offload thread: every chunk's bytes into its pool extent, several runs of
+        adjacent extents at once, each chunk checked against its MAC."""
+        runs: list[list[_Read]] = []
+        end = size = -1
+        for read in sorted(reads, key=lambda read: read.offset):
+            extent = aligned(read.nbytes)
+            if read.offset == end and size + extent <= RUN_BYTES:
+                runs[-1].append(read)
+                size += extent
+            else:
+                runs.append([read])
+                size = extent
+            end = read.offset + extent
+        list(self._parallel.map(self._read_run, runs))
+
+    def _target(self, read: _Read) -> memoryview:
+        return self.pool.array_view(read.chunk.offset, aligned(read.nbytes)).data
+
+    def _read_run(self, run: list[_Read]) -> None:
+        """One run in one preadv (per IOV_MAX chunks); if it fails, each of its chunks
+        alone, so that only those that cannot be read are lost."""
+        if len(run) > 1:
+            try:
+                self.data.read(run[0].offset, [self._target(read) for read in run])
+            except OSError:
+                pass
+            else:
+                for read in run:
+                    self._verify(read)
+                return
+        for read in run:
+            self._read_one(read)
 
     def _read_one(self, read: _Read) -> None:
-        target = self.pool.array_view(read.chunk.offset, aligned(read.nbytes)).data
         try:
-            self.data.read(read.offset, [target])
+            self.data.read(read.offset, [self._target(read)])
         except ShortRead:
             read.outcome = "corrupt"
             return
@@ -235,13 +227,16 @@ class DiskReader:
                            read.offset, exc)
             read.outcome = "error"
             return
-        if self.mac.of(read.key, target[:read.nbytes]) != read.mac:
+        self._verify(read)
+
+    def _verify(self, read: _Read) -> None:
+        if self.mac.of(read.key, self._target(read)[:read.nbytes]) != read.mac:
             read.outcome = "corrupt"
 
     async def close(self, timeout_s: float) -> bool:
         """Cancel the reads; False if one still runs `timeout_s` later (a disk stuck in
         it): it is abandoned."""
-        await self._reads.close()
+        await self._hook.close()
         finished = await self.offload.close(timeout_s)
         self._parallel.shutdown(wait=finished)
         return finished

@@ -1,5 +1,7 @@
 """The disk tier's front: what the server builds from --disk-dir and the hooks the ops call.
 
+A lower tier (lower/front.py), the first the ops ask.
+
 The STORE op calls after_store() with the chunks it committed (write-through), the LOOKUP
 op calls before_lookup() before it looks in memory (read-back), CLEAR and the quota ops
 call clearing() (then removals_recorded()) and enforce_cap(), STATS reads snapshot() and
@@ -32,7 +34,8 @@ from ...errors import SetupError
 from ..cache.chunk import Chunk, ChunkKey
 from ..cache.pool import ALIGNMENT, CpuPool, ExtentAllocator
 from ..cache.store import ChunkStore
-from ..l2.codec import namespace
+from ..lower.front import LowerTier
+from ..lower.names import namespace
 from ..memory.registry import Registry
 from ..private_dir import PrivateDir, UnsafePath
 from .admission import Admission
@@ -84,7 +87,10 @@ def claim_directory(path: Path) -> PrivateDir:
     return directory
 
 
-class DiskTier:
+class DiskTier(LowerTier):
+    name = "disk"
+    hit_column = 1
+
     def __init__(self, directory: PrivateDir, size: int, queue_limit: int,
                  prefetch_wait_s: float, store: ChunkStore, registry: Registry, pool: CpuPool,
                  gpu_view: Callable[[Chunk], torch.Tensor],
@@ -286,6 +292,8 @@ class DiskTier:
         most for the reads and writes under way. False if one is still running then: it is
         abandoned (its chunks are not written), and the files stay open, the directory
         locked, until the process ends: the thread may yet write to them."""
+        logger.info("shutdown: writing the disk tier's queue (up to %.1f s), then stopping "
+                    "it", drain_s)
         self.closed = True
         await self.writer.drain(drain_s)
         if self._loading is not None:

@@ -6,15 +6,19 @@ written; once SYNC_BYTES are written (or the queue is empty) they are made durab
 (fdatasync), and only then recorded in the journal (one append, synced, with the new
 salts' names before it in one write and sync of their own) and made visible in the
 index: a crash at any moment leaves each chunk either whole and recorded, or unrecorded.
-Chunks that left the tier (space.removals) are recorded as removals before any byte of a
-batch is written (one append, synced), so no extent is rewritten while a synced record
-still names the chunk it held; with nothing to write, they are recorded once the queue
-is empty. A write error that is the batch's own (BATCH_FAULTS) drops the batch; any other
-stops writes for a while (space.write_failed). The queue is bounded
-in bytes; past it, or while the disk is failing, a chunk is dropped and counted rather
-than waiting. A queued chunk is not held: the pool evicts as it always does (a STORE never
-waits for the disk, nor fails because chunks wait for it), and a chunk evicted before its
-turn is dropped and counted; a chunk being written is held until its bytes are out.
+That commit runs on a thread of its own while the next batch is placed and written (one
+commit at a time; the journal's appends, one at a time, under a lock). Chunks that left
+the tier (space.removals) are recorded as removals before any byte of a batch is written
+(one append, synced, by the batch's own thread), so no extent is rewritten while a synced
+record still names the chunk it held; a commit running beside the writes takes none of
+them (a batch placed meanwhile could be given their extents), and with nothing to write
+they are recorded once the queue is empty. A write error that is the batch's own
+(BATCH_FAULTS) drops the batch; any other stops writes for a while (space.write_failed).
+The queue is bounded in bytes; past it, or while the disk is failing, a chunk is dropped
+and counted rather than waiting. A queued chunk is not held: the pool evicts as it always
+does (a STORE never waits for the disk, nor fails because chunks wait for it), and a chunk
+evicted before its turn is dropped and counted; a chunk being written is held until its
+bytes are out.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ import errno
 import logging
 import os
 import signal
+import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +43,7 @@ from ..cache.pool import CpuPool, aligned
 from ..cache.quotas import QuotaBook
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
+from ..lower.queue import Queued, WriteQueue
 from .admission import Admission
 from .files import BATCH_FAULTS, DataFile, staging_buffer
 from .journal import ChunkMac, ChunkRecord, Journal, SaltNames, salt_digest
@@ -79,9 +84,7 @@ def journal_limit(capacity: int) -> int:
 
 
 @dataclass
-class _Queued:
-    chunk: Chunk
-    key: bytes
+class _Queued(Queued):
     parent: bytes | None  # the disk key of the chunk before it in its prompt
 
 
@@ -108,14 +111,19 @@ class DiskWriter:
         self.journal = journal
         self.names = names
         self.mac = mac
-        self.admission = admission  # which chunks offer() queues: admission.py
         self.key_of = key_of
-        self.queue_limit = queue_limit
-        self.offload = Offload("disk-write", 1)  # one writer: the journal is one sequence
+        # Two threads: a batch's write, and the commit of the batches before it.
+        self.offload = Offload("disk-write", 2)
+        self._journal_lock = threading.Lock()  # the journal's appends are one sequence
+        self._committing: asyncio.Task | None = None  # the commit beside the writes
         self._parallel = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="disk-write-io")
         self._macs = ThreadPoolExecutor(MAC_THREADS, thread_name_prefix="disk-write-mac")
-        self._queue: deque[_Queued] = deque()
-        self._queued: set[bytes] = set()
+        self._queue = WriteQueue(store, self.counters, queue_limit, hold_on_offer=False,
+                                 available=space.writable, name=key_of,
+                                 holds=lambda key: space.index.find(key) >= 0,
+                                 item=self._queued, admit=admission.admit,
+                                 spend=self._within_budget)
+        self.budget = admission.budget
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # nothing queued nor being written
         self._idle.set()
@@ -128,6 +136,7 @@ class DiskWriter:
         self._recorded = asyncio.Event()  # set whenever removals were recorded
         self._batch_fault_logged = False
         self._fault = faults.point()  # read once: "disk-einval-once" fires once
+        self._commit_appended = threading.Event()  # DISK_KILL_BESIDE_COMMIT's, alone
 
     def start(self, loaded: asyncio.Event) -> None:
         self._loaded = loaded
@@ -136,32 +145,23 @@ class DiskWriter:
     def offer(self, chunks: Sequence[Chunk]) -> None:
         """Queue chunks a STORE has just committed, each prompt's in order (loop thread;
         never waits)."""
-        counters, space = self.counters, self.space
-        for chunk in chunks:
-            if not space.writable():
-                counters.dropped += 1
-                continue
-            key = self.key_of(chunk)
-            if key in self._queued or space.index.find(key) >= 0:
-                counters.chunks_skipped += 1
-                continue
-            if not self.admission.admit(key):
-                continue
-            if counters.queue_bytes + chunk.nbytes > self.queue_limit:
-                counters.dropped += 1
-                continue
-            parent = self.key_of(chunk.parent) if chunk.parent is not None else None
-            if not self.admission.budget.take(chunk.nbytes, parent is None or parent in self._queued
-                                              or space.index.find(parent) >= 0):
-                counters.over_budget += 1
-                continue
-            self._queue.append(_Queued(chunk, key, parent))
-            self._queued.add(key)
-            counters.queue_bytes += chunk.nbytes
-            counters.queue_chunks += 1
-        if self._queue:
+        if self._queue.offer(chunks):
             self._busy()
             self._wake.set()
+
+    def _within_budget(self, chunk: Chunk, key: bytes) -> bool:
+        """The write budget's say on a chunk that fits the queue: chunks that continue what
+        the disk holds (or has queued) first, once it runs low (admission.WriteBudget)."""
+        parent = self.key_of(chunk.parent) if chunk.parent is not None else None
+        continues = parent is None or parent in self._queue or self.space.index.find(parent) >= 0
+        if self.budget.take(chunk.nbytes, continues):
+            return True
+        self.counters.over_budget += 1
+        return False
+
+    def _queued(self, chunk: Chunk, key: bytes) -> _Queued:
+        parent = self.key_of(chunk.parent) if chunk.parent is not None else None
+        return _Queued(chunk, key, parent)
 
     def _busy(self) -> None:
         if self._idle.is_set():
@@ -173,58 +173,49 @@ class DiskWriter:
         self.counters.write_busy_seconds += now - self._busy_since
         self._busy_since = now
 
-    def _take(self) -> list[_Queued]:
-        """The next batch, each of its chunks held now; those evicted while they waited are
-        dropped."""
-        batch: list[_Queued] = []
-        size = 0
-        limit = min(BATCH_BYTES, int(self.pool.capacity * BATCH_SHARE))
-        while self._queue and (not batch or size + self._queue[0].chunk.nbytes <= limit):
-            queued = self._queue.popleft()
-            held = self.store.hold_if_stored(queued.chunk.key, queued.chunk.geometry)
-            if held is None:
-                self._forget([queued])
-                self.counters.dropped += 1
-                continue
-            queued.chunk = held
-            batch.append(queued)
-            size += queued.chunk.nbytes
-        return batch
-
-    def _forget(self, queued: Sequence[_Queued]) -> None:
-        for one in queued:
-            self._queued.discard(one.key)
-            self.counters.queue_bytes -= one.chunk.nbytes
-            self.counters.queue_chunks -= 1
-
-    def _settle(self, batch: Sequence[_Queued]) -> None:
-        """These chunks will not be written: let go of them."""
-        self._forget(batch)
-        self.store.unhold([queued.chunk for queued in batch])
-
     async def _run(self, loaded: asyncio.Event) -> None:
         await loaded.wait()
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
-                batch = self._take()
+                batch = self._queue.take(
+                    min(BATCH_BYTES, int(self.pool.capacity * BATCH_SHARE)))
                 try:
                     if batch:
                         await self._write(batch)
                     if self._unsynced and (not self._queue
                                            or self._unsynced_bytes >= SYNC_BYTES):
-                        await self._commit()
-                        await self._compact_if_due()
+                        await self._committed()
+                        self._start_commit()
                 except Exception:  # a bug here must not end write-through, nor reach a STORE
                     logger.exception("disk tier write-through failed")
-            if len(self.space.removals) and self.space.writable():
-                try:
-                    await self._commit()  # removals alone: nothing else to write
-                except Exception:
-                    logger.exception("disk tier write-through failed")
+            if self._committing is not None and not self._committing.done():
+                continue  # chunks queued meanwhile are written beside it; its end wakes us
+            try:
+                await self._committed()
+                if len(self.space.removals) and self.space.writable():
+                    # Removals alone (nothing else to write): nothing is placed meanwhile.
+                    await self._commit(self.space.removals.take())
+            except Exception:
+                logger.exception("disk tier write-through failed")
             self._count_busy()
             self._idle.set()
+
+    def _start_commit(self) -> None:
+        """Commit what is written, on the commit thread, while the loop places and writes
+        the next batches; the writer wakes when it is done."""
+        self._committing = asyncio.create_task(self._commit(None))
+        self._committing.add_done_callback(lambda _: self._wake.set())
+
+    async def _committed(self) -> None:
+        """Wait for the commit running beside the writes, if any (its outcome: an error
+        it raised is raised here); then compact the journal if it is due (no write nor
+        commit runs then)."""
+        if self._committing is not None:
+            committing, self._committing = self._committing, None
+            await committing
+        await self._compact_if_due()
 
     def _task_done(self) -> bool:
         return self._task is None or self._task.done()
@@ -299,26 +290,31 @@ class DiskWriter:
         space = self.space
         if not space.writable():
             self.counters.dropped += len(batch)
-            self._settle(batch)
+            self._queue.settle(batch)
             return
         placed, left = self._place(batch)
-        self._settle(left)
+        self._queue.settle(left)
         if not placed:
             return
         chunks = [p.queued.chunk for p in placed]
         removals = space.removals.take()  # those _place just made among them
         recorded = False
+        beside = self._committing is not None and not self._committing.done()
 
         def work() -> None:
             nonlocal recorded
             if len(removals):
-                self.journal.append((), removals)
+                with self._journal_lock:
+                    self.journal.append((), removals)
                 recorded = True
             if self._fault == faults.DISK_EINVAL_ONCE:
                 self._fault = ""
                 raise OSError(errno.EINVAL, "a write refused (the test's fault point)")
             self._write_out(placed)
             if len(removals) and self._fault == faults.DISK_REUSE_UNSYNCED:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if beside and self._fault == faults.DISK_KILL_BESIDE_COMMIT:
+                self._commit_appended.wait(60)  # the records of the commit beside it synced
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def forget() -> None:
@@ -342,6 +338,9 @@ class DiskWriter:
             raise
         self._removals_settled(removals, True)
         self.store.unhold(chunks)
+        if not space.writable():  # the commit beside it failed: these bytes may be gone too
+            self._unwritten(placed)
+            return
         self._unsynced.extend(placed)
         self._unsynced_bytes += sum(p.queued.chunk.nbytes for p in placed)
 
@@ -358,46 +357,52 @@ class DiskWriter:
         """Their write failed or will not be recorded: their extents are free, counted."""
         for p in placed:
             self.space.not_written(p.salt, p.offset, p.queued.chunk.nbytes)
-        self._forget([p.queued for p in placed])
+        self._queue.forget([p.queued for p in placed])
         self.counters.dropped += len(placed)
 
     def _drop_unsynced(self) -> None:
         self._unwritten(self._unsynced)
         self._unsynced, self._unsynced_bytes = [], 0
 
-    async def _commit(self) -> None:
+    async def _commit(self, removals: np.ndarray | None) -> None:
         """Make the written chunks durable and visible: the data file synced, then the new
-        salts' names, then the removals made since the last write and the chunks' journal
-        records appended and synced (a thread); then each chunk enters the index."""
+        salts' names, then `removals` (Removals.take()'s, taken by a commit that nothing
+        runs beside) and the chunks' journal records appended and synced (a thread); then
+        each chunk enters the index. What it commits is taken before its first await."""
         space = self.space
         placed, self._unsynced, self._unsynced_bytes = self._unsynced, [], 0
         names = [(salt_digest(name), name) for name in space.unsaved_salts]
         space.unsaved_salts = []
-        removals = space.removals.take()
+        hold = bool(placed) and len(space.index) > 0 \
+            and self._fault == faults.DISK_KILL_BESIDE_COMMIT
 
         def forget() -> None:
             space.unsaved_salts.extend(name for _, name in names)
-            self._removals_settled(removals, False)
+            if removals is not None:
+                self._removals_settled(removals, False)
             self._unwritten(placed)
         try:
-            await self.offload.run(lambda: self._record(placed, names, removals), forget)
+            await self.offload.run(lambda: self._record(placed, names, removals, hold),
+                                   forget)
         except asyncio.CancelledError:
             raise  # forgotten when the write thread is done
         except OSError as exc:
             forget()
+            self._drop_unsynced()  # written beside it: their bytes may be gone too
             space.write_failed(exc)
             return
         except BaseException:
             forget()
             raise
-        self._removals_settled(removals, True)
+        if removals is not None:
+            self._removals_settled(removals, True)
         counters = self.counters
         for p in placed:
             nbytes = p.queued.chunk.nbytes
             space.written(p.queued.key, p.queued.parent, p.salt, p.offset, nbytes, p.mac)
             counters.chunks_written += 1
             counters.bytes_written += nbytes
-        self._forget([p.queued for p in placed])
+        self._queue.forget([p.queued for p in placed])
         self._count_busy()
 
     def _bytes_of(self, chunk: Chunk) -> memoryview:
@@ -429,17 +434,22 @@ class DiskWriter:
                 raise error
 
     def _record(self, placed: list[_Placed], names: list[tuple[bytes, str]],
-                removals: np.ndarray) -> None:
-        """The write thread: the data file synced, then the salts' names (one write and
+                removals: np.ndarray | None, hold: bool) -> None:
+        """The commit thread: the data file synced, then the salts' names (one write and
         sync) and the journal's removals and records (one more): a record is never
-        durable before its bytes."""
+        durable before its bytes. `hold` (DISK_KILL_BESIDE_COMMIT): then wait for the
+        kill, which the next batch's write gives once its bytes are out."""
         if placed:
             self.data.sync()
-        self.names.add(names)
-        self.journal.append([
-            ChunkRecord(p.queued.key, p.queued.parent or NO_KEY,
-                        salt_digest(p.queued.chunk.key.cache_salt), p.offset,
-                        p.queued.chunk.nbytes, p.mac) for p in placed], removals)
+        with self._journal_lock:
+            self.names.add(names)
+            self.journal.append([
+                ChunkRecord(p.queued.key, p.queued.parent or NO_KEY,
+                            salt_digest(p.queued.chunk.key.cache_salt), p.offset,
+                            p.queued.chunk.nbytes, p.mac) for p in placed], removals)
+        if hold:
+            self._commit_appended.set()
+            threading.Event().wait(60)
 
     def _write_run(self, run: list[_Placed]) -> OSError | None:
         """One run of chunks whose extents follow each other, in one pwritev per IOV_MAX
@@ -465,9 +475,12 @@ class DiskWriter:
         digests = np.array([int.from_bytes(salt_digest(name), "little")
                             for name in self.space.salt_names], dtype=np.uint64)
         frozen = index.frozen()  # a copy here; its ordering on the write thread
+
+        def rewrite() -> None:
+            with self._journal_lock:
+                self.journal.rewrite(frozen.live(digests))
         try:
-            await self.offload.run(lambda: self.journal.rewrite(frozen.live(digests)),
-                                   lambda: None)
+            await self.offload.run(rewrite, lambda: None)
         except OSError as exc:
             self.space.write_failed(exc)
 
@@ -475,10 +488,10 @@ class DiskWriter:
         """Stop writing; what waits is let go (a batch being written, once its thread is
         done). False if a write still runs `timeout_s` later (a disk stuck in it): it is
         abandoned, its chunks never recorded nor counted as written."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._forget(list(self._queue))
+        for task in (self._task, self._committing):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         self._queue.clear()
         finished = await self.offload.close(timeout_s)
         self._parallel.shutdown(wait=finished)

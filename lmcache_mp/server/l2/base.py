@@ -2,11 +2,13 @@
 
 A backend knows nothing of chunks, salts or budgets (the tier in tier.py does): it gets,
 puts and deletes batches of opaque keys and values, and raises L2Error when the store
-cannot be reached or answers with an error.
+cannot be reached or answers with an error. A DirectL2 also moves values' payloads
+straight from and into the CPU pool, which it registers with its store once (zero-copy).
 """
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +54,45 @@ class L2(ABC):
         """Where it is, for logs, without credentials."""
 
 
+@dataclass(frozen=True)
+class PoolRegion:
+    """The memory a DirectL2 registers with its store: the CPU pool's bytes."""
+
+    address: int
+    size: int
+
+
+@dataclass(frozen=True)
+class PoolValue:
+    """A value of a direct put or get: its header in `header` (sealed, for a put; filled by
+    a get), then its payload, `size` bytes at `address` in the registered pool."""
+
+    key: bytes
+    header: bytearray
+    address: int
+    size: int
+
+
+class DirectL2(L2):
+    """A store that puts values from and gets them into pool extents, without a copy.
+
+    Each method starts the transfer on the backend's own thread at once and returns a
+    future of it: until that future is done, the thread may read or write the extents,
+    so whoever gave them keeps them (a caller that stops waiting lets go of them only when
+    the future is done: Health.call_on_pool)."""
+
+    @abstractmethod
+    def put_from(self, values: Sequence[PoolValue]) -> asyncio.Future[None]:
+        """Set each key to its header and payload; L2Refused or L2Error unless all are
+        kept (a key already there keeps its first value)."""
+
+    @abstractmethod
+    def get_into(self, values: Sequence[PoolValue]) -> asyncio.Future[list[bool]]:
+        """Read each key's value into its header and extent; per value, whether one of
+        exactly that size was read (any other is a miss: no value, another size, a failed
+        transfer). The bytes are unchecked: the caller verifies them before using them."""
+
+
 @dataclass
 class L2Counters:
     """Every L2 figure, in one place: STATS reads it, and so can metrics."""
@@ -61,6 +102,7 @@ class L2Counters:
     corrupt: int = 0  # values that failed their header, checksum or MAC check (also misses)
     bytes_read: int = 0  # value bytes fetched from L2
     bytes_written: int = 0  # value bytes written to L2
+    zero_copy_bytes: int = 0  # of those read and written, the bytes moved without a copy
     chunks_written: int = 0
     chunks_skipped: int = 0  # write-behind chunks not written: already in L2
     dropped: int = 0  # write-behind chunks dropped: queue full, L2 down, or over a budget

@@ -1,7 +1,7 @@
 """L2 keys and values: what a chunk is called in L2, and the checked form its bytes take there.
 
 Key: `lmcache-mp:1:<namespace>:<salt>:<kv_world_size>.<kv_worker_id>:<chunk hash>`, where
-`namespace` is a digest of the model and the chunk geometry, `salt` a digest of the
+`namespace` (lower/names.py) is a digest of the model and the chunk geometry, `salt` a digest of the
 cache_salt (salts stay apart, and a salt's characters never reach the key), and the
 chunk hash is in hex. The key has no hash tag: a chunk hash already names a whole
 prefix, so keys spread over a cluster's slots, and a pipeline reaches each node at once.
@@ -22,9 +22,9 @@ import hmac
 import struct
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
 
 from ..cache.chunk import ChunkKey
+from ..lower.names import digest
 from .keyfile import L2Keys
 
 KEY_PREFIX = b"lmcache-mp:1:"
@@ -32,17 +32,8 @@ VALUE_MAGIC = b"LMCV"
 KEY_ID_BYTES = 8
 
 
-def _digest(*parts: object) -> str:
-    return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
-
-
-def namespace(model: str, geometry: Hashable) -> str:
-    """The digest of what makes a chunk's bytes differ for the same tokens."""
-    return _digest(model, geometry)
-
-
 def l2_key(space: str, key: ChunkKey) -> bytes:
-    return (KEY_PREFIX + f"{space}:{_digest(key.cache_salt)}:{key.kv_world_size}."
+    return (KEY_PREFIX + f"{space}:{digest(key.cache_salt)}:{key.kv_world_size}."
             f"{key.kv_worker_id}:{key.chunk_hash.hex()}".encode())
 
 
@@ -66,13 +57,21 @@ class ValueFormat(ABC):
         """A value of `size` payload bytes to fill after the header: seal() finishes it."""
         return bytearray(self.header.size + size)
 
-    @abstractmethod
     def seal(self, key: bytes, value: bytearray) -> None:
         """Write the header of a buffer() whose payload has been written (CPU-heavy: off the
         loop)."""
+        view = memoryview(value)
+        self.seal_header(key, view[:self.header.size], view[self.header.size:])
 
     @abstractmethod
-    def _vouched(self, key: bytes, value: bytes, fields: tuple, payload: memoryview) -> bool:
+    def seal_header(self, key: bytes, header: memoryview | bytearray,
+                    payload: memoryview) -> None:
+        """Write into `header` (header_bytes long) the header of a value of this key and
+        payload, which may lie elsewhere (a pool extent, sent beside it): CPU-heavy."""
+
+    @abstractmethod
+    def _vouched(self, key: bytes, header: bytes | bytearray | memoryview, fields: tuple,
+                 payload: memoryview) -> bool:
         """Whether the header's check (its `fields`, unpacked) holds for this key and payload."""
 
     @abstractmethod
@@ -85,13 +84,18 @@ class ValueFormat(ABC):
         loop)."""
         if len(value) != self.header.size + size:
             return None
-        fields = self.header.unpack_from(value)
+        view = memoryview(value)
+        payload = view[self.header.size:]
+        return payload if self.vouches(key, view[:self.header.size], payload) else None
+
+    def vouches(self, key: bytes, header: bytes | bytearray | memoryview,
+                payload: memoryview) -> bool:
+        """Whether `header` (header_bytes long) is this format's header of an intact value
+        of this key and payload, which may lie apart from it (CPU-heavy: off the loop)."""
+        fields = self.header.unpack_from(header)
         magic, version, _, stated = fields[:4]
-        payload = memoryview(value)[self.header.size:]
-        if (magic != VALUE_MAGIC or version != self.version or stated != size
-                or not self._vouched(key, value, fields, payload)):
-            return None
-        return payload
+        return (magic == VALUE_MAGIC and version == self.version and stated == len(payload)
+                and self._vouched(key, header, fields, payload))
 
 
 class CrcFormat(ValueFormat):
@@ -105,12 +109,13 @@ class CrcFormat(ValueFormat):
         # The key is in the checksum: a value copied under another key does not verify.
         return zlib.crc32(payload, zlib.crc32(key))
 
-    def seal(self, key: bytes, value: bytearray) -> None:
-        payload = memoryview(value)[self.header.size:]
-        self.header.pack_into(value, 0, VALUE_MAGIC, self.version, 0, len(payload),
+    def seal_header(self, key: bytes, header: memoryview | bytearray,
+                    payload: memoryview) -> None:
+        self.header.pack_into(header, 0, VALUE_MAGIC, self.version, 0, len(payload),
                               self._checksum(key, payload))
 
-    def _vouched(self, key: bytes, value: bytes, fields: tuple, payload: memoryview) -> bool:
+    def _vouched(self, key: bytes, header: bytes | bytearray | memoryview, fields: tuple,
+                 payload: memoryview) -> bool:
         return fields[4] == self._checksum(key, payload)
 
     def describe(self) -> str:
@@ -133,24 +138,25 @@ class MacFormat(ValueFormat):
         self._keys = {key_id(secret): secret for secret in keys.verifying()}
 
     @staticmethod
-    def _mac(secret: bytes, key: bytes, value: bytes | bytearray,
+    def _mac(secret: bytes, key: bytes, header: bytes | bytearray | memoryview,
              payload: memoryview) -> bytes:
         # The signed header states the payload's size: key and payload cannot trade bytes.
-        mac = hmac.new(secret, memoryview(value)[:_SIGNED.size], "sha256")
+        mac = hmac.new(secret, memoryview(header)[:_SIGNED.size], "sha256")
         mac.update(key)
         mac.update(payload)  # lets go of the GIL: the two offload threads sign at once
         return mac.digest()
 
-    def seal(self, key: bytes, value: bytearray) -> None:
-        payload = memoryview(value)[self.header.size:]
-        _SIGNED.pack_into(value, 0, VALUE_MAGIC, self.version, 0, len(payload),
+    def seal_header(self, key: bytes, header: memoryview | bytearray,
+                    payload: memoryview) -> None:
+        _SIGNED.pack_into(header, 0, VALUE_MAGIC, self.version, 0, len(payload),
                           self._signing_id)
-        value[_SIGNED.size:self.header.size] = self._mac(self._signing, key, value, payload)
+        header[_SIGNED.size:self.header.size] = self._mac(self._signing, key, header, payload)
 
-    def _vouched(self, key: bytes, value: bytes, fields: tuple, payload: memoryview) -> bool:
+    def _vouched(self, key: bytes, header: bytes | bytearray | memoryview, fields: tuple,
+                 payload: memoryview) -> bool:
         secret = self._keys.get(fields[4])
         return secret is not None and hmac.compare_digest(
-            fields[5], self._mac(secret, key, value, payload))
+            fields[5], self._mac(secret, key, header, payload))
 
     def describe(self) -> str:
         accepted = [key.hex() for key in self._keys if key != self._signing_id]

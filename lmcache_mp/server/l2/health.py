@@ -60,6 +60,18 @@ class Health:
         self._backoff_s = 0.0
         return result
 
+    async def call_on_pool(self, what: str, transfer: asyncio.Future[T],
+                           if_abandoned: Callable[[], None]) -> T:
+        """call() of a DirectL2 transfer under way on the backend's thread. If it fails, or
+        the caller stops waiting (timeout, cancel), `if_abandoned()` runs on the loop once
+        the thread is done with the pool extents, never before: until then they stay the
+        transfer's, and no one else's bytes can land in them."""
+        try:
+            return await self.call(what, asyncio.shield(transfer))
+        except BaseException:
+            transfer.add_done_callback(lambda _: if_abandoned())
+            raise
+
     def _failed(self, what: str, why: str) -> None:
         self.counters.errors += 1
         self._backoff_s = min(max(self._backoff_s * 2, BACKOFF_MIN_S), BACKOFF_MAX_S)

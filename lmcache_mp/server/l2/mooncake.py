@@ -7,7 +7,13 @@ so they run on this backend's threads, never on the event loop: the tier's timeo
 thread alone. The client connects on the first call, and again after a failed connect;
 its setup() holds the GIL while it retries a master it cannot reach (20 tries, about 90 s,
 the whole server stalled), so it is called only once the master accepts a connection.
-Values go by copy (put_batch / get_batch of the sealed value, as with Redis).
+
+Zero-copy: the setup registers the server's CPU pool with the transfer engine, once, and
+a direct put or get (put_from, get_into) moves each value as two buffers, its header (a
+small registered area of the call's own) and its payload (the pool extent), in one
+batch_put_from_multi_buffers / batch_get_into_multi_buffers: the value in the store is
+the header and the chunk, byte for byte what a copy put writes. put / get (the sealed
+value as bytes, put_batch / get_batch) serve chunks outside the CPU pool (the GPU tier).
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from .base import L2, L2Error, L2Refused
+import numpy as np
+
+from .base import DirectL2, L2Error, L2Refused, PoolRegion, PoolValue
 from .urls import MooncakeUrl, parse_mooncake_url
 
 T = TypeVar("T")
@@ -30,11 +38,13 @@ NO_ROOM = -200  # NO_AVAILABLE_HANDLE: the pool is full of values it may not evi
 NOT_FOUND = -704  # OBJECT_NOT_FOUND: removing a key that is gone is no error
 
 
-class MooncakeL2(L2):
-    """One MooncakeDistributedStore client, set up on first use, shared by every call."""
+class MooncakeL2(DirectL2):
+    """One MooncakeDistributedStore client, set up on first use, shared by every call; its
+    direct puts and gets move payloads straight from and into `pool`."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, pool: PoolRegion):
         self.url: MooncakeUrl = parse_mooncake_url(url)
+        self.pool = pool
         self._executor = ThreadPoolExecutor(THREADS, thread_name_prefix="l2-mooncake")
         self._connect_lock = threading.Lock()
         self._store: Any = None
@@ -55,6 +65,10 @@ class MooncakeL2(L2):
                                      url.protocol, url.devices, url.master)
                 if status != 0:
                     raise L2Error(f"setup with master {url.master} failed ({status})")
+                status = store.register_buffer(self.pool.address, self.pool.size)
+                if status != 0:
+                    store.close()
+                    raise L2Error(f"registering the pool failed ({status})")
                 self._store = store
             return self._store
 
@@ -94,6 +108,45 @@ class MooncakeL2(L2):
         if status != 0:
             raise L2Error(f"put_batch failed ({status})")
 
+    def _start(self, work: Callable[[Any], T]) -> asyncio.Future[T]:
+        """`work` on a backend thread, started now, whether or not anyone awaits it."""
+        return asyncio.wrap_future(self._executor.submit(lambda: work(self._client())),
+                                   loop=asyncio.get_running_loop())
+
+    def put_from(self, values: Sequence[PoolValue]) -> asyncio.Future[None]:
+        def put(store: Any) -> None:
+            with _HeaderArea(store, values) as area:
+                area.fill()
+                statuses = store.batch_put_from_multi_buffers(
+                    names, area.buffers(), [[len(value.header), value.size]
+                                            for value in values])
+            if len(statuses) != len(values):
+                raise L2Error(f"batch_put_from_multi_buffers answered {len(statuses)} "
+                              f"statuses for {len(values)} values")
+            if NO_ROOM in statuses:
+                raise L2Refused("the pool has no room: values not kept")
+            failed = [status for status in statuses if status != 0]
+            if failed:
+                raise L2Error(f"batch_put_from_multi_buffers failed ({failed[0]})")
+        names = _names([value.key for value in values])
+        return self._start(put)
+
+    def get_into(self, values: Sequence[PoolValue]) -> asyncio.Future[list[bool]]:
+        def get(store: Any) -> list[bool]:
+            with _HeaderArea(store, values) as area:
+                # Per key, the bytes read, or an error: no value (-704), a value of another
+                # size (-600, -800), a failed transfer. Each is that key's miss alone.
+                got = store.batch_get_into_multi_buffers(
+                    names, area.buffers(), [[len(value.header), value.size]
+                                            for value in values])
+                if len(got) != len(values):
+                    raise L2Error(f"batch_get_into_multi_buffers answered {len(got)} sizes "
+                                  f"for {len(values)} values")
+                area.empty()
+            return [size == len(value.header) + value.size for size, value in zip(got, values)]
+        names = _names([value.key for value in values])
+        return self._start(get)
+
     async def delete(self, keys: Sequence[bytes]) -> None:
         if not keys:
             return
@@ -110,6 +163,44 @@ class MooncakeL2(L2):
                                                                  self._store.close)
         finally:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class _HeaderArea:
+    """The headers of one direct call's values, side by side in memory registered with
+    the transfer engine for that call (RDMA moves only registered memory); a backend
+    thread's, for the call's length."""
+
+    def __init__(self, store: Any, values: Sequence[PoolValue]):
+        self.store = store
+        self.values = values
+        self.slot = len(values[0].header) if values else 0
+        self.array = np.zeros(max(1, self.slot * len(values)), dtype=np.uint8)
+        self.address = self.array.ctypes.data
+
+    def __enter__(self) -> _HeaderArea:
+        status = self.store.register_buffer(self.address, self.array.nbytes)
+        if status != 0:
+            raise L2Error(f"registering the headers' buffer failed ({status})")
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.store.unregister_buffer(self.address)
+
+    def buffers(self) -> list[list[int]]:
+        """Each value's two buffers: its header slot here, its payload in the pool."""
+        return [[self.address + i * self.slot, value.address]
+                for i, value in enumerate(self.values)]
+
+    def fill(self) -> None:
+        """The values' headers into their slots (before a put)."""
+        for i, value in enumerate(self.values):
+            self.array[i * self.slot:(i + 1) * self.slot] = np.frombuffer(value.header,
+                                                                         dtype=np.uint8)
+
+    def empty(self) -> None:
+        """The slots into the values' headers (after a get)."""
+        for i, value in enumerate(self.values):
+            value.header[:] = self.array[i * self.slot:(i + 1) * self.slot].tobytes()
 
 
 def _probe(master: str) -> None:

@@ -3,9 +3,8 @@
 A LOOKUP item whose run of chunks stops short in L1 starts a pull of the rest: one
 pipelined EXISTS finds how far L2's run goes, then GETs in windows bring the values,
 which are verified (a bad value ends the run, as a miss) and copied into reserved L1
-chunks, committed in prompt order. Each pulled chunk is reserved with its parent (the
-chunk before it in the prompt, of the same kv worker: for the first, the last one L1
-had), so that what L1 keeps of the prompt stays a prefix of it. The LOOKUP waits for
+chunks, committed in prompt order (lower/landing.py: each pulled chunk is reserved with
+its parent, so that what L1 keeps of the prompt stays a prefix of it). The LOOKUP waits for
 its pulls at most --l2-prefetch-wait, then answers from L1 with whatever has landed; the
 pull goes on for the next LOOKUP. Two LOOKUPs of the same run share one pull. RETRIEVE
 never waits on L2.
@@ -20,23 +19,23 @@ from collections.abc import Awaitable, Sequence
 
 import torch
 
-from ...protocol import LOOKUP_SLICE_PROBES, StoreStatus
-from ..cache.chunk import Chunk, ChunkKey
+from ..cache.chunk import ChunkKey
 from ..cache.pool import CpuPool
-from ..cache.pulls import Pulls
-from ..cache.scan import short_runs
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
+from ..lower import landing
+from ..lower.hook import LookupHook
+from ..lower.landing import Reserved, Window, chunks_per_window, first_parents
+from ..lower.names import namespace
 from ..memory.geometry import Geometry
 from ..memory.registry import Registry
-from .base import L2, L2Counters, L2Error
-from .codec import ValueFormat, l2_key, namespace
+from .base import L2, DirectL2, L2Counters, L2Error, PoolValue
+from .codec import ValueFormat, l2_key
 from .health import Health
 from .ledger import Ledger
 
 logger = logging.getLogger("lmcache_mp.server.l2")
 
-WINDOW_BYTES = 64 * 1024**2  # value bytes fetched in one pipeline (at least one chunk)
 MAX_PULLS = 64  # pulls in flight at once; LOOKUPs beyond it answer from L1 alone
 
 
@@ -57,35 +56,18 @@ class Prefetcher:
         self.counters = counters
         self.ledger = ledger
         self.store = store
-        self.registry = registry
         self.pool = pool
         self.offload = offload
         self.values = values
-        self._pulls = Pulls(MAX_PULLS, wait_s, self._timed_out)
+        self._hook = LookupHook(store, registry, MAX_PULLS, wait_s, self._timed_out,
+                                health.available, self._pull)
 
     def before_lookup(self, model: str, kv_world_size: int,
                       items: Sequence[tuple[str, Sequence[bytes]]]) -> Awaitable[None] | None:
-        """Start (or join) pulls for the items whose run continues past L1; return what the
-        LOOKUP should await before it looks in L1, or None to look at once."""
-        if not self.health.available():
-            return None
-        geometries = self.registry.geometries(model, kv_world_size)
-        if geometries is None:
-            return None
-        pulls: list[asyncio.Task] = []
-        for cache_salt, hashes, stored in short_runs(self.store, model, kv_world_size, items,
-                                                     LOOKUP_SLICE_PROBES):
-            wanted = tuple(hashes[stored:])
-            # Chained hashes: the first and last name the whole run.
-            ident = (model, kv_world_size, cache_salt, wanted[0], wanted[-1])
-            pull = self._pulls.running(ident)
-            if pull is None:
-                after = hashes[stored - 1] if stored else None
-                pull = self._pulls.start(ident, self._pull(model, kv_world_size, cache_salt,
-                                                           after, wanted, geometries))
-            if pull is not None:
-                pulls.append(pull)
-        return self._pulls.wait(pulls)
+        """Start (or join) pulls for the items whose run continues past L1 (none while L2
+        is known down); return what the LOOKUP should await before it looks in L1, or None
+        to look at once."""
+        return self._hook.before_lookup(model, kv_world_size, items)
 
     def _timed_out(self) -> None:
         self.counters.prefetch_timeouts += 1
@@ -95,9 +77,7 @@ class Prefetcher:
                     geometries: list[Geometry]) -> None:
         """Bring L2's run of `hashes` into L1, the prompt's chunks after the one of hash
         `after` (None: from its start); never raises (an L2 failure is counted)."""
-        parents = [None if after is None else
-                   ChunkKey(model, kv_world_size, worker, cache_salt, after)
-                   for worker in range(kv_world_size)]
+        parents = first_parents(model, kv_world_size, cache_salt, after)
         spaces = [namespace(model, geometry) for geometry in geometries]
         keys = [[(ChunkKey(model, kv_world_size, worker, cache_salt, chunk_hash),
                   l2_key(spaces[worker], ChunkKey(model, kv_world_size, worker, cache_salt,
@@ -112,8 +92,7 @@ class Prefetcher:
                                                   (run + 1) * kv_world_size]):
                 run += 1
             counters.misses += len(keys) - run
-            chunk_bytes = sum(geometry.chunk_bytes for geometry in geometries)
-            per_window = max(1, WINDOW_BYTES // chunk_bytes)
+            per_window = chunks_per_window(geometries)
             for start in range(0, run, per_window):
                 window = keys[start:min(run, start + per_window)]
                 landed, corrupt = await self._land(window, parents, geometries)
@@ -137,6 +116,8 @@ class Prefetcher:
         `parents` (per kv worker); return how many chunks are in L1 after it (a bad value,
         a full pool or a parent gone from L1 ends the run there), and how many values
         failed their check."""
+        if isinstance(self.backend, DirectL2):
+            return await self._land_direct(self.backend, window, parents, geometries)
         flat = [pair for chunk in window for pair in chunk]
         values = await self.health.call("GET", self.backend.get([key for _, key in flat]))
         self.counters.bytes_read += sum(len(value) for value in values if value is not None)
@@ -144,43 +125,19 @@ class Prefetcher:
         intact = await self.offload.run(lambda: [
             value is not None and self.values.payload(key, value, size) is not None
             for (_, key), value, size in zip(flat, values, sizes)], lambda: None)
-        # L1 chunks to fill, with their values and the window's chunk they are of.
-        reserved: list[tuple[Chunk, bytes, int]] = []
-        chunks_ready = corrupt = 0
-        header_bytes = self.values.header_bytes
         workers = len(geometries)
-        for c in range(len(window)):
-            ranks = slice(c * workers, (c + 1) * workers)  # this chunk's value per kv worker
-            if not all(intact[ranks]):
-                corrupt = intact[ranks].count(False)
-                break
-            placed: list[tuple[Chunk, bytes, int]] = []
-            for (chunk_key, key), value in zip(flat[ranks], values[ranks]):
-                assert value is not None  # intact
-                worker = chunk_key.kv_worker_id
-                parent = window[c - 1][worker][0] if c else parents[worker]
-                reservation = self.store.reserve(chunk_key, len(value) - header_bytes,
-                                                 geometries[worker], parent=parent)
-                if reservation.status == StoreStatus.STORED:
-                    assert reservation.chunk is not None  # a STORED reservation has one
-                    placed.append((reservation.chunk, value, c))
-                elif reservation.status != StoreStatus.ALREADY_STORED:
-                    break  # no room, over the salt's cap, or its parent left L1: it ends here
-                self.ledger.seen(key)
-            else:
-                reserved.extend(placed)
-                chunks_ready += 1
-                continue
-            for chunk, _, _ in placed:
-                self.store.abort(chunk)
-            break
+        bad, corrupt = _first_bad(intact, workers, len(window))
+        reserved, chunks_ready = self._reserve(window[:bad], parents, geometries)
+        header_bytes = self.values.header_bytes
 
         def abort() -> None:
-            for chunk, _, _ in reserved:
-                self.store.abort(chunk)
+            landing.abort(self.store, reserved)
 
         def copy_reserved() -> None:
-            for chunk, value, _ in reserved:
+            for item in reserved:
+                chunk = item.chunk
+                value = values[item.position * workers + chunk.key.kv_worker_id]
+                assert value is not None  # intact
                 _copy_payload(value, header_bytes, self.pool.view(chunk.offset, chunk.nbytes))
         try:
             await self.offload.run(copy_reserved, abort)
@@ -189,12 +146,75 @@ class Prefetcher:
         except BaseException:
             abort()
             raise
-        # In prompt order, as STORE commits: a chunk whose parent went while it was copied
-        # (a CLEAR) is dropped by its commit, and so is every chunk after it.
-        for chunk, _, c in reserved:
-            if not self.store.commit(chunk):
-                chunks_ready = min(chunks_ready, c)
-        return chunks_ready, corrupt
+        # A value past where L1 had no room is not counted: the run ended before it.
+        return landing.commit(self.store, reserved, chunks_ready), \
+            corrupt if chunks_ready == bad else 0
+
+    async def _land_direct(self, backend: DirectL2, window: list[list[tuple[ChunkKey, bytes]]],
+                           parents: list[ChunkKey | None], geometries: list[Geometry]
+                           ) -> tuple[int, int]:
+        """_land() without a copy: the window's L1 chunks are reserved first, the backend
+        reads each value's payload straight into its chunk's pool extent, and the chunks
+        are verified there before any is committed (visible)."""
+        reserved, chunks_ready = self._reserve(window, parents, geometries)
+        if not reserved:
+            return chunks_ready, 0
+        values = [PoolValue(item.source, bytearray(self.values.header_bytes),
+                            self.pool.view(item.chunk.offset, item.chunk.nbytes).data_ptr(),
+                            item.chunk.nbytes)
+                  for item in reserved]
+
+        def abort() -> None:
+            landing.abort(self.store, reserved)
+        read = await self.health.call_on_pool("GET", backend.get_into(values), abort)
+        moved = sum(len(value.header) + value.size for value, whole in zip(values, read)
+                    if whole)
+        self.counters.bytes_read += moved
+        self.counters.zero_copy_bytes += moved
+
+        def verify() -> list[bool]:
+            return [whole and self.values.vouches(
+                value.key, value.header,
+                self.pool.array_view(item.chunk.offset, item.chunk.nbytes).data)
+                for item, value, whole in zip(reserved, values, read)]
+        try:
+            intact = await self.offload.run(verify, abort)
+        except asyncio.CancelledError:
+            raise  # aborted when the check's thread is done
+        except BaseException:
+            abort()
+            raise
+        corrupt = 0
+        failed = [item.position for item, good in zip(reserved, intact) if not good]
+        if failed:  # the first chunk with a value that failed its check ends the run
+            corrupt = failed.count(failed[0])
+            chunks_ready = min(chunks_ready, failed[0])
+        return landing.commit(self.store, reserved, chunks_ready), corrupt
+
+    def _reserve(self, window: Window[bytes], parents: list[ChunkKey | None],
+                 geometries: list[Geometry]) -> tuple[list[Reserved[bytes]], int]:
+        """landing.reserve() of the window's chunks, each with its L2 key; the values of
+        those placed are known to be in L2 from now on."""
+        reserved, placed = landing.reserve(self.store, window, parents, geometries,
+                                           _chunk_bytes)
+        for chunk in window[:placed]:
+            for _, key in chunk:
+                self.ledger.seen(key)
+        return reserved, placed
 
     async def close(self) -> None:
-        await self._pulls.close()
+        await self._hook.close()
+
+
+def _chunk_bytes(_key: bytes, geometry: Geometry) -> int:
+    return geometry.chunk_bytes
+
+
+def _first_bad(intact: list[bool], workers: int, chunks: int) -> tuple[int, int]:
+    """The index of the first chunk with a value (of its `workers`) that is not intact
+    (`chunks` if none), and how many of that chunk's values are not."""
+    for c in range(chunks):
+        values = intact[c * workers:(c + 1) * workers]
+        if not all(values):
+            return c, values.count(False)
+    return chunks, 0

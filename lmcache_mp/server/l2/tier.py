@@ -1,11 +1,13 @@
 """The L2 tier's front: what the server builds from --l2 and the hooks the dispatcher calls.
 
-The dispatcher calls after_store() with the chunks a STORE committed (write-behind) and
-before_lookup() before it looks a LOOKUP up in L1 (prefetch); STATS reads counters.
+A lower tier (lower/front.py), the last the ops ask: after_store() queues the chunks a
+STORE committed (write-behind), before_lookup() pulls what a LOOKUP misses in L1 and on disk
+(prefetch); STATS reads its counters.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 import torch
@@ -14,8 +16,9 @@ from ..cache.chunk import Chunk
 from ..cache.pool import CpuPool
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
+from ..lower.front import LowerTier
 from ..memory.registry import Registry
-from .base import L2, L2Counters, L2Error
+from .base import L2, L2Counters, L2Error, PoolRegion
 from .codec import ValueFormat, value_format
 from .health import Health
 from .keyfile import read_key_file
@@ -24,8 +27,13 @@ from .prefetch import Prefetcher
 from .urls import MOONCAKE_SCHEME, read_password_file
 from .writeback import WriteBehind
 
+logger = logging.getLogger("lmcache_mp.server.l2")
 
-class L2Tier:
+
+class L2Tier(LowerTier):
+    name = "l2"
+    hit_column = 2
+
     def __init__(self, backend: L2, store: ChunkStore, registry: Registry, pool: CpuPool,
                  chunk_view: Callable[[Chunk], torch.Tensor], *, budget: int | None,
                  ttl_s: int, queue_limit: int, prefetch_wait_s: float, timeout_s: float,
@@ -48,7 +56,8 @@ class L2Tier:
         password = read_password_file(config.l2_password_file) if config.l2_password_file \
             else None
         keys = read_key_file(config.l2_key_file) if config.l2_key_file else None
-        backend = open_backend(config.l2, password, config.l2_timeout)
+        backend = open_backend(config.l2, password, config.l2_timeout,
+                               PoolRegion(pool.buffer.data_ptr(), pool.capacity))
         return cls(backend, store, registry, pool, chunk_view, budget=config.l2_budget,
                    ttl_s=config.l2_ttl, queue_limit=config.l2_queue_size,
                    prefetch_wait_s=config.l2_prefetch_wait, timeout_s=config.l2_timeout,
@@ -79,21 +88,28 @@ class L2Tier:
         self.counters.bytes_held = self.ledger.bytes_held
         return self.counters
 
-    async def close(self) -> None:
+    async def close(self, drain_s: float) -> bool:
+        """Stop at once: `drain_s` is not waited for, as what write-behind has queued is let
+        go, not written (a value not in L2 is a miss, as one evicted from it)."""
+        logger.info("shutdown: stopping L2 write-behind and prefetch")
         self.closed = True
         await self.prefetcher.close()
         await self.writer.close()
-        await self.offload.close()  # no thread touches the pool after this
+        # No copy thread touches the pool after this; a direct transfer still under way (a
+        # stalled master) touches only the extents held or reserved for it until it returns.
+        await self.offload.close()
         try:
             await self.health.call("close", self.backend.close())
         except L2Error:
             pass  # the connections are gone either way
+        return True
 
 
-def open_backend(url: str, password: str | None, timeout_s: float) -> L2:
-    """The backend the URL names; its client library is imported only when it is used."""
+def open_backend(url: str, password: str | None, timeout_s: float, pool: PoolRegion) -> L2:
+    """The backend the URL names; its client library is imported only when it is used.
+    `pool`: the memory a direct backend (Mooncake) registers with its store, for zero-copy."""
     if url.startswith(MOONCAKE_SCHEME):
         from .mooncake import MooncakeL2
-        return MooncakeL2(url)
+        return MooncakeL2(url, pool)
     from .redis import RedisL2
     return RedisL2(url, password, timeout_s)

@@ -174,6 +174,8 @@ def _l2_metrics(stats: StatsReply) -> Iterator[Metric]:
                   stats.l2_corrupt)
     yield counter("read_bytes", "Value bytes fetched from L2", stats.l2_bytes_read)
     yield counter("written_bytes", "Value bytes written to L2", stats.l2_bytes_written)
+    yield counter("zero_copy_bytes", "Of the value bytes read and written, those moved "
+                  "straight between the CPU pool and L2 (Mooncake)", stats.l2_zero_copy_bytes)
     yield counter("written_chunks", "Chunks written to L2", stats.l2_chunks_written)
     yield counter("skipped_chunks", "Write-behind chunks not written: in L2 already",
                   stats.l2_chunks_skipped)

@@ -25,7 +25,7 @@ from .slices import SliceRunner
 
 if TYPE_CHECKING:
     from ..disk.tier import DiskTier
-    from ..l2.tier import L2Tier
+    from ..lower.front import LowerTier
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -37,8 +37,9 @@ class OpContext:
 
     `push(client, message)` sends a message the client did not ask for (MLA loads);
     `copier` runs the copies of caches registered on a GPU (None without CUDA); `gpu_pool`
-    is the GPU tier (--gpu-size); `disk` the disk tier (--disk-dir); `l2` the shared second
-    tier (--l2); `fd_socket` the fd channel's path, told in HELLO replies."""
+    is the GPU tier (--gpu-size); `lower` the lower tiers (lower/front.py) in the order the
+    ops ask them, the disk tier (--disk-dir) then the shared second tier (--l2); `disk` the
+    disk tier again; `fd_socket` the fd channel's path, told in HELLO replies."""
 
     config: Config
     store: ChunkStore
@@ -51,8 +52,8 @@ class OpContext:
     metrics: ServerMetrics
     copier: StreamCopier | None = None
     gpu_pool: DevicePool | None = None
-    l2: L2Tier | None = None
-    disk: DiskTier | None = None
+    lower: tuple[LowerTier, ...] = ()
+    disk: DiskTier | None = None  # CLEAR, the quotas and STATS ask it more than `lower` does
     slices: SliceRunner = field(default_factory=SliceRunner)
 
     def sender(self, session: Session, instance_id: int, op: str) -> KVCacheInstance:

@@ -29,6 +29,7 @@ from ..cache.store import ChunkStore
 from ..config import Config
 from ..copy.engine import CopyEngine
 from ..copy.streams import StreamCopier
+from ..lower.front import in_order
 from ..memory.registry import Registry
 from ..net.access import Session, Sessions
 from ..observe.metrics import ServerMetrics
@@ -73,7 +74,7 @@ class Dispatcher:
         told of STOREs and asked before LOOKUPs, the disk first."""
         self.context = OpContext(config, store, pool, registry, copy_engine, sessions,
                                  fd_socket, push, metrics or ServerMetrics(), copier, gpu_pool,
-                                 l2, disk)
+                                 in_order(disk, l2), disk)
         self.store, self.registry, self.sessions = store, registry, sessions
         self.slices = self.context.slices
         self.requests_served: Counter[str] = Counter()

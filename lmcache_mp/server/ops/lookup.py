@@ -58,19 +58,14 @@ class LookupOp:
             # Only a hold needs a lease owner: plain lookups, the common case, build none.
             holder = LeaseOwner(session.engine, salt, item.request_id) if item.hold else None
             parsed.append((salt, split_hashes(packed), holder))
-        if self.ctx.disk is not None or self.ctx.l2 is not None:
+        if self.ctx.lower:
             items = [(salt, hashes) for salt, hashes, _ in parsed]
-            disk, l2 = self.ctx.disk, self.ctx.l2
-            if disk is not None:
-                read_back = disk.before_lookup(req.model, req.kv_world_size, items)
-                if read_back is not None:
+            for first, tier in enumerate(self.ctx.lower):
+                pull = tier.before_lookup(req.model, req.kv_world_size, items)
+                if pull is not None:
                     in_memory = self._resident(req, items, probes) if req.tiers else None
-                    return self._after_disk(read_back, req, parsed, items, probes, in_memory)
-            if l2 is not None:
-                prefetch = l2.before_lookup(req.model, req.kv_world_size, items)
-                if prefetch is not None:
-                    in_memory = self._resident(req, items, probes) if req.tiers else None
-                    return self._after(prefetch, req, parsed, probes, in_memory)
+                    return self._after_pulls(pull, first, req, parsed, items, probes,
+                                             in_memory)
         reply = self._now(req, parsed, probes)
         if not req.tiers:
             return reply
@@ -94,6 +89,10 @@ class LookupOp:
         its hits' tiers are not counted."""
         if probes > LOOKUP_SLICE_PROBES:
             return None
+        return self._runs(req, items)
+
+    def _runs(self, req: LookupRequest, items: list[tuple[str, tuple[bytes, ...]]]
+              ) -> list[int]:
         resident_run = self.ctx.store.resident_run
         return [resident_run(req.model, req.kv_world_size, salt, hashes)
                 for salt, hashes in items]
@@ -103,31 +102,27 @@ class LookupOp:
         """A sliced LOOKUP for which no lower tier read back: every hit was in memory."""
         return _in_memory(await reply)
 
-    async def _after_disk(self, read_back: Awaitable[None], req: LookupRequest, parsed: Parsed,
-                          items: list[tuple[str, tuple[bytes, ...]]], probes: int,
-                          in_memory: list[int] | None) -> LookupReply:
-        """What the disk had is in memory (or the bounded wait is over): L2 for the rest."""
-        await read_back
-        l2 = self.ctx.l2
-        prefetch = l2.before_lookup(req.model, req.kv_world_size, items) if l2 else None
-        after_disk = None
-        if prefetch is not None:
-            after_disk = self._resident(req, items, probes) if in_memory is not None else None
-            await prefetch
+    async def _after_pulls(self, pull: Awaitable[None], first: int, req: LookupRequest,
+                           parsed: Parsed, items: list[tuple[str, tuple[bytes, ...]]],
+                           probes: int, in_memory: list[int] | None) -> LookupReply:
+        """Look in memory once the lower tiers' chunks have landed there (or their bounded
+        waits are over): `pull` is the `first`th lower tier's; each tier after it is asked
+        for the rest once the one before it is done."""
+        # Each pulling tier's place in hit_tiers, and each item's run in memory before it.
+        starts: list[tuple[int, list[int]]] = []
+        if in_memory is not None:
+            starts.append((self.ctx.lower[first].hit_column, in_memory))
+        await pull
+        for tier in self.ctx.lower[first + 1:]:
+            next_pull = tier.before_lookup(req.model, req.kv_world_size, items)
+            if next_pull is not None:
+                if starts:
+                    starts.append((tier.hit_column, self._runs(req, items)))
+                await next_pull
         reply = self._now(req, parsed, probes)
         done = reply if isinstance(reply, LookupReply) else await reply
-        if in_memory is not None:
-            done.hit_tiers = _split(done.hits, in_memory, after_disk)
-        return done
-
-    async def _after(self, prefetch: Awaitable[None], req: LookupRequest, parsed: Parsed,
-                     probes: int, in_memory: list[int] | None) -> LookupReply:
-        """Look in L1 once L2's chunks have landed there, or the bounded wait is over."""
-        await prefetch
-        reply = self._now(req, parsed, probes)
-        done = reply if isinstance(reply, LookupReply) else await reply
-        if in_memory is not None:
-            done.hit_tiers = _split(done.hits, in_memory, in_memory)
+        if starts:
+            done.hit_tiers = _split(done.hits, starts)
         return done
 
     async def _sliced(self, req: LookupRequest, parsed: Parsed) -> LookupReply:
@@ -161,14 +156,22 @@ def _in_memory(reply: LookupReply) -> LookupReply:
     return reply
 
 
-def _split(hits: list[int], in_memory: list[int], after_disk: list[int] | None
-           ) -> list[list[int]]:
+def _split(hits: list[int], starts: list[tuple[int, list[int]]]) -> list[list[int]]:
     """Per item [in memory, from disk, from L2]: its leading chunks in memory before the
-    read-backs, then those in memory after the disk's (None: L2 pulled nothing), then the
-    rest of its hits."""
+    first lower tier's pull, then each pulling tier's (at its hit column): from where the
+    run in memory stood before its pull to where it stood before the next tier's (the last
+    tier's: to the item's hits). `starts`: per pulling tier, in order, its hit column and
+    each item's run in memory before its pull (a run that shrank meanwhile, by evictions,
+    counts as the longer one before it)."""
     tiers = []
     for i, hit in enumerate(hits):
-        memory = min(in_memory[i], hit)
-        disk = hit - memory if after_disk is None else max(memory, min(after_disk[i], hit)) - memory
-        tiers.append([memory, disk, hit - memory - disk])
+        row = [0, 0, 0]
+        marks: list[int] = []
+        for _, runs in starts:
+            marks.append(max(marks[-1] if marks else 0, min(runs[i], hit)))
+        marks.append(hit)
+        row[0] = marks[0]
+        for (column, _), begin, end in zip(starts, marks, marks[1:]):
+            row[column] = end - begin
+        tiers.append(row)
     return tiers

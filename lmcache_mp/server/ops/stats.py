@@ -108,18 +108,15 @@ class StatsOp:
             latency=metrics.latency(), copy_time=metrics.copy_time(),
             bytes_stored=metrics.bytes_stored, bytes_retrieved=metrics.bytes_retrieved,
             evictions_by_cause=dict(store.evictions_by_cause), clients=len(ctx.sessions),
-            loop_lag_seconds=metrics.loop_lag, **self._l2_figures(), **self._disk_figures())
+            loop_lag_seconds=metrics.loop_lag, **self._lower_figures())
 
-    def _disk_figures(self) -> dict[str, Any]:
-        disk = self.ctx.disk
-        if disk is None:
-            return {}
-        return {"disk_enabled": True, "disk_read_time": self.ctx.metrics.disk_read_time(),
-                **{f"disk_{name}": value for name, value in asdict(disk.snapshot()).items()}}
-
-    def _l2_figures(self) -> dict[str, Any]:
-        l2 = self.ctx.l2
-        if l2 is None:
-            return {}
-        return {"l2_enabled": True,
-                **{f"l2_{name}": value for name, value in asdict(l2.snapshot()).items()}}
+    def _lower_figures(self) -> dict[str, Any]:
+        """Each lower tier's counters, as `<its name>_<field>`."""
+        figures: dict[str, Any] = {}
+        for tier in self.ctx.lower:
+            figures[f"{tier.name}_enabled"] = True
+            figures.update({f"{tier.name}_{name}": value
+                            for name, value in asdict(tier.snapshot()).items()})
+        if self.ctx.disk is not None:
+            figures["disk_read_time"] = self.ctx.metrics.disk_read_time()
+        return figures

@@ -125,10 +125,8 @@ class StoreOp:
         committed = [chunk for (_, _, chunk), stays in zip(copied, kept) if stays]
         ctx.metrics.bytes_stored += sum(chunk.nbytes for chunk in committed)
         # Queued for the lower tiers (disk, L2), which write them after this reply has gone.
-        if ctx.disk is not None:
-            ctx.disk.after_store(committed)
-        if ctx.l2 is not None:
-            ctx.l2.after_store(committed)
+        for tier in ctx.lower:
+            tier.after_store(committed)
         phases.add("STORE", "server complete", stamp, len(places))
         return StoreReply([bytes(s) for s in statuses])
 

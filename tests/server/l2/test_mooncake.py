@@ -15,7 +15,9 @@ import torch
 
 from lmcache_mp.client import CacheClient, LookupItem, StoreStatus, TransferItem
 from lmcache_mp.server.cache.chunk import ChunkKey
-from lmcache_mp.server.l2.codec import l2_key, namespace
+from lmcache_mp.server.l2.codec import CrcFormat, MacFormat, key_id, l2_key
+from lmcache_mp.server.l2.keyfile import read_key_file
+from lmcache_mp.server.lower.names import namespace
 from lmcache_mp.server.memory.geometry import Geometry
 
 from ...mooncake_servers import mooncake_store
@@ -53,9 +55,26 @@ def stats_of(server):
         return client.stats()
 
 
-def test_two_nodes_share_one_mooncake_store(monkeypatch):
+def test_two_nodes_share_one_mooncake_store_without_a_copy(monkeypatch):
     with mooncake_store(monkeypatch) as store:
-        two_nodes_share(store.url())
+        two_nodes_share(store.url(), zero_copy=True)
+
+
+def test_a_value_put_from_the_pool_is_the_header_then_the_chunk(monkeypatch):
+    """What a node puts from its pool extent (the header apart) is one value, the same bytes
+    a copy put writes: a plain client's get of it verifies as a whole sealed value."""
+    hashes = prompt(tag=1750, num_chunks=2)
+    with mooncake_store(monkeypatch) as store, run_server("--l2", store.url(),
+                                                          *L2_FLAGS) as node:
+        store_through(node, hashes, seed=112)
+        written(node, 2)
+        assert stats_of(node).l2_zero_copy_bytes == stats_of(node).l2_bytes_written > 0
+        reader = store.client()
+        for chunk_hash in hashes:
+            key = l2_name(chunk_hash).encode()
+            value = reader.get(key.decode())
+            assert CrcFormat().payload(key, value, GEOMETRY.chunk_bytes) is not None
+        reader.close()
 
 
 def l2_name(chunk_hash: bytes, salt: str = "") -> str:
@@ -82,10 +101,13 @@ def test_the_budget_removes_this_servers_oldest_values(monkeypatch):
         assert (stats.l2_bytes_held, stats.l2_errors) == (2 * chunk, 0)
 
 
-def test_a_value_put_without_the_servers_key_is_a_miss(tmp_path, monkeypatch):
-    """Someone who reaches the master but not the key file puts a value (a checksum, no
-    MAC) under a chunk's key first: A cannot replace it (Mooncake keeps a key's first
-    value), and B, reading it, takes the run up to it and counts it corrupt."""
+@pytest.mark.parametrize("signed", [False, True], ids=["checksum", "made-up-mac"])
+def test_a_value_put_without_the_servers_key_is_a_miss(tmp_path, monkeypatch, signed):
+    """Someone who reaches the master but not the key file puts a value (a checksum, or a
+    MAC by a key of its own: a signed value's size) under a chunk's key first: A cannot
+    replace it (Mooncake keeps a key's first value), and B, reading it, takes the run up to
+    it and counts it corrupt. The signed-size one is read into its reserved L1 extent, like
+    the others, and fails its MAC there: it never becomes a chunk."""
     key_file = tmp_path / "l2.key"
     key_file.write_text(secrets.token_hex(32) + "\n")
     key_file.chmod(0o600)
@@ -95,6 +117,11 @@ def test_a_value_put_without_the_servers_key_is_a_miss(tmp_path, monkeypatch):
     payload = bytes([0x5A]) * GEOMETRY.chunk_bytes
     forged = struct.pack("<4sHHQI", b"LMCV", 1, 0, len(payload),
                          zlib.crc32(payload, zlib.crc32(key))) + payload
+    if signed:
+        # The servers' key id (any value they wrote shows it), a MAC made up.
+        signer = key_id(read_key_file(str(key_file)).signing)
+        forged = struct.pack("<4sHHQ8s32s", b"LMCV", 2, 0, len(payload), signer,
+                             secrets.token_bytes(32)) + payload
     with mooncake_store(monkeypatch) as store:
         attacker = store.client(segment=32 * 1024**2)  # where its value lives
         assert attacker.put(key.decode(), forged) == 0
@@ -112,6 +139,10 @@ def test_a_value_put_without_the_servers_key_is_a_miss(tmp_path, monkeypatch):
                                                               chunk_blocks([0, 1])))
             stats = stats_of(node_b)
             assert (stats.l2_hits, stats.l2_corrupt, stats.l2_errors) == (2, 1, 0)
+            # The values came straight into their reserved extents; a forged one of another
+            # size than a signed value's was not read at all.
+            assert stats.l2_zero_copy_bytes == stats.l2_bytes_read == (3 + signed) * (
+                MacFormat.header.size + GEOMETRY.chunk_bytes)
         attacker.close()
 
 

@@ -53,7 +53,8 @@ def retrieve_through(server, hashes, seed: int, salt: str = "") -> None:
         NUM_BLOCKS, seed, chunk_blocks(list(range(len(hashes))))))
 
 
-def two_nodes_share(url: str) -> None:
+def two_nodes_share(url: str, zero_copy: bool = False) -> None:
+    """`zero_copy`: the store moves every value straight between a pool and L2 (Mooncake)."""
     with run_server("--l2", url, *L2_FLAGS) as node_a, run_server("--l2", url, *L2_FLAGS) as node_b:
         hashes = prompt(tag=1501, num_chunks=4)
         store_through(node_a, hashes, seed=41, salt="tenant-a")
@@ -71,9 +72,15 @@ def two_nodes_share(url: str) -> None:
             assert client.lookup(MODEL, 1, [LookupItem.build("again", hashes, "tenant-a")]) \
                 == [4]
             assert client.stats().l2_hits == 4
+            # Every byte B read, and every byte A wrote, went without a copy (or none did).
+            assert stats.l2_zero_copy_bytes == (stats.l2_bytes_read if zero_copy else 0)
+            assert stats.l2_bytes_read > 0
         # B pulled them from L2 and writes nothing back.
         with CacheClient(node_b.url, timeout=10) as client:
             assert client.stats().l2_chunks_written == 0
+        with CacheClient(node_a.url, timeout=10) as client:
+            stats = client.stats()
+            assert stats.l2_zero_copy_bytes == (stats.l2_bytes_written if zero_copy else 0)
 
 
 @pytest.mark.parametrize("server", SERVERS)

@@ -7,6 +7,8 @@ import asyncio
 import hmac
 import os
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -19,13 +21,13 @@ from lmcache_mp.server.l2.codec import (
     ValueFormat,
     key_id,
     l2_key,
-    namespace,
     value_format,
 )
 from lmcache_mp.server.l2.health import Health
 from lmcache_mp.server.l2.keyfile import L2Keys, read_key_file
 from lmcache_mp.server.l2.ledger import Ledger
 from lmcache_mp.server.l2.urls import MooncakeUrl, check_url, parse_cluster_url, parse_mooncake_url
+from lmcache_mp.server.lower.names import namespace
 
 from ...utils import FakeClock
 
@@ -188,6 +190,23 @@ def test_values_verify_and_anything_else_is_a_miss(name):
         assert values.payload(wrong_key, bad, size) is None
 
 
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_header_sealed_apart_from_its_payload_is_the_values_own(name):
+    """A direct put sends the header and the chunk's pool extent as two buffers of one
+    value; a direct get checks them where they landed: the same bytes and checks."""
+    values = FORMATS[name]
+    key, payload = b"k", bytes(range(256)) * 8
+    header = bytearray(values.header_bytes)
+    values.seal_header(key, header, memoryview(payload))
+    assert bytes(header) == sealed(values, key, payload)[:values.header_bytes]
+    assert values.vouches(key, header, memoryview(payload))
+    flipped = bytearray(payload)
+    flipped[100] ^= 1
+    assert not values.vouches(key, header, memoryview(flipped))
+    assert not values.vouches(b"k2", header, memoryview(payload))
+    assert not values.vouches(key, header, memoryview(payload)[:-1])
+
+
 def test_the_formats_and_their_headers():
     key, payload = b"lmcache-mp:1:k", b"\x07" * 1000
     crc = sealed(CrcFormat(), key, payload)
@@ -279,3 +298,34 @@ def test_health_backs_off_after_a_failure_but_not_after_a_refusal():
     assert (counters.errors, counters.up, health.available()) == (1, False, False)
     clock.now += 0.5  # the first back-off
     assert health.available()
+
+
+@pytest.mark.parametrize("outcome", ["stalls", "fails"])
+def test_pool_memory_of_a_transfer_is_let_go_only_once_its_thread_is_done(outcome):
+    """A direct transfer's extents stay its own until its thread returns, also when the
+    tier stopped waiting (a stalled master): only then does if_abandoned() give them back."""
+    health = Health(L2Counters(), "test", timeout_s=0.05)
+    released = []
+
+    async def scenario() -> None:
+        let_go = threading.Event()
+        executor = ThreadPoolExecutor(1)
+
+        def transfer() -> None:
+            assert let_go.wait(60)  # a hang's end only
+            if outcome == "fails":
+                raise L2Error("transfer failed")
+        future = asyncio.wrap_future(executor.submit(transfer))
+        if outcome == "fails":
+            let_go.set()
+        with pytest.raises(L2Error):
+            await health.call_on_pool("GET", future, lambda: released.append(True))
+        if outcome == "stalls":  # timed out: the thread still has the extents
+            await asyncio.sleep(0)
+            assert released == []
+            let_go.set()
+        await asyncio.gather(future, return_exceptions=True)
+        await asyncio.sleep(0)
+        assert released == [True]
+        executor.shutdown()
+    asyncio.run(scenario())

@@ -83,3 +83,31 @@ def test_hits_pulled_from_l2_count_as_l2_and_a_plain_lookup_has_no_tiers():
             assert reply.hits == [4] and reply.hit_tiers is msgspec.UNSET  # left out
             client.unregister(registration)
 
+
+
+def test_a_lookup_through_both_lower_tiers_counts_each_tiers_chunks(tmp_path):
+    """The disk tier is asked first, L2 for what it did not have: a prompt whose first
+    chunks this node wrote to disk (and then evicted) and whose last only L2 holds (another
+    node stored them) counts the former as disk, the latter as L2."""
+    with redis_server() as redis, \
+            run_server("--l2", redis.url) as node_a, \
+            run_server("--cpu-size", "4MiB", "--disk-dir", str(tmp_path / "disk"),
+                       "--disk-size", "64MiB", "--disk-prefetch-wait", "30",
+                       "--l2", redis.url, "--l2-prefetch-wait", "20") as node_b, \
+            CacheClient(node_b.url, timeout=30) as client:
+        hashes = prompt(tag=4900, num_chunks=PROMPT_CHUNKS + 2)
+        store(node_a, hashes, seed=11)
+        with CacheClient(node_a.url, timeout=10) as a:
+            wait_for(lambda: a.stats().l2_chunks_written >= len(hashes), "chunks in L2")
+        store(node_b, hashes[:PROMPT_CHUNKS], seed=11)
+        wait_for(partial(written_at_least, client, PROMPT_CHUNKS), "the prompt on disk")
+        # Two more prompts fill the pool's 8 chunks: the first prompt's leave memory.
+        for count in (1, 2):
+            store(node_b, prompt(tag=4900 + count, num_chunks=PROMPT_CHUNKS), seed=count)
+        wait_for(partial(written_at_least, client, 3 * PROMPT_CHUNKS), "all on disk")
+        with make_cache(NUM_BLOCKS, None) as cache:
+            registration = _register(client, cache, W2)
+            hits, (tiers,) = lookup_tiers(client, hashes)
+            assert hits == [len(hashes)] and tiers[1] > 0 and tiers[2] == 2
+            assert tiers[0] + tiers[1] == PROMPT_CHUNKS
+            client.unregister(registration)
