@@ -1,6 +1,7 @@
 """The disk tier with real servers, real workers and real files: more than the pool holds is
 found and retrieved byte for byte from disk; SIGKILL and a restart serve every chunk whose
-write completed and nothing torn; corrupt, truncated and foreign files are misses; a full
+write completed and nothing torn; corrupt, truncated and foreign files are misses (a run
+of adjacent chunks cut short still serves those before the cut); a full
 or read-only disk degrades without a failed request; salts stay apart; eviction from disk
 keeps prefixes."""
 
@@ -178,6 +179,25 @@ def test_damaged_files_are_misses_never_errors(tmp_path, damage):
         # The tier works on: the prompt stored again is served again.
         store(server, hashes, seed)
         assert assert_prefix_served(server, hashes, seed) == PROMPT_CHUNKS
+
+
+def test_a_run_cut_short_under_a_running_server_serves_the_chunks_before_the_cut(tmp_path):
+    """The first prompt's four chunks sit in adjacent extents from offset 0, read back as
+    one run; the data file cut under the server in the middle of the third: the run's
+    read fails, and each of its chunks is read again alone, so the two before the cut are
+    served byte for byte and the two after are misses, counted as corrupt."""
+    with disk_server(tmp_path / "disk") as server:
+        for hashes, seed in PROMPTS:
+            store(server, hashes, seed)
+        written(server, len(PROMPTS) * PROMPT_CHUNKS)
+        # The pool holds the last two prompts: the first one comes from disk.
+        os.truncate(tmp_path / "disk" / "chunks.dat", 2 * CHUNK_BYTES + CHUNK_BYTES // 2)
+        before = stats(server)
+        assert assert_prefix_served(server, *PROMPTS[0]) == 2
+        figures = stats(server)
+        assert figures.disk_hits - before.disk_hits == 2
+        assert figures.disk_corrupt - before.disk_corrupt == 2
+        assert figures.disk_read_errors == 0
 
 
 def test_salts_stay_apart_on_disk(tmp_path):
