@@ -160,29 +160,52 @@ def test_a_chunk_found_on_disk_is_storage_until_a_lookup_finds_it_in_memory(mode
             writer.close()
         assert stats(server).chunks <= 8
 
-        feed = Subscriber()
-        reader = Engine(model_dir, server.url, kv_events=feed.config)
-        try:
-            request = reader.add("disk", prompts[0])
-            reader.run_until_idle()
-            assert reader.first_computed["disk"] == 3 * CHUNK
-            assert stats(server).disk_hits >= 3
-            assert [e.block_hashes for e in feed.wait_for(3, medium="STORAGE")] == \
-                [chunk_hashes(request, i) for i in range(3)]
-            assert feed.wait_for(0, medium="CPU") == []
+        assert_storage_then_cpu(model_dir, server, prompts[0])
+        assert stats(server).disk_hits >= 3
 
-            # The LOOKUP read them back into the pool: the next one finds them in memory.
-            assert reader.scheduler.reset_prefix_cache()
-            reader.add("memory", prompts[0])
-            reader.run_until_idle()
-            assert reader.first_computed["memory"] == 3 * CHUNK
-            assert len(feed.wait_for(3, medium="CPU")) == 3
-            batches = [ours(batch) for batch in feed.batches() if ours(batch)]
-            assert batches == [
-                [("BlockStored", "STORAGE", chunk_hashes(request, i)) for i in range(3)],
-                [event for i in range(3)
-                 for event in (("BlockRemoved", "STORAGE", chunk_hashes(request, i)),
-                               ("BlockStored", "CPU", chunk_hashes(request, i)))]]
+
+def test_a_chunk_pulled_from_l2_is_storage_until_a_lookup_finds_it_in_memory(model_dir):
+    from ..redis_servers import redis_server  # skips the test where no redis-server is
+
+    with redis_server() as redis, \
+            run_server("--l2", redis.url, "--l2-prefetch-wait", "20") as node_a, \
+            run_server("--l2", redis.url, "--l2-prefetch-wait", "20") as node_b:
+        tokens = prompt(120, 3 * CHUNK + 40)
+        writer = Engine(model_dir, node_a.url)
+        try:
+            writer.add("w", tokens)
+            writer.run_until_idle()
         finally:
-            reader.scheduler.kv_event_publisher.shutdown()
-            reader.close()
+            writer.close()
+        wait_for(lambda: stats(node_a).l2_chunks_written >= 3, "the chunks in L2")
+        assert_storage_then_cpu(model_dir, node_b, tokens)
+
+
+def assert_storage_then_cpu(model_dir: str, server, tokens: list[int]) -> None:
+    """A fresh engine's LOOKUP finds the prompt's 3 chunks in a lower tier only: announced
+    STORAGE; its next LOOKUP (the first brought them into memory) finds them in memory:
+    in one batch, each chunk withdrawn under STORAGE, then announced CPU."""
+    feed = Subscriber()
+    reader = Engine(model_dir, server.url, kv_events=feed.config)
+    try:
+        request = reader.add("lower", tokens)
+        reader.run_until_idle()
+        assert reader.first_computed["lower"] == 3 * CHUNK
+        assert [e.block_hashes for e in feed.wait_for(3, medium="STORAGE")] == \
+            [chunk_hashes(request, i) for i in range(3)]
+        assert feed.wait_for(0, medium="CPU") == []
+
+        assert reader.scheduler.reset_prefix_cache()
+        reader.add("memory", tokens)
+        reader.run_until_idle()
+        assert reader.first_computed["memory"] == 3 * CHUNK
+        assert len(feed.wait_for(3, medium="CPU")) == 3
+        batches = [ours(batch) for batch in feed.batches() if ours(batch)]
+        assert batches == [
+            [("BlockStored", "STORAGE", chunk_hashes(request, i)) for i in range(3)],
+            [event for i in range(3)
+             for event in (("BlockRemoved", "STORAGE", chunk_hashes(request, i)),
+                           ("BlockStored", "CPU", chunk_hashes(request, i)))]]
+    finally:
+        reader.scheduler.kv_event_publisher.shutdown()
+        reader.close()
