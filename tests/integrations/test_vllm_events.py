@@ -1,20 +1,22 @@
 """KV events through vLLM's own publisher (its ZMQ PUB with a replay socket, as
 --kv-events-config makes it), decoded with vLLM's own KVEventBatch: the chunks an engine
-stored or found on the server are BlockStored with medium CPU and vLLM's block hashes,
-and those a LOOKUP shows gone are BlockRemoved."""
+stored or found in the server's memory are BlockStored with medium CPU (those found on its
+disk tier: STORAGE) and vLLM's block hashes, and those a LOOKUP shows gone or in another
+tier are BlockRemoved under the medium they were announced with."""
 
 import time
 import uuid
+from functools import partial
 
 import msgspec
 import zmq
 
-from .test_vllm import prompt  # isort: skip (first: it imports vLLM for the CPU)
+from .test_vllm import Engine, prompt, stats  # isort: skip (first: it imports vLLM for the CPU)
 from vllm.config import KVEventsConfig
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from ..utils import fresh_salt
+from ..utils import fresh_salt, run_server, wait_for
 
 CHUNK, BLOCK = 256, 16
 PER_CHUNK = CHUNK // BLOCK
@@ -31,20 +33,24 @@ class Subscriber:
                                      replay_endpoint=f"inproc://replay-{name}")
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
 
-    def events(self) -> list:
+    def batches(self) -> list[KVEventBatch]:
+        """Every batch published so far: one per engine step that had events."""
         socket: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)  # the publisher's
         try:
             socket.connect(self.config.replay_endpoint)
             socket.send_multipart((b"", (0).to_bytes(8, "big")))
-            events: list = []
+            batches: list[KVEventBatch] = []
             while True:
                 assert socket.poll(10_000), "no replay"
                 _, _, seq, payload = socket.recv_multipart()
                 if seq == ZmqEventPublisher.END_SEQ:
-                    return events
-                events.extend(self.decoder.decode(payload).events)
+                    return batches
+                batches.append(self.decoder.decode(payload))
         finally:
             socket.close(linger=0)
+
+    def events(self) -> list:
+        return [event for batch in self.batches() for event in batch.events]
 
     def wait_for(self, count, kind=BlockStored, medium="CPU") -> list:
         """Our events of a kind, once there are `count` (vLLM's thread publishes them), or
@@ -123,3 +129,83 @@ def test_past_kv_events_max_chunks_the_oldest_announcement_is_withdrawn(engines,
         assert removed.block_hashes == chunk_hashes(request, 0)
     finally:
         engine.scheduler.kv_event_publisher.shutdown()
+
+
+def written_at_least(server, chunks: int) -> bool:
+    """Whether the server has written `chunks` chunks to its disk tier (wait_for's test)."""
+    return stats(server).disk_chunks_written >= chunks
+
+
+def ours(batch: KVEventBatch) -> list[tuple[str, str, list]]:
+    """The connector's events in a batch (not vLLM's GPU ones): kind, medium, hashes."""
+    return [(type(e).__name__, e.medium, e.block_hashes) for e in batch.events
+            if isinstance(e, (BlockStored, BlockRemoved)) and e.medium in ("CPU", "STORAGE")]
+
+
+def test_a_chunk_found_on_disk_is_storage_until_a_lookup_finds_it_in_memory(model_dir,
+                                                                            tmp_path):
+    # A pool of 4 MiB holds 8 chunks of this model (512 KiB each); 12 are stored, so the
+    # first prompt's 3 are on the disk tier only.
+    with run_server("--cpu-size", "4MiB", "--disk-dir", str(tmp_path / "disk"),
+                    "--disk-size", "64MiB", "--disk-prefetch-wait", "30") as server:
+        prompts = [prompt(110 + i, 3 * CHUNK + 40) for i in range(4)]
+        writer = Engine(model_dir, server.url)
+        try:
+            for count, tokens in enumerate(prompts, start=1):
+                writer.add(f"p{count}", tokens)
+                writer.run_until_idle()
+                wait_for(partial(written_at_least, server, 3 * count),
+                         "the prompt's chunks on disk")
+        finally:
+            writer.close()
+        assert stats(server).chunks <= 8
+
+        assert_storage_then_cpu(model_dir, server, prompts[0])
+        assert stats(server).disk_hits >= 3
+
+
+def test_a_chunk_pulled_from_l2_is_storage_until_a_lookup_finds_it_in_memory(model_dir):
+    from ..redis_servers import redis_server  # skips the test where no redis-server is
+
+    with redis_server() as redis, \
+            run_server("--l2", redis.url, "--l2-prefetch-wait", "20") as node_a, \
+            run_server("--l2", redis.url, "--l2-prefetch-wait", "20") as node_b:
+        tokens = prompt(120, 3 * CHUNK + 40)
+        writer = Engine(model_dir, node_a.url)
+        try:
+            writer.add("w", tokens)
+            writer.run_until_idle()
+        finally:
+            writer.close()
+        wait_for(lambda: stats(node_a).l2_chunks_written >= 3, "the chunks in L2")
+        assert_storage_then_cpu(model_dir, node_b, tokens)
+
+
+def assert_storage_then_cpu(model_dir: str, server, tokens: list[int]) -> None:
+    """A fresh engine's LOOKUP finds the prompt's 3 chunks in a lower tier only: announced
+    STORAGE; its next LOOKUP (the first brought them into memory) finds them in memory:
+    in one batch, each chunk withdrawn under STORAGE, then announced CPU."""
+    feed = Subscriber()
+    reader = Engine(model_dir, server.url, kv_events=feed.config)
+    try:
+        request = reader.add("lower", tokens)
+        reader.run_until_idle()
+        assert reader.first_computed["lower"] == 3 * CHUNK
+        assert [e.block_hashes for e in feed.wait_for(3, medium="STORAGE")] == \
+            [chunk_hashes(request, i) for i in range(3)]
+        assert feed.wait_for(0, medium="CPU") == []
+
+        assert reader.scheduler.reset_prefix_cache()
+        reader.add("memory", tokens)
+        reader.run_until_idle()
+        assert reader.first_computed["memory"] == 3 * CHUNK
+        assert len(feed.wait_for(3, medium="CPU")) == 3
+        batches = [ours(batch) for batch in feed.batches() if ours(batch)]
+        assert batches == [
+            [("BlockStored", "STORAGE", chunk_hashes(request, i)) for i in range(3)],
+            [event for i in range(3)
+             for event in (("BlockRemoved", "STORAGE", chunk_hashes(request, i)),
+                           ("BlockStored", "CPU", chunk_hashes(request, i)))]]
+    finally:
+        reader.scheduler.kv_event_publisher.shutdown()
+        reader.close()

@@ -156,12 +156,13 @@ class SchedulerSide:
             tracker.record_lookup(num_vllm_hit_tokens=num_computed_tokens,
                                   num_lmcache_hit_chunks=0, from_chunk=from_chunk)
             return None, False
+        tracker.hit_tiers = self.adapter.hit_tiers(request.request_id)
         if self.events is not None:
-            self.events.looked_up(request, from_chunk, hit, len(tracker.chunk_hashes))
+            self.events.looked_up(request, from_chunk, hit, len(tracker.chunk_hashes),
+                                  tracker.hit_tiers)
         # The hold stays until update_state_after_alloc.
         to_load = tracker.record_lookup(num_vllm_hit_tokens=num_computed_tokens,
                                         num_lmcache_hit_chunks=hit, from_chunk=from_chunk)
-        tracker.hit_tiers = self.adapter.hit_tiers(request.request_id)
         return to_load, to_load > self.sync_load_max_tokens
 
     def _lookup_end(self, tracker: VllmRequestTracker) -> int:
