@@ -338,8 +338,9 @@ def test_a_state_the_server_does_not_hold_cuts_the_hit_there(engines, server):
     """A salt's quota leaves no room for chunk 2's state beside chunk 2's attention KV: the
     server refuses the state, or stores it in the room of that KV (evicted: it is the
     salt's least recent chunk no stored chunk follows once its copy has ended, which may
-    be before or after the state's STORE is placed). Either way chunk 2 is incomplete, and a hit ends at chunk 2, where the last
-    complete boundary is, loading the state stored there."""
+    be before or after the state's STORE is placed). Either way chunk 2 is incomplete, and
+    a hit ends at chunk 2, where the last complete boundary is, loading the state stored
+    there."""
     salt = "state-9"
     tokens = prompt(94, 3 * CHUNK + 40)
     attention_chunk = 2 * 2 * CHUNK * 2 * 64 * 2
