@@ -97,6 +97,16 @@ def test_a_planted_chunk_with_a_valid_crc_is_refused(tmp_path):
         assert assert_prefix_served(server, *PROMPTS[1]) == PROMPT_CHUNKS
 
 
+def killed_under_a_store(server, tag: int, tokens, salt: str) -> None:
+    """A worker STOREs one chunk and never talks to the server again; the server's fault
+    point kills it (SIGKILL) while that chunk is on its way to the disk."""
+    with WorkerProcess(abandoned_store_worker, Job(server.url, NUM_BLOCKS, tag, tokens,
+                                                   chunk_blocks([0]), cache_salt=salt)) \
+            as worker:
+        worker.receive()
+        started_process(server).wait(timeout=60)
+
+
 def test_a_crash_while_an_evicted_chunks_extent_holds_new_bytes_serves_none_of_them(
         tmp_path, monkeypatch):
     """A tier of two chunks holds tenant a's prompt; tenant b's chunk evicts a's last one and
@@ -115,12 +125,7 @@ def test_a_crash_while_an_evicted_chunks_extent_holds_new_bytes_serves_none_of_t
     try:
         store(server, first, 11, salt="a")
         written(server, 2)
-        # A worker that never talks to the server after its STORE: the server dies under it.
-        with WorkerProcess(abandoned_store_worker, Job(server.url, NUM_BLOCKS, 12, second,
-                                                       chunk_blocks([0]), cache_salt="b")) \
-                as worker:
-            worker.receive()
-            started_process(server).wait(timeout=60)
+        killed_under_a_store(server, 12, second, "b")
     finally:
         assert server.close() == -9, server.output()
     monkeypatch.delenv("LMCACHE_MP_TEST_FAULT")
@@ -156,12 +161,7 @@ def test_a_crash_while_a_commit_runs_beside_the_next_batchs_writes_serves_nothin
         before = journal.stat().st_size
         store(server, second, 12, salt="b", settle=False)
         wait_for(lambda: journal.stat().st_size > before, "b's record in the journal")
-        # A worker that never talks to the server after its STORE: the server dies under it.
-        with WorkerProcess(abandoned_store_worker, Job(server.url, NUM_BLOCKS, 13, third,
-                                                       chunk_blocks([0]), cache_salt="c")) \
-                as worker:
-            worker.receive()
-            started_process(server).wait(timeout=60)
+        killed_under_a_store(server, 13, third, "c")
     finally:
         assert server.close() == -9, server.output()
     monkeypatch.delenv("LMCACHE_MP_TEST_FAULT")

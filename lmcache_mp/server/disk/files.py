@@ -13,14 +13,21 @@ import errno
 import logging
 import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
-from ..cache.pool import ALIGNMENT
+from ..cache.pool import ALIGNMENT, aligned
 from ..private_dir import PrivateDir
 
 logger = logging.getLogger("lmcache_mp.server.disk")
 
+T = TypeVar("T")
+
 DATA_NAME = "chunks.dat"
+# Adjacent extents go to the disk as one run of at most RUN_BYTES (one pwritev or preadv,
+# DataFile passing IOV_MAX buffers a call): a disk takes one large request faster than as
+# many chunk-sized ones.
+RUN_BYTES = 8 * 1024**2
 # Errors that mean "no more room", which shrink the tier, as opposed to errors that mean
 # the disk (or the directory) failed, which stop its writes.
 NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -94,3 +101,21 @@ class DataFile:
 def staging_buffer(num_bytes: int) -> mmap.mmap:
     """Page-aligned memory for bytes that have no aligned home (a GPU-tier chunk's copy)."""
     return mmap.mmap(-1, max(ALIGNMENT, -(-num_bytes // ALIGNMENT) * ALIGNMENT))
+
+
+def adjacent_runs(items: Iterable[T], offset: Callable[[T], int], nbytes: Callable[[T], int]
+                  ) -> list[list[T]]:
+    """`items` by offset, cut into runs of adjacent extents of at most RUN_BYTES each (an
+    item larger than that is a run of its own)."""
+    runs: list[list[T]] = []
+    end = size = -1
+    for item in sorted(items, key=offset):
+        extent = aligned(nbytes(item))
+        if offset(item) == end and size + extent <= RUN_BYTES:
+            runs[-1].append(item)
+            size += extent
+        else:
+            runs.append([item])
+            size = extent
+        end = offset(item) + extent
+    return runs

@@ -30,7 +30,7 @@ from ..lower.hook import LookupHook
 from ..lower.landing import Reserved, chunks_per_window, first_parents
 from ..memory.geometry import Geometry
 from ..memory.registry import Registry
-from .files import DataFile, ShortRead
+from .files import DataFile, ShortRead, adjacent_runs
 from .journal import ChunkMac
 from .space import DiskSpace
 
@@ -38,9 +38,6 @@ logger = logging.getLogger("lmcache_mp.server.disk")
 
 MAX_READS = 64  # read-backs in flight at once; LOOKUPs beyond it answer from memory alone
 READ_THREADS = 4  # a disk serves several reads at once faster than one after the other
-# Adjacent extents are read as one run of at most RUN_BYTES: one large read costs the disk
-# less than as many chunk-sized ones (DataFile.read passes IOV_MAX buffers a call).
-RUN_BYTES = 8 * 1024**2
 
 
 @dataclass
@@ -185,17 +182,7 @@ class DiskReader:
     def _read_in(self, reads: list[_Read]) -> None:
         """An offload thread: every chunk's bytes into its pool extent, several runs of
         adjacent extents at once, each chunk checked against its MAC."""
-        runs: list[list[_Read]] = []
-        end = size = -1
-        for read in sorted(reads, key=lambda read: read.offset):
-            extent = aligned(read.nbytes)
-            if read.offset == end and size + extent <= RUN_BYTES:
-                runs[-1].append(read)
-                size += extent
-            else:
-                runs.append([read])
-                size = extent
-            end = read.offset + extent
+        runs = adjacent_runs(reads, lambda read: read.offset, lambda read: read.nbytes)
         list(self._parallel.map(self._read_run, runs))
 
     def _target(self, read: _Read) -> memoryview:

@@ -45,7 +45,7 @@ from ..cache.store import ChunkStore
 from ..copy.offload import Offload
 from ..lower.queue import Queued, WriteQueue
 from .admission import Admission
-from .files import BATCH_FAULTS, DataFile, staging_buffer
+from .files import BATCH_FAULTS, DataFile, adjacent_runs, staging_buffer
 from .journal import ChunkMac, ChunkRecord, Journal, SaltNames, salt_digest
 from .keys import NO_KEY
 from .space import DiskSpace
@@ -60,12 +60,11 @@ BATCH_SHARE = 1 / 8
 # when the queue is empty: a sync costs milliseconds, and a small batch's would halve the
 # disk's write bandwidth.
 SYNC_BYTES = 64 * 1024**2
-# A batch's runs of adjacent extents are cut at RUN_BYTES and written WRITE_THREADS at a
-# time: a disk takes several large writes at once faster than one after the other. (DataFile
-# passes a run to pwritev at most IOV_MAX buffers at a time.) A run's MACs are computed on
-# MAC_THREADS while the run is written, not before: its bytes are held and cannot change,
-# and a MAC computed first costs the disk the time of the MAC (a third of the bandwidth).
-RUN_BYTES = 8 * 1024**2
+# A batch's runs of adjacent extents (files.adjacent_runs) are written WRITE_THREADS at a
+# time: a disk takes several large writes at once faster than one after the other. A run's
+# MACs are computed on MAC_THREADS while the run is written, not before: its bytes are held
+# and cannot change, and a MAC computed first costs the disk the time of the MAC (a third
+# of the bandwidth).
 WRITE_THREADS = 4
 MAC_THREADS = 2
 # The journal is rewritten with the live records alone once it holds this many more
@@ -418,17 +417,7 @@ class DiskWriter:
     def _write_out(self, placed: list[_Placed]) -> None:
         """The write thread: the bytes, several runs at once, each run's MACs computed by
         the thread that writes it."""
-        runs: list[list[_Placed]] = []
-        end = size = -1
-        for p in sorted(placed, key=lambda p: p.offset):
-            extent = aligned(p.queued.chunk.nbytes)
-            if p.offset == end and size + extent <= RUN_BYTES:
-                runs[-1].append(p)
-                size += extent
-            else:
-                runs.append([p])
-                size = extent
-            end = p.offset + extent
+        runs = adjacent_runs(placed, lambda p: p.offset, lambda p: p.queued.chunk.nbytes)
         for error in self._parallel.map(self._write_run, runs):
             if error is not None:
                 raise error
