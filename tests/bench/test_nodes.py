@@ -16,6 +16,7 @@ import pytest
 from lmcache_mp.bench.harness.l2_stores import BACKENDS, unavailable
 from lmcache_mp.bench.options import BenchOptions, resolve
 from lmcache_mp.bench.workloads.nodes_l2 import chosen_stores
+from lmcache_mp.server.warm.segment import segment_dir
 from tests.bench.test_cli import TINY, bench
 from tests.redis_servers import redis_cluster, redis_server
 
@@ -65,7 +66,15 @@ def check_hits(hits: dict) -> None:
     assert hits["cross_node_chunks"] <= hits["hit_chunks"]
 
 
+def bench_segments() -> set[str]:
+    """The pool segments (and snapshots) a bench named, where --pool-segment keeps them."""
+    directory = segment_dir()
+    names = os.listdir(directory) if directory.is_dir() else []
+    return {name for name in names if name.startswith("lmcache-mp-bench-")}
+
+
 def test_two_nodes_with_a_spawned_redis_and_a_warm_restart(tmp_path):
+    before = bench_segments()
     run, stdout = run_nodes(tmp_path, "--adopt-restart", "--l2-backends", "redis")
     assert "| hit rate, 2 nodes sharing L2 |" in stdout and "| byte-exact checks |" in stdout
     assert run["nodes"] == 2 and run["skipped"] == {}
@@ -98,7 +107,8 @@ def test_two_nodes_with_a_spawned_redis_and_a_warm_restart(tmp_path):
     assert restart["adopted_chunks"] == restart["chunks_before"] > 0
     assert restart["before"]["requests"] > 0 and restart["after"]["requests"] > 0
     check_hits(restart["after"])
-    assert not any(name.startswith("lmcache-mp-bench-") for name in os.listdir("/dev/shm"))
+    # The nodes' segments go with the run (each was 256 MiB of /dev/shm left behind a run).
+    assert bench_segments() <= before
 
 
 def test_a_given_l2(tmp_path):

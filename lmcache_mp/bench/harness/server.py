@@ -10,8 +10,16 @@ import torch
 
 from ...client import CacheClient, Registration, SharedKVCache
 from ...protocol import StatsReply
+from ...server.warm.segment import segment_dir
 from ...spawn import ServerProcess
 from ..shapes import KVShape
+
+
+def remove_segment(name: str) -> None:
+    """A --pool-segment the bench named, and its snapshot, gone from the segments' directory
+    (they outlive the server on purpose: a restart adopts them)."""
+    for leftover in (name, f"{name}.snapshot"):
+        (segment_dir() / leftover).unlink(missing_ok=True)
 
 
 class BenchServer(ServerProcess):

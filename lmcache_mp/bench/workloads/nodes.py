@@ -13,7 +13,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +24,7 @@ from ...server.l2.urls import MOONCAKE_SCHEME, parse_cluster_url
 from ..harness import output
 from ..harness.engine import Engine, EngineSetup, Request, RequestOutcome, random_tokens
 from ..harness.report import Checks, PhaseResult
-from ..harness.server import BenchServer
+from ..harness.server import BenchServer, remove_segment
 from ..harness.stats import Latency, rate
 from ..options import BenchOptions
 from .chat import ChatWorkload
@@ -114,11 +113,6 @@ class _Chat:
     restart: RestartFigures | None = None
 
 
-def _segment_cleanup(name: str) -> None:
-    for path in (Path("/dev/shm") / name, Path("/dev/shm") / f"{name}.snapshot"):
-        path.unlink(missing_ok=True)
-
-
 def run_nodes(options: BenchOptions, store: L2Store, run_id: str, log: Callable[[str], None]
               ) -> NodesReport:
     """The chat workload over the nodes on `store`, the cross-node probe, and with a
@@ -175,7 +169,7 @@ def _start_nodes(stack: contextlib.ExitStack, options: BenchOptions, l2_url: str
                  "--l2-ttl", str(L2_TTL_S), "--l2-timeout", str(L2_TIMEOUT_S)]
         if options.adopt_restart:
             segment = f"lmcache-mp-bench-{run_id}-node{index}"
-            stack.callback(_segment_cleanup, segment)
+            stack.callback(remove_segment, segment)
             extra += ["--pool-segment", segment]  # a first start: cold
         node = Node(index, BenchServer(options.cpu_size or "2GiB", options.kv_shape.chunk_size,
                                        extra))

@@ -14,7 +14,6 @@ chunks, ≥ 1 GB/s of pool verified on a core, the same index memory either way.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import time
@@ -25,10 +24,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ...client import CacheClient, LookupItem, SharedKVCache, StoreStatus, TransferItem
-from ...server.warm.segment import segment_dir
 from ...sizes import format_size
 from ..harness import output
-from ..harness.server import BenchServer, new_cache, register
+from ..harness.server import BenchServer, new_cache, register, remove_segment
 from ..options import BenchOptions
 from ..shapes import KVShape
 
@@ -133,9 +131,7 @@ def measure(shape: KVShape, chunks: int, seed: int, timeout: float,
         server.close()
         cache.close()
         reader.close()
-        for leftover in (segment, f"{segment}.snapshot"):
-            with contextlib.suppress(FileNotFoundError):
-                (segment_dir() / leftover).unlink()
+        remove_segment(segment)
 
 
 def _figures(output: str, shape: KVShape, stored: int, fill_seconds: float,
