@@ -67,6 +67,14 @@ def the_load(engine):
     return load
 
 
+def assert_resumed_from(engine, name: str, tokens: list[int], position: int) -> None:
+    """The request's first pass computed from `position` on, starting from the loaded state
+    of exactly the tokens before it, and its attention KV holds `tokens`, byte for byte."""
+    assert engine.first_computed[name] == position
+    assert engine.state_reads[name][0] == (position, True)
+    engine.assert_kv(name, tokens)
+
+
 @pytest.mark.parametrize("state_first", [False, True], ids=["attention-first", "state-first"])
 def test_a_second_engine_restores_the_state_and_the_kv_at_the_hit_point(engines, server,
                                                                         state_first):
@@ -122,9 +130,7 @@ def test_a_hit_deeper_than_vllms_own_loads_the_kv_from_there_and_the_state_at_it
 
     reader.add("read", tokens, salt)
     reader.run_until_idle()
-    assert reader.first_computed["read"] == 3 * CHUNK
-    assert reader.state_reads["read"][0] == (3 * CHUNK, True)
-    reader.assert_kv("read", tokens)
+    assert_resumed_from(reader, "read", tokens, 3 * CHUNK)
     full_item, state_item = the_load(reader).items
     full_table, state_table = reader.group_tables["read"]
     assert written(full_item) == full_table[18:48]  # vLLM's own 18 blocks stay as they are
@@ -153,9 +159,7 @@ def test_a_hit_ends_at_the_last_chunk_stored_with_its_state(engines, server):
     reader = engines(**CHUNKED)
     reader.add("read", tokens, salt)
     reader.run_until_idle()
-    assert reader.first_computed["read"] == 2 * CHUNK
-    assert reader.state_reads["read"][0] == (2 * CHUNK, True)
-    reader.assert_kv("read", tokens)
+    assert_resumed_from(reader, "read", tokens, 2 * CHUNK)
     assert stats(server).leases_held == 0
 
 
@@ -171,9 +175,7 @@ def test_a_hit_of_a_whole_prompt_ends_a_chunk_short(engines, server):
     reader = engines(**CHUNKED)
     reader.add("read", tokens, salt)
     reader.run_until_idle()
-    assert reader.first_computed["read"] == CHUNK
-    assert reader.state_reads["read"][0] == (CHUNK, True)
-    reader.assert_kv("read", tokens)
+    assert_resumed_from(reader, "read", tokens, CHUNK)
     assert stats(server).leases_held == 0
 
 
@@ -296,9 +298,7 @@ def test_the_state_at_a_chunk_the_answer_completes_is_stored_and_restored(engine
     second = engines(**CHUNKED)
     second.add("turn-2", second_prompt, salt)
     second.run_until_idle()
-    assert second.first_computed["turn-2"] == 2 * CHUNK
-    assert second.state_reads["turn-2"][0] == (2 * CHUNK, True)
-    second.assert_kv("turn-2", second_prompt)
+    assert_resumed_from(second, "turn-2", second_prompt, 2 * CHUNK)
     assert stats(server).leases_held == 0
 
 
@@ -355,9 +355,7 @@ def test_a_state_the_server_does_not_hold_cuts_the_hit_there(engines, server):
     reader = engines(**CHUNKED)
     reader.add("read", tokens, salt)
     reader.run_until_idle()
-    assert reader.first_computed["read"] == 2 * CHUNK
-    assert reader.state_reads["read"][0] == (2 * CHUNK, True)
-    reader.assert_kv("read", tokens)
+    assert_resumed_from(reader, "read", tokens, 2 * CHUNK)
     assert stats(server).leases_held == 0
 
 
