@@ -146,13 +146,14 @@ class ServerProcess:
 
     def close(self) -> int:
         """Stop the server and release its log and endpoint; returns the exit code."""
-        code = self.stop()
-        runtime.unlink_ipc_endpoint(self.url)
-        if self._own_dir:
-            shutil.rmtree(self.runtime_dir, ignore_errors=True)
-        self.output()
-        self._log.close()
-        return code
+        try:
+            return self.stop()
+        finally:  # the log and endpoint also when stopping failed
+            runtime.unlink_ipc_endpoint(self.url)
+            if self._own_dir:
+                shutil.rmtree(self.runtime_dir, ignore_errors=True)
+            self.output()
+            self._log.close()
 
     def __enter__(self) -> ServerProcess:
         self.start()
@@ -196,7 +197,12 @@ class ForkedServer:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:  # an exited server's pid may already be someone else's
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                # The forkserver, its parent, reaped it before its exit code reached us
+                # through the sentinel: it is gone, which is what any signal asks for.
+                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

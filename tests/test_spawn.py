@@ -69,3 +69,28 @@ def test_a_server_that_is_not_ready_in_time_is_stopped_and_closed_by_start():
     assert started_process(server).returncode is not None
     assert not server.runtime_dir.exists()
     assert server.close() == started_process(server).returncode  # closing again is harmless
+
+
+def test_a_server_reaped_before_its_exit_code_arrived_is_stopped_and_closed(monkeypatch):
+    """A forked server is the forkserver's child: the forkserver reaps it, then sends its
+    exit code. Between the two, poll() still says running while the pid is gone; stopping
+    it then must not fail, and a close() whose stop fails still releases the log."""
+    server = server_process(None, ["--cpu-size", "16MiB"])
+    server.start()
+    forked = started_process(server)
+    forked.send_signal(signal.SIGKILL)
+    forked._process.join()  # reaped: its exit code is in the sentinel, unread by poll()
+    real_poll, unread = type(forked).poll, [None, None]
+    monkeypatch.setattr(type(forked), "poll",
+                        lambda self: unread.pop() if unread else real_poll(self))
+    assert server.close() == -signal.SIGKILL  # SIGTERM to a pid no longer there: no error
+
+    failing = server_process(None, ["--cpu-size", "16MiB"])
+    failing.start()
+    monkeypatch.setattr(failing, "stop", lambda timeout=20.0: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.close()
+    assert failing._log.closed and not failing.runtime_dir.exists()
+    monkeypatch.undo()
+    started_process(failing).kill()
+    started_process(failing).wait()
