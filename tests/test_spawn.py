@@ -9,7 +9,7 @@ import pytest
 
 from lmcache_mp import phases
 from lmcache_mp.client import LookupItem
-from lmcache_mp.spawn import ServerProcess
+from lmcache_mp.spawn import ForkedServer, ServerProcess
 
 from .utils import run_server, server_process, started_process
 from .workers import MODEL, prompt
@@ -78,6 +78,7 @@ def test_a_server_reaped_before_its_exit_code_arrived_is_stopped_and_closed(monk
     server = server_process(None, ["--cpu-size", "16MiB"])
     server.start()
     forked = started_process(server)
+    assert isinstance(forked, ForkedServer)
     forked.send_signal(signal.SIGKILL)
     forked._process.join()  # reaped: its exit code is in the sentinel, unread by poll()
     real_poll, unread = type(forked).poll, [None, None]
