@@ -22,9 +22,9 @@ from ..runtime import default_runtime_dir, ipc_url
 from ..sizes import exact_size, parse_size
 from .cache.eviction import EVICTIONS
 from .cache.quotas import QuotaBook, load_quota_file, tomllib
-from .disk.admission import POLICIES as DISK_ADMISSION
 from .l2.keyfile import read_key_file
 from .l2.urls import MOONCAKE_SCHEME, check_url, read_password_file
+from .lower.admission import POLICIES as ADMISSION_POLICIES
 
 SEGMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # --pool-segment
 ADOPT_MODES = ("auto", "require", "never")  # --adopt
@@ -288,7 +288,7 @@ class Config:
                                  "tier (docs/disk.md, \"Admission\"): write-all, every one; "
                                  "reused, a chunk the second time a STORE commits it (stored, "
                                  "evicted from the pool, asked for again)",
-                                 _choice(*DISK_ADMISSION), "POLICY")
+                                 _choice(*ADMISSION_POLICIES), "POLICY")
     disk_write_budget: int | None = option(None, "with --disk-dir: bytes the disk tier may "
                                            "write an hour, e.g. 320GB (a 7.68 TB drive at "
                                            "one drive-write a day: its size over 24); past "
@@ -321,6 +321,10 @@ class Config:
                                    "oldest values there are deleted; a size, or unlimited; "
                                    "each salt's quota cap applies to its L2 bytes too",
                                    parse_cap, "SIZE", shown="unlimited", text=exact_size)
+    l2_admission: str = option("write-all", "which committed chunks are written to L2 "
+                               "(docs/l2.md, \"Admission\"): write-all, every one; reused, "
+                               "a chunk the second time a STORE on this server commits it",
+                               _choice(*ADMISSION_POLICIES), "POLICY")
     l2_ttl: int = option(86400, "seconds each value lives in L2", _positive(int), "SEC")
     l2_queue_size: int = option(256 * 1024**2, "chunk bytes waiting to be written to L2; "
                                 "past it, and while L2 is down, chunks are not written "

@@ -126,8 +126,8 @@ def _build(config: Config, access: _Access, quotas: QuotaBook,
     metrics = ServerMetrics()
     disk = None
     if disk_dir is not None:
-        from .disk.admission import admission_policy
         from .disk.tier import DiskTier
+        from .lower.admission import admission_policy
 
         assert config.disk_size is not None  # Config.validate() requires it
         key_file, key = _disk_key(disk_dir.path, config.disk_key_file, config.runtime_dir)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from ...server.cache.eviction import REUSE_ROUNDS
 from ...server.cache.lazy_heap import LazyHeap
-from ...server.disk.admission import WriteBudget
+from ...server.lower.admission import WriteBudget
 from .trace_file import TraceRequest
 
 EVICTIONS = ("lru", "reuse", "s3fifo")

@@ -34,11 +34,11 @@ from ...errors import SetupError
 from ..cache.chunk import Chunk, ChunkKey
 from ..cache.pool import ALIGNMENT, CpuPool, ExtentAllocator
 from ..cache.store import ChunkStore
+from ..lower.admission import Admission
 from ..lower.front import LowerTier
 from ..lower.names import namespace
 from ..memory.registry import Registry
 from ..private_dir import PrivateDir, UnsafePath
-from .admission import Admission
 from .files import READ_ONLY, DataFile
 from .index import DiskIndex
 from .journal import ChunkMac, Journal, SaltNames

@@ -43,8 +43,8 @@ from ..cache.pool import CpuPool, aligned
 from ..cache.quotas import QuotaBook
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
+from ..lower.admission import Admission
 from ..lower.queue import Queued, WriteQueue
-from .admission import Admission
 from .files import BATCH_FAULTS, DataFile, adjacent_runs, staging_buffer
 from .journal import ChunkMac, ChunkRecord, Journal, SaltNames, salt_digest
 from .keys import NO_KEY

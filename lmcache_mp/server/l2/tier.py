@@ -16,6 +16,7 @@ from ..cache.chunk import Chunk
 from ..cache.pool import CpuPool
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
+from ..lower.admission import Admission, WriteAll, admission_policy
 from ..lower.front import LowerTier
 from ..memory.registry import Registry
 from .base import L2, L2Counters, L2Error, PoolRegion
@@ -29,6 +30,10 @@ from .writeback import WriteBehind
 
 logger = logging.getLogger("lmcache_mp.server.l2")
 
+# Without --l2-budget, `reused` admission remembers the chunks of this many pools (L2 is
+# shared and has no size of its own).
+L2_SLOT_POOLS = 8
+
 
 class L2Tier(LowerTier):
     name = "l2"
@@ -37,7 +42,7 @@ class L2Tier(LowerTier):
     def __init__(self, backend: L2, store: ChunkStore, registry: Registry, pool: CpuPool,
                  chunk_view: Callable[[Chunk], torch.Tensor], *, budget: int | None,
                  ttl_s: int, queue_limit: int, prefetch_wait_s: float, timeout_s: float,
-                 values: ValueFormat):
+                 values: ValueFormat, admission: Admission | None = None):
         self.backend = backend
         self.values = values
         self.counters = L2Counters()
@@ -46,7 +51,8 @@ class L2Tier(LowerTier):
         self.offload = Offload()
         self.closed = False  # STOREs that finish during shutdown write nothing
         self.writer = WriteBehind(backend, self.health, self.counters, self.ledger, store,
-                                  store.quotas, chunk_view, queue_limit, self.offload, values)
+                                  store.quotas, chunk_view, queue_limit, self.offload, values,
+                                  admission or WriteAll())
         self.prefetcher = Prefetcher(backend, self.health, self.counters, self.ledger, store,
                                      registry, pool, prefetch_wait_s, self.offload, values)
 
@@ -61,7 +67,10 @@ class L2Tier(LowerTier):
         return cls(backend, store, registry, pool, chunk_view, budget=config.l2_budget,
                    ttl_s=config.l2_ttl, queue_limit=config.l2_queue_size,
                    prefetch_wait_s=config.l2_prefetch_wait, timeout_s=config.l2_timeout,
-                   values=value_format(keys))
+                   values=value_format(keys),
+                   admission=admission_policy(config.l2_admission,
+                                              config.l2_budget or L2_SLOT_POOLS * pool.capacity,
+                                              tier="L2"))
 
     def describe(self) -> str:
         return self.backend.describe()

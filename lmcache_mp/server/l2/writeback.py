@@ -9,6 +9,7 @@ a batch asks L2 which of its chunks are there before sending any bytes.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
 
@@ -18,6 +19,7 @@ from ..cache.chunk import CPU_TIER, Chunk
 from ..cache.quotas import QuotaBook
 from ..cache.store import ChunkStore
 from ..copy.offload import Offload
+from ..lower.admission import Admission
 from ..lower.names import namespace
 from ..lower.queue import Queued, WriteQueue
 from .base import L2, DirectL2, L2Counters, L2Error, PoolValue
@@ -34,9 +36,9 @@ class WriteBehind:
     def __init__(self, backend: L2, health: Health, counters: L2Counters, ledger: Ledger,
                  store: ChunkStore, quotas: QuotaBook,
                  chunk_view: Callable[[Chunk], torch.Tensor], queue_limit: int,
-                 offload: Offload, values: ValueFormat):
+                 offload: Offload, values: ValueFormat, admission: Admission):
         """`chunk_view(chunk)`: the chunk's bytes in its pool (either tier); `values`: how
-        they are sealed."""
+        they are sealed; `admission`: which chunks are queued (--l2-admission)."""
         self.backend = backend
         self.health = health
         self.counters = counters
@@ -47,7 +49,7 @@ class WriteBehind:
         self.values = values
         self._queue = WriteQueue(store, counters, queue_limit, hold_on_offer=True,
                                  available=health.available, name=_name, holds=ledger.known,
-                                 item=Queued)
+                                 item=Queued, admit=_by_digest(admission))
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -200,6 +202,14 @@ class WriteBehind:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._queue.clear()
+
+
+def _by_digest(admission: Admission) -> Callable[[bytes], bool]:
+    """The policy asked with a digest of the L2 key: a fingerprint table (Reused) takes
+    its slot and fingerprint from a key's bytes, which only a digest spreads evenly."""
+    def admit(key: bytes) -> bool:
+        return admission.admit(hashlib.blake2b(key, digest_size=16).digest())
+    return admit
 
 
 def _name(chunk: Chunk) -> bytes:

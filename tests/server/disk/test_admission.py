@@ -1,4 +1,4 @@
-"""Disk admission policies (server/disk/admission.py) against a simple model: a dict from
+"""Disk admission policies (server/lower/admission.py) against a simple model: a dict from
 slot to the fingerprint last offered there; the write budget by the bytes it lets through
 on an injected clock, and through a real server flooded past it."""
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_mp.server.config import Config
-from lmcache_mp.server.disk.admission import (
+from lmcache_mp.server.lower.admission import (
     MAX_SLOTS,
     MIN_SLOTS,
     Reused,
@@ -128,3 +128,10 @@ def test_a_server_flooded_past_its_write_budget_writes_the_budget_and_counts_the
                         "the disk tier's queue")
         assert done.disk_chunks_written == 1 and done.disk_bytes_written == CHUNK_BYTES
         assert done.disk_over_budget == 6 * PROMPT_CHUNKS - 1 and done.disk_dropped == 0
+
+
+def test_l2_takes_the_same_policies_by_its_own_flag():
+    assert Config().l2_admission == "write-all"
+    assert Config.from_args(["--l2-admission", "reused"]).l2_admission == "reused"
+    with pytest.raises(ValueError, match="unknown L2 admission policy"):
+        admission_policy("lfu", 1 << 30, tier="L2")

@@ -146,3 +146,26 @@ def test_pulled_chunks_name_their_parents_so_a_squeeze_leaves_a_prefix():
         # Pulling the rest again is over the cap: what B keeps is all a LOOKUP finds.
         assert client.lookup(MODEL, 1, [LookupItem.build("q", hashes, "t")]) == [remaining]
         retrieve_through(node_b, hashes[:remaining], seed=43, salt="t")
+
+
+def test_reused_admission_writes_a_chunk_to_l2_on_its_second_store_only():
+    """--l2-admission reused: a prompt stored once is not written; one stored again after
+    the pool let it go (a CLEAR here) is, and another node reads it back byte for byte.
+    The write queue is in order, so once the second prompt is in L2, the first would be."""
+    with redis_server() as redis, \
+            run_server("--l2", redis.url, "--l2-admission", "reused", *L2_FLAGS) as node_a, \
+            run_server("--l2", redis.url, *L2_FLAGS) as node_b, \
+            CacheClient(node_a.url, admin=True, timeout=10) as admin:
+        once, twice = prompt(tag=1503, num_chunks=4), prompt(tag=1504, num_chunks=4)
+        store_through(node_a, once, seed=44, salt="t")
+        store_through(node_a, twice, seed=45, salt="t")
+        assert admin.stats().l2_chunks_written == 0
+        assert admin.clear("t") == 8
+        store_through(node_a, twice, seed=45, salt="t")
+        written(node_a, 4)
+        assert admin.stats().l2_chunks_written == 4
+        assert len(redis.client().keys("lmcache-mp:1:*")) == 4
+        retrieve_through(node_b, twice, seed=45, salt="t")
+        missed = run(retrieve_worker, Job(node_b.url, NUM_BLOCKS, None, once,
+                                          chunk_blocks([4, 5, 6, 7]), cache_salt="t"))
+        assert (missed.hit, missed.retrieved) == (0, 0)

@@ -1,17 +1,18 @@
-"""Admission to the disk tier: which chunks a STORE commits are queued for the disk.
+"""Admission to a lower tier: which chunks a STORE commits are queued for the disk or L2.
 
-DiskWriter.offer() asks its policy once per committed chunk that is neither on disk nor
-queued (`admit(key)`, O(1), on the loop thread); a chunk refused is never queued, so it
-costs nothing and every crash guarantee of what is admitted holds as before. The policy is
-`--disk-admission` (docs/disk.md, "Admission"):
+A tier's write queue (queue.py) asks its policy once per committed chunk that the tier
+neither holds nor has queued (`admit(key)`, O(1), on the loop thread); a chunk refused is
+never queued, so it costs nothing and every guarantee of what is admitted holds as before.
+The policies are `--disk-admission` (docs/disk.md, "Admission") and `--l2-admission`
+(docs/l2.md, "Admission"), each one of:
 
 - `write-all` (the default): every chunk, write-through;
 - `reused`: a chunk the second time a STORE commits it: stored, evicted from the pool, and
   asked for again. What is reused while the pool still holds it is never written; what is
   reused after the pool let it go is written then, for its uses after that.
 
-A policy admits within its `budget` (`--disk-write-budget`, WriteBudget) too: offer() asks
-it for each chunk the policy let through that fits the queue.
+A policy admits within its `budget` (`--disk-write-budget`, WriteBudget) too: the disk
+writer asks it for each chunk the policy let through that fits the queue.
 """
 
 from __future__ import annotations
@@ -109,16 +110,15 @@ class Reused:
         return False
 
 
-def admission_policy(name: str, disk_size: int, write_budget: int | None = None
-                     ) -> Admission:
-    """The policy `--disk-admission` names, for a tier of `disk_size` bytes, within
-    `write_budget` bytes an hour (None: no budget): `reused` remembers as many chunks as
-    the tier holds of the smallest (8 KiB), rounded up to a power of two, within
-    [MIN_SLOTS, MAX_SLOTS]."""
+def admission_policy(name: str, tier_bytes: int, write_budget: int | None = None,
+                     tier: str = "disk") -> Admission:
+    """The policy `name` for a `tier` of `tier_bytes` bytes, within `write_budget` bytes an
+    hour (None: no budget): `reused` remembers as many chunks as the tier holds of the
+    smallest (8 KiB), rounded up to a power of two, within [MIN_SLOTS, MAX_SLOTS]."""
     budget = WriteBudget(write_budget)
     if name == "write-all":
         return WriteAll(budget)
     if name == "reused":
-        wanted = max(disk_size // SLOT_CHUNK_BYTES, 1)
+        wanted = max(tier_bytes // SLOT_CHUNK_BYTES, 1)
         return Reused(min(max(1 << (wanted - 1).bit_length(), MIN_SLOTS), MAX_SLOTS), budget)
-    raise ValueError(f"unknown disk admission policy {name!r}: one of {', '.join(POLICIES)}")
+    raise ValueError(f"unknown {tier} admission policy {name!r}: one of {', '.join(POLICIES)}")
