@@ -239,8 +239,9 @@ class BenchOptions:
         "trace's distinct blocks (1 MiB at least), and replay the trace on the pool alone "
         "too", type=positive_float, metavar="FRACTION")
     disk_admission: str = flag(
-        "write-all", "trace only, with --disk-share: the server's --disk-admission, which "
-        "chunks it writes to its disk tier (write-all, reused; default write-all)",
+        "write-all", "trace with --disk-share, or chat with --disk-size: the server's "
+        "--disk-admission, which chunks it writes to its disk tier (write-all, reused; "
+        "default write-all)",
         choices=("write-all", "reused"), metavar="POLICY")
     eviction: str = flag(
         "lru", "trace only: the server's --eviction, which chunk its pool lets go first "
@@ -425,6 +426,9 @@ def _check_disk(options: BenchOptions) -> None:
         if options.disk_dir is not None:
             raise FlagError("--disk-dir needs --disk-size (with --workload chat) or "
                             "--workload disk")
+        if options.disk_admission != "write-all" and options.workload != "trace":
+            raise FlagError("--disk-admission needs --disk-size with --workload chat, or "
+                            "--disk-share with --workload trace")
         return
     if options.workload != "chat":
         raise FlagError("--disk-size runs the chat workload: add --workload chat")

@@ -81,12 +81,25 @@ def test_chat_with_a_disk_tier_reports_three_hit_rates(tmp_path):
     assert list((tmp_path / "disks").iterdir()) == []
 
 
+def test_chat_with_a_disk_tier_takes_the_servers_admission_policy(tmp_path):
+    """--disk-admission reused: a chunk is written only once the pool let it go and a STORE
+    brought it again, so the disk writes no more chunks than the pool evicted."""
+    out = tmp_path / "chat.json"
+    result = bench("--workload", "chat", "--requests", "40", "--batch", "2", "--disk-size",
+                   "64MiB", "--disk-admission", "reused", *TINY, "--json", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    disk = json.loads(out.read_text())["disk"]
+    assert disk["pool_evictions"] > 0 and disk["dropped"] == 0
+    assert disk["chunks_written"] <= disk["pool_evictions"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--workload", "W2", "--disk-size", "1GiB"], "--disk-size runs the chat workload"),
     (["--workload", "chat", "--disk-size", "1GiB", "--url"], "spawns its own server"),
     (["--workload", "chat", "--disk-size", "lots"], "--disk-size: invalid size"),
     (["--workload", "chat", "--disk-dir", "/tmp"], "--disk-dir needs --disk-size"),
     (["--workload", "disk", "--disk-size", "1GiB"], "does not apply to --workload disk"),
+    (["--workload", "W2", "--disk-admission", "reused"], "--disk-admission needs --disk-size"),
 ])
 def test_disk_flags_are_refused_before_anything_starts(args, message):
     result = bench(*args, timeout=60)

@@ -250,7 +250,8 @@ def _disk_tier_args(stack: contextlib.ExitStack, options: BenchOptions) -> list[
         os.makedirs(options.disk_dir, exist_ok=True)
     disk_dir = tempfile.mkdtemp(prefix="lmcache-mp-bench-disk-", dir=options.disk_dir)
     stack.callback(shutil.rmtree, disk_dir, True)
-    return ["--disk-dir", os.path.join(disk_dir, "tier"), "--disk-size", options.disk_size]
+    return ["--disk-dir", os.path.join(disk_dir, "tier"), "--disk-size", options.disk_size,
+            "--disk-admission", options.disk_admission]
 
 
 def _read_profile(directory: str) -> dict[str, list[int]]:
