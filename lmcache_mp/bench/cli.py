@@ -64,7 +64,8 @@ workloads:
 
   chat with --disk-size: the same conversations twice, with a disk tier under a pool of an
   eighth of the working set and with that pool alone: hit rates with the disk, pool-only
-  and unbounded, and chunks written through against chunks the pool evicted
+  and unbounded, and chunks written through against chunks the pool evicted (the
+  server's admission policy: --disk-admission)
 """
 
 EPILOG = """\
