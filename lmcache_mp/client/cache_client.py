@@ -51,6 +51,7 @@ from ..protocol import (
     TensorHandle,
     TransferItem,
     UnregisterKVCacheRequest,
+    pack_worker_ids,
     unpack_push,
 )
 from .rpc import DEFAULT_TIMEOUT_S, RpcClient
@@ -245,9 +246,8 @@ class CacheClient:
                ) -> list[int]:
         """Per item, how many leading chunks every kv worker has stored (a snapshot
         worker's: at the last of them, LookupRequest.snapshot_workers)."""
-        return self.rpc.call(LookupRequest(model, kv_world_size, items,
-                                           snapshot_workers=list(snapshot_workers)),
-                             timeout).hits
+        return self.rpc.call(LookupRequest(model, kv_world_size, items, snapshot_workers=(
+            pack_worker_ids(list(snapshot_workers)))), timeout).hits
 
     def store(self, registration: Registration, items: list[TransferItem],
               timeout: float | None = None) -> list[bytes]:
@@ -286,7 +286,8 @@ class CacheClient:
         `tiers`: ask for the hits' tiers (LookupReply.hit_tiers); `snapshot_workers`:
         LookupRequest.snapshot_workers."""
         return self.rpc.submit(LookupRequest(model, kv_world_size, items, tiers,
-                                             list(snapshot_workers)), timeout, wait=wait)
+                                             pack_worker_ids(list(snapshot_workers))),
+                               timeout, wait=wait)
 
     def store_async(self, registration: Registration, items: list[TransferItem],
                     budget: float) -> Future[StoreReply]:

@@ -252,11 +252,10 @@ class LookupRequest:
     kv_world_size: KvWorldSize
     items: Items[LookupItem]
     tiers: bool = False  # ask for LookupReply.hit_tiers (a server that predates it ignores it)
-    # kv worker ids whose chunks are snapshots of the prefix at their chunk's end (a
-    # recurrent state): a hit needs theirs at its last chunk only (docs/protocol.md, LOOKUP)
-    snapshot_workers: Annotated[list[TpRank], length_in(0, MAX_KV_WORLD_SIZE - 1,
-                                                        "kv worker ids")] = field(
-        default_factory=list)
+    # packed kv worker ids (pack_worker_ids) whose chunks are snapshots of the prefix at
+    # their chunk's end (a recurrent state): a hit needs theirs at its last chunk only
+    # (docs/protocol.md, LOOKUP); empty: none
+    snapshot_workers: bytes = b""
 
 
 @dataclass

@@ -11,10 +11,12 @@ from ...protocol import (
     CHUNK_HASH_BYTES,
     LOOKUP_SLICE_PROBES,
     MAX_LOOKUP_PROBES,
+    WORKER_ID_BYTES,
     LookupReply,
     LookupRequest,
     check_hashes,
     split_hashes,
+    unpack_worker_ids,
     validate_salt,
 )
 from ..cache.chunk import LeaseOwner
@@ -158,9 +160,13 @@ class LookupOp:
 def _snapshot_workers(req: LookupRequest) -> frozenset[int]:
     """The LOOKUP's snapshot workers, checked: kv workers of its kv world, each named once,
     and not all of them (a hit needs a run of some worker's chunks)."""
-    named = req.snapshot_workers
-    if not named:
+    packed = req.snapshot_workers
+    if not packed:
         return frozenset()
+    if len(packed) > WORKER_ID_BYTES * req.kv_world_size:  # checked before it is unpacked
+        raise BadRequest(f"`snapshot_workers`: {len(packed)} bytes, more than "
+                         f"{req.kv_world_size} kv worker ids")
+    named = unpack_worker_ids(packed, "snapshot_workers")
     workers = frozenset(named)
     if len(workers) != len(named):
         raise BadRequest("`snapshot_workers`: a kv worker id is named twice")
