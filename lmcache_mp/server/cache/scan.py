@@ -112,17 +112,16 @@ def resident_hit(store: ChunkStore, model: str, kv_world_size: int, cache_salt: 
 
 
 def short_runs(store: ChunkStore, model: str, kv_world_size: int,
-               items: Sequence[tuple[str, Sequence[bytes]]], budget: int
-               ) -> Iterator[tuple[str, Sequence[bytes], int]]:
-    """The LOOKUP items whose run of chunks in memory stops short of their hashes, as
-    (cache_salt, hashes, how many of them memory holds), for a lower tier to continue;
+               items: Sequence[tuple[str, Sequence[bytes]]], budget: int,
+               snapshot_workers: frozenset[int]) -> Iterator[tuple[str, Sequence[bytes], int]]:
+    """The LOOKUP items whose hit in memory (PrefixScan's, with `snapshot_workers`) stops
+    short of their hashes, as (cache_salt, hashes, that hit), for a lower tier to continue;
     `budget` probes over all items (a long run in memory is left alone)."""
     for cache_salt, hashes in items:
         if budget < kv_world_size:
             return
         scan = PrefixScan(store, model, kv_world_size, cache_salt, hashes,
-                          hold_while_scanning=False)
+                          hold_while_scanning=False, snapshot_workers=snapshot_workers)
         budget -= scan.step(budget)
-        stored = len(scan.found) // kv_world_size
-        if scan.done and stored < len(hashes):
-            yield cache_salt, hashes, stored
+        if scan.done and scan.hit < len(hashes):
+            yield cache_salt, hashes, scan.hit

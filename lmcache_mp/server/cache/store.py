@@ -440,6 +440,11 @@ class ChunkStore(Catalog):
 
     # -- retrieve: hold while reading ----------------------------------------------------
 
+    def is_stored(self, key: ChunkKey) -> bool:
+        """Whether the committed chunk of `key` is in memory now (a lower tier need not
+        read it back)."""
+        return self._visible(key) is not None
+
     def hold_if_stored(self, key: ChunkKey, geometry: Hashable) -> Chunk | None:
         """Hold the committed chunk of `key` if it has `geometry` (RETRIEVE reads it next)."""
         chunk = self._visible(key)

@@ -63,20 +63,23 @@ class Prefetcher:
                                 health.available, self._pull)
 
     def before_lookup(self, model: str, kv_world_size: int,
-                      items: Sequence[tuple[str, Sequence[bytes]]]) -> Awaitable[None] | None:
+                      items: Sequence[tuple[str, Sequence[bytes]]],
+                      snapshot_workers: frozenset[int]) -> Awaitable[None] | None:
         """Start (or join) pulls for the items whose run continues past L1 (none while L2
         is known down); return what the LOOKUP should await before it looks in L1, or None
         to look at once."""
-        return self._hook.before_lookup(model, kv_world_size, items)
+        return self._hook.before_lookup(model, kv_world_size, items, snapshot_workers)
 
     def _timed_out(self) -> None:
         self.counters.prefetch_timeouts += 1
 
     async def _pull(self, model: str, kv_world_size: int, cache_salt: str,
                     after: bytes | None, hashes: Sequence[bytes],
-                    geometries: list[Geometry]) -> None:
+                    geometries: list[Geometry], _snapshot_workers: frozenset[int]) -> None:
         """Bring L2's run of `hashes` into L1, the prompt's chunks after the one of hash
-        `after` (None: from its start); never raises (an L2 failure is counted)."""
+        `after` (None: from its start), every kv worker's chunk of each, snapshot workers'
+        too (L2 does not tell them apart: a LOOKUP counts what lands, PrefixScan); never
+        raises (an L2 failure is counted)."""
         parents = first_parents(model, kv_world_size, cache_salt, after)
         spaces = [namespace(model, geometry) for geometry in geometries]
         keys = [[(ChunkKey(model, kv_world_size, worker, cache_salt, chunk_hash),

@@ -64,7 +64,7 @@ class LookupOp:
         if self.ctx.lower:
             items = [(salt, hashes) for salt, hashes, _ in parsed]
             for first, tier in enumerate(self.ctx.lower):
-                pull = tier.before_lookup(req.model, req.kv_world_size, items)
+                pull = tier.before_lookup(req.model, req.kv_world_size, items, snapshot)
                 if pull is not None:
                     in_memory = (self._resident(req, snapshot, items, probes) if req.tiers
                                  else None)
@@ -120,7 +120,7 @@ class LookupOp:
             starts.append((self.ctx.lower[first].hit_column, in_memory))
         await pull
         for tier in self.ctx.lower[first + 1:]:
-            next_pull = tier.before_lookup(req.model, req.kv_world_size, items)
+            next_pull = tier.before_lookup(req.model, req.kv_world_size, items, snapshot)
             if next_pull is not None:
                 if starts:
                     starts.append((tier.hit_column, self._runs(req, snapshot, items)))

@@ -165,3 +165,43 @@ def test_hits_read_back_from_disk_count_their_tiers_by_the_same_rule(tmp_path, e
             assert lookup(client, hashes, [SNAPSHOT], tiers=True).hit_tiers == [[want, 0, 0]]
         finally:
             workers.close()
+
+
+def test_a_read_back_brings_the_run_and_the_snapshots_the_disk_has(tmp_path, engine):
+    """After a restart memory is empty and the disk tier holds every chunk stored before:
+    a prompt whose snapshots are at chunk 2 only is read back, worker 0's run and worker
+    1's chunk 2 (a root), and hits 3; a prompt whose run worker 0 has stored again, in
+    memory, and whose snapshots (at chunks 1 and 3) only the disk has, reads those back
+    alone and hits 4. Both count as read back from disk."""
+    directory, runtime = tmp_path / "disk", tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    sparse, again = prompt(tag=5400, num_chunks=4), prompt(tag=5401, num_chunks=4)
+    flags = ("--disk-dir", str(directory), "--disk-size", "64MiB",
+             "--disk-prefetch-wait", "30")
+    with run_server(*flags, runtime_dir=str(runtime)) as server, \
+            CacheClient(server.url, timeout=30) as client:
+        workers = Workers(server.url, engine)
+        try:
+            store_pattern(workers, sparse, run=4, snapshots={2}, request_id="a")
+            store_pattern(workers, again, run=4, snapshots={1, 3}, request_id="b")
+            wait_for(partial(disk_written, client, 5 + 6), "the prompts on disk")
+        finally:
+            workers.close()
+    with run_server(*flags, runtime_dir=str(runtime)) as server, \
+            CacheClient(server.url, timeout=30, engine=engine) as client:
+        wait_for(lambda: client.stats().disk_loaded, "the disk index")
+        workers = Workers(server.url, engine)
+        try:
+            reply = lookup(client, sparse, [SNAPSHOT], tiers=True)
+            want = model_hit({0: 4}, {SNAPSHOT: {2}})
+            assert (want, reply.hits, reply.hit_tiers) == (3, [3], [[0, 3, 0]])
+
+            workers.send(0, "store", [TransferItem.build("b", again, chunk_blocks(range(4)))],
+                         "b")
+            before = client.stats().disk_hits
+            reply = lookup(client, again, [SNAPSHOT], tiers=True)
+            assert (reply.hits, reply.hit_tiers) == ([4], [[0, 4, 0]])
+            assert client.stats().disk_hits - before == 2  # the two snapshots alone
+            assert lookup(client, again, [SNAPSHOT], tiers=True).hit_tiers == [[4, 0, 0]]
+        finally:
+            workers.close()
