@@ -342,23 +342,25 @@ def test_a_state_block_vllm_gives_out_again_waits_for_the_store_that_reads_it(se
         scheduler.shutdown()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 def test_a_long_prefill_in_default_steps_stores_its_kv_and_the_state_where_a_step_ended(
-        engines, server):
+        engines, server, tp):
     """vLLM's default steps of 2048 tokens: a prompt of 2348 tokens is computed in a step
     that ends at chunk boundary 2048 and one of 300 tokens. Every chunk's attention KV is
     stored, the state only at 2048, and a second engine's hit ends there, the deepest
-    boundary with a state, restoring it and the KV before it."""
-    salt = "state-9"
+    boundary with a state, restoring it and the KV before it (with TP 2, each rank's)."""
+    salt = f"state-9-tp{tp}"
     tokens = prompt(94, DEFAULT_STEP + 300)
-    writer = engines(**LONG)
+    writer = engines(tp=tp, **LONG)
     writer.add("write", tokens, salt)
     writer.run_until_idle()
     # the prompt in two steps, 2048 and 300 tokens: the second starts from the state at 2048
     assert writer.state_reads["write"][0] == (DEFAULT_STEP, True)
     full_chunks = len(tokens) // CHUNK
-    assert stats(server).tenants[salt].chunks == full_chunks + 1  # 9 chunks' KV, 1 state
+    # 9 chunks' KV and 1 state, per rank
+    assert stats(server).tenants[salt].chunks == (full_chunks + 1) * tp
 
-    reader = engines(**LONG)
+    reader = engines(tp=tp, **LONG)
     reader.add("read", tokens, salt)
     reader.run_until_idle()
     assert_resumed_from(reader, "read", tokens, DEFAULT_STEP)

@@ -19,7 +19,6 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 from ..cache.chunk import Chunk, ChunkKey
@@ -39,19 +38,6 @@ logger = logging.getLogger("lmcache_mp.server.disk")
 
 MAX_READS = 64  # read-backs in flight at once; LOOKUPs beyond it answer from memory alone
 READ_THREADS = 4  # a disk serves several reads at once faster than one after the other
-
-
-def _parent_in_run(parents: list[ChunkKey | None], hashes: Sequence[bytes], start: int,
-                   snapshot_workers: frozenset[int], position: int, key: ChunkKey
-                   ) -> ChunkKey | None:
-    """The parent of a chunk read back at `position` of the window that starts at
-    hashes[start]: none for a snapshot worker's (a root, as the client stores it), the
-    same kv worker's chunk before it for the others'."""
-    if key.kv_worker_id in snapshot_workers:
-        return None
-    if position == 0:
-        return parents[key.kv_worker_id]
-    return key._replace(chunk_hash=hashes[start + position - 1])
 
 
 @dataclass
@@ -154,8 +140,7 @@ class DiskReader:
                     position += 1
                 if not window:
                     break
-                parent_of = None if not snapshot_workers else partial(
-                    _parent_in_run, parents, hashes, start, snapshot_workers)
+                parent_of = landing.parents_in_run(parents, hashes, start, snapshot_workers)
                 landed = await self._land(window, parents, geometries, parent_of)
                 counters.hits += sum(1 for found in window[:landed] if found)  # read back
                 if landed < len(window):

@@ -51,6 +51,24 @@ def first_parents(model: str, kv_world_size: int, cache_salt: str,
             for worker in range(kv_world_size)]
 
 
+def parents_in_run(parents: Sequence[ChunkKey | None], hashes: Sequence[bytes], start: int,
+                   snapshot_workers: frozenset[int]) -> ParentOf | None:
+    """The parents of a window of a run `hashes` that starts at hashes[start], for a LOOKUP
+    with snapshot workers (None without: reserve's own): none for a snapshot worker's
+    chunk (a root, as the client stores it), the same kv worker's chunk before it for the
+    others' (for the window's first, `parents`)."""
+    if not snapshot_workers:
+        return None
+
+    def parent_of(position: int, key: ChunkKey) -> ChunkKey | None:
+        if key.kv_worker_id in snapshot_workers:
+            return None
+        if position == 0:
+            return parents[key.kv_worker_id]
+        return key._replace(chunk_hash=hashes[start + position - 1])
+    return parent_of
+
+
 def reserve(store: ChunkStore, window: Window[Source], parents: Sequence[ChunkKey | None],
             geometries: Sequence[Geometry], nbytes: Callable[[Source, Geometry], int],
             parent_of: ParentOf | None = None) -> tuple[list[Reserved[Source]], int]:

@@ -17,6 +17,7 @@ from lmcache_mp.client import CacheClient, LookupItem, ParallelStrategy, Transfe
 from lmcache_mp.errors import BadRequest
 from lmcache_mp.protocol import LOOKUP_SLICE_PROBES, LookupRequest, pack_worker_ids
 
+from ...redis_servers import redis_server
 from ...utils import run_server, wait_for
 from ...workers import (
     BLOCKS_PER_CHUNK,
@@ -203,5 +204,37 @@ def test_a_read_back_brings_the_run_and_the_snapshots_the_disk_has(tmp_path, eng
             assert (reply.hits, reply.hit_tiers) == ([4], [[0, 4, 0]])
             assert client.stats().disk_hits - before == 2  # the two snapshots alone
             assert lookup(client, again, [SNAPSHOT], tiers=True).hit_tiers == [[4, 0, 0]]
+        finally:
+            workers.close()
+
+
+def test_a_pull_from_l2_brings_the_run_and_the_snapshots_l2_has(engine):
+    """Node A stores both prompts of the test above, and L2 takes them; node B, whose
+    memory lacks them (of the second, worker 0 stores the run there again), pulls from L2
+    what its LOOKUP counts: the run and the snapshots L2 holds, each a root."""
+    sparse, again = prompt(tag=5500, num_chunks=4), prompt(tag=5501, num_chunks=4)
+    with redis_server() as redis, \
+            run_server("--l2", redis.url) as node_a, \
+            run_server("--l2", redis.url, "--l2-prefetch-wait", "20") as node_b, \
+            CacheClient(node_a.url, timeout=30) as a, \
+            CacheClient(node_b.url, timeout=30, engine=engine) as client:
+        writers = Workers(node_a.url, engine)
+        try:
+            store_pattern(writers, sparse, run=4, snapshots={2}, request_id="a")
+            store_pattern(writers, again, run=4, snapshots={1, 3}, request_id="b")
+            wait_for(lambda: a.stats().l2_chunks_written >= 5 + 6, "the prompts in L2")
+        finally:
+            writers.close()
+        workers = Workers(node_b.url, engine)
+        try:
+            reply = lookup(client, sparse, [SNAPSHOT], tiers=True)
+            assert (reply.hits, reply.hit_tiers) == ([3], [[0, 0, 3]])
+
+            workers.send(0, "store", [TransferItem.build("b", again, chunk_blocks(range(4)))],
+                         "b")
+            before = client.stats().l2_hits
+            reply = lookup(client, again, [SNAPSHOT], tiers=True)
+            assert (reply.hits, reply.hit_tiers) == ([4], [[0, 0, 4]])
+            assert client.stats().l2_hits - before == 2  # the two snapshots alone
         finally:
             workers.close()
