@@ -3,8 +3,9 @@ processes of their own: worker 0's a prompt's run (each chunk after its parent),
 1's snapshots at some of its chunks' ends (each a root, as the vLLM connector stores a
 recurrent state). A hit ends at the last chunk of worker 0's run that worker 1 holds, the
 same at once, sliced and held (and the held chunks are what the workers then RETRIEVE,
-byte for byte); a LOOKUP read back from disk counts its tiers by the same rule; bad
-snapshot_workers are refused, and the server serves on."""
+byte for byte); a LOOKUP that reads back from disk or pulls from L2 brings the run and
+the snapshots the tier has, and counts its tiers by the same rule; bad snapshot_workers
+are refused, and the server serves on."""
 
 from __future__ import annotations
 
