@@ -51,6 +51,7 @@ from ..protocol import (
     TensorHandle,
     TransferItem,
     UnregisterKVCacheRequest,
+    pack_worker_ids,
     unpack_push,
 )
 from .rpc import DEFAULT_TIMEOUT_S, RpcClient
@@ -241,9 +242,12 @@ class CacheClient:
     # -- the cache -------------------------------------------------------------------------
 
     def lookup(self, model: str, kv_world_size: int, items: list[LookupItem],
-               timeout: float | None = None) -> list[int]:
-        """Per item, how many leading chunks every kv worker has stored."""
-        return self.rpc.call(LookupRequest(model, kv_world_size, items), timeout).hits
+               timeout: float | None = None, snapshot_workers: Sequence[int] = ()
+               ) -> list[int]:
+        """Per item, how many leading chunks every kv worker has stored (a snapshot
+        worker's: at the last of them, LookupRequest.snapshot_workers)."""
+        return self.rpc.call(LookupRequest(model, kv_world_size, items, snapshot_workers=(
+            pack_worker_ids(list(snapshot_workers)))), timeout).hits
 
     def store(self, registration: Registration, items: list[TransferItem],
               timeout: float | None = None) -> list[bytes]:
@@ -276,11 +280,14 @@ class CacheClient:
 
     def lookup_async(self, model: str, kv_world_size: int, items: list[LookupItem],
                      timeout: float | None = None, wait: float = 0.0,
-                     tiers: bool = False) -> Future[LookupReply]:
+                     tiers: bool = False, snapshot_workers: Sequence[int] = ()
+                     ) -> Future[LookupReply]:
         """`wait`: seconds to wait for the reply before returning (RpcClient.submit);
-        `tiers`: ask for the hits' tiers (LookupReply.hit_tiers)."""
-        return self.rpc.submit(LookupRequest(model, kv_world_size, items, tiers), timeout,
-                               wait=wait)
+        `tiers`: ask for the hits' tiers (LookupReply.hit_tiers); `snapshot_workers`:
+        LookupRequest.snapshot_workers."""
+        return self.rpc.submit(LookupRequest(model, kv_world_size, items, tiers,
+                                             pack_worker_ids(list(snapshot_workers))),
+                               timeout, wait=wait)
 
     def store_async(self, registration: Registration, items: list[TransferItem],
                     budget: float) -> Future[StoreReply]:

@@ -32,11 +32,14 @@ class SchedulerAdapter:
     """
 
     def __init__(self, client: CacheClient, model: str, parallel: ParallelStrategy,
-                 chunk_size: int = 256):
+                 chunk_size: int = 256, snapshot_workers: Sequence[int] = ()):
+        """`snapshot_workers`: the kv workers whose chunks are snapshots of the prefix at
+        their chunk's end (LookupRequest.snapshot_workers), sent with every LOOKUP."""
         self.client = client
         self.model = model
         self.parallel = parallel
         self.chunk_size = chunk_size
+        self.snapshot_workers = tuple(snapshot_workers)
         # each request's LOOKUP: in flight (its Future) or answered (its hit, in chunks),
         # kept until forget(), release() or end_session()
         self._lookups: dict[str, Future[LookupReply] | int] = {}
@@ -78,7 +81,8 @@ class SchedulerAdapter:
             wait = wait_s if not self._replies_late else 0.0
             try:
                 state = self.client.lookup_async(self.model, self.parallel.kv_world_size,
-                                                 [item], wait=wait, tiers=True)
+                                                 [item], wait=wait, tiers=True,
+                                                 snapshot_workers=self.snapshot_workers)
             except LMCacheMPError as exc:
                 logger.warning("lookup for %s not sent: %s", request_id, exc)
                 return 0

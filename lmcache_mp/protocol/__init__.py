@@ -140,12 +140,15 @@ from .packed import (
     BLOCK_ID_BYTES,
     CHUNK_HASH_BYTES,
     SKIP_BLOCK,
+    WORKER_ID_BYTES,
     check_hashes,
     pack_block_ids,
     pack_hashes,
+    pack_worker_ids,
     split_hashes,
     unpack_block_ids,
     unpack_hashes,
+    unpack_worker_ids,
 )
 
 __all__ = [
@@ -162,7 +165,8 @@ __all__ = [
     "MAX_WAITING_FD_CONNECTIONS_PER_UID", "MAX_WATCHES_PER_UID", "OPS",
     "PROTOCOL_VERSION", "PUSH_MESSAGES", "PUSH_REQUEST_ID", "REPLY_BACKLOG_BYTES", "REQUEST_ID",
     "REQUEST_ID_BYTES", "ROLE_ADMIN", "ROLE_ENGINE", "SKIP_BLOCK", "STATUS_ERR", "STATUS_OK",
-    "TICKET_BYTES", "TICKET_TTL_S", "TRANSFER_SLICE_CHUNKS", "BudgetMs", "ClearReply",
+    "TICKET_BYTES", "TICKET_TTL_S", "TRANSFER_SLICE_CHUNKS", "WORKER_ID_BYTES", "BudgetMs",
+    "ClearReply",
     "ClearRequest", "ClientNumber", "CudaIpcHandle", "Decoder", "EndSessionReply",
     "EndSessionRequest", "ErrorReply", "HelloReply", "HelloRequest", "Histogram", "InstanceStats",
     "Items", "KvWorldSize", "LeaseRef", "Limit", "LoadDone", "LoadDoneItem", "LoadProgress",
@@ -174,7 +178,8 @@ __all__ = [
     "StoreRequest", "StoreStatus", "TenantStats", "TensorHandle", "TpRank", "TransferItem",
     "UnregisterKVCacheReply", "UnregisterKVCacheRequest", "check_hashes", "decode_request_id",
     "encode_request_id", "error_frames", "from_wire", "is_valid_salt", "length_in", "op_name",
-    "pack", "pack_block_ids", "pack_hashes", "parse_request_frames", "push_frames", "reply_frames",
+    "pack", "pack_block_ids", "pack_hashes", "pack_worker_ids", "parse_request_frames",
+    "push_frames", "reply_frames",
     "request_id_of", "span_bytes", "split_hashes", "unpack", "unpack_block_ids", "unpack_hashes",
-    "unpack_push", "unpack_reply", "validate_salt", "value_in",
+    "unpack_push", "unpack_reply", "unpack_worker_ids", "validate_salt", "value_in",
 ]

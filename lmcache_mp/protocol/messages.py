@@ -252,6 +252,10 @@ class LookupRequest:
     kv_world_size: KvWorldSize
     items: Items[LookupItem]
     tiers: bool = False  # ask for LookupReply.hit_tiers (a server that predates it ignores it)
+    # packed kv worker ids (pack_worker_ids) whose chunks are snapshots of the prefix at
+    # their chunk's end (a recurrent state): a hit needs theirs at its last chunk only
+    # (docs/protocol.md, LOOKUP); empty: none
+    snapshot_workers: bytes = b""
 
 
 @dataclass

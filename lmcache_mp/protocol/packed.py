@@ -1,4 +1,4 @@
-"""Packed arrays: a message's chunk hashes and block ids, each array one msgpack bin.
+"""Packed arrays: a message's chunk hashes, block ids and kv worker ids, each array one msgpack bin.
 
 Large arrays travel as one bin, not as msgpack arrays (docs/protocol.md, "Packed arrays"):
 one value to decode and count however many chunks an item names.
@@ -14,6 +14,7 @@ from ..errors import BadRequest
 
 CHUNK_HASH_BYTES = 16
 BLOCK_ID_BYTES = 4  # int32, little-endian
+WORKER_ID_BYTES = 2  # uint16, little-endian: a kv worker id (below MAX_KV_WORLD_SIZE)
 SKIP_BLOCK = -1  # in RETRIEVE block_ids: leave this block of the chunk unwritten
 
 
@@ -59,3 +60,13 @@ def unpack_block_ids(packed: bytes, path: str) -> list[int]:
     if len(packed) % BLOCK_ID_BYTES:
         raise BadRequest(f"`{path}`: length {len(packed)} is not a multiple of {BLOCK_ID_BYTES}")
     return list(struct.unpack(f"<{len(packed) // BLOCK_ID_BYTES}i", packed))
+
+
+def pack_worker_ids(worker_ids: list[int]) -> bytes:
+    return struct.pack(f"<{len(worker_ids)}H", *worker_ids)
+
+
+def unpack_worker_ids(packed: bytes, path: str) -> list[int]:
+    if len(packed) % WORKER_ID_BYTES:
+        raise BadRequest(f"`{path}`: length {len(packed)} is not a multiple of {WORKER_ID_BYTES}")
+    return list(struct.unpack(f"<{len(packed) // WORKER_ID_BYTES}H", packed))

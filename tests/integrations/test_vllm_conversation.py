@@ -101,7 +101,7 @@ def test_a_chunk_whose_last_tokens_came_after_its_step_is_stored_when_the_reques
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         assert scheduler.request_finished(request, blocks) == (True, None)
         meta = scheduler.build_connector_meta(scheduler_output(finished={"async"}))
-        assert [items[0].request_id for items in meta.stores] == ["async"]
+        assert [store.request_id for store in meta.stores] == ["async"]
         assert meta.await_stores == ["async"]
         step_until_reported([worker], scheduler, meta, 0, "async", finished={"async"})
         assert tenant_chunks(server, salt) == 1

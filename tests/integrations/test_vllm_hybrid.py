@@ -89,9 +89,10 @@ def test_a_window_block_vllm_gives_out_again_waits_for_the_store_that_reads_it(s
         output = scheduler_output(num_scheduled={"first": 256})
         output.scheduled_new_reqs = [NewRequestData.from_request(first, (window, full))]
         meta = scheduler.build_connector_meta(output)
-        (items,) = meta.stores
-        assert unpack_block_ids(items[0].block_ids, "block_ids") == [0] * 12 + window[12:]
-        assert unpack_block_ids(items[1].block_ids, "block_ids") == full
+        (store,) = meta.stores
+        ((window_item,), (full_item,)) = store.groups
+        assert unpack_block_ids(window_item.block_ids, "block_ids") == [0] * 12 + window[12:]
+        assert unpack_block_ids(full_item.block_ids, "block_ids") == full
         assert not meta.fence
 
         second = Request("second", prompt(73, 40), SamplingParams(max_tokens=2), None)

@@ -24,6 +24,7 @@ from .test_vllm import (  # vLLM's names too: test_vllm imports them for the CPU
     Request,
     RequestStatus,
     SamplingParams,
+    SchedulerConfig,
     hand_config,
     layer_name,
     lookup,
@@ -56,6 +57,11 @@ GROUPS = [(ATTENTION, [0, 2]), (mamba(), [1, 3])]
 # steps of at most a chunk: every chunk boundary of a prompt is the end of a step, where
 # vLLM's align mode keeps a state
 CHUNKED = dict(kv_groups=GROUPS, mamba_cache_mode="align", max_num_batched_tokens=CHUNK)
+# vLLM's own default step (SchedulerConfig's max_num_batched_tokens): a long prompt in
+# steps of 8 chunks, a state kept only where one ends on a chunk boundary
+DEFAULT_STEP = SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
+LONG = dict(kv_groups=GROUPS, mamba_cache_mode="align", max_num_batched_tokens=DEFAULT_STEP,
+            num_blocks=400)
 
 
 def written(item) -> list[int]:
@@ -121,7 +127,7 @@ def test_a_hit_deeper_than_vllms_own_loads_the_kv_from_there_and_the_state_at_it
     reader = engines(kv_groups=GROUPS, mamba_cache_mode="align")  # steps of up to 512
     reader.add("own", tokens[:CHUNK + 40], salt)  # steps of 288 and 8 tokens
     reader.run_until_idle()
-    assert salt not in stats(server).tenants  # no state at 256: nothing stored
+    assert stats(server).tenants[salt].chunks == 1  # chunk 0's KV, and no state at 256
     own_state = reader.group_tables["own"][1][17]  # the state after 288 tokens
     reader.scheduler.kv_cache_manager.block_pool.evict_blocks({own_state})
     writer = engines(**CHUNKED)
@@ -139,9 +145,9 @@ def test_a_hit_deeper_than_vllms_own_loads_the_kv_from_there_and_the_state_at_it
 
 
 def test_a_hit_ends_at_the_last_chunk_stored_with_its_state(engines, server):
-    """A chunk is stored only where vLLM kept the state at its end (a step ended there):
-    an engine that computes the last chunk and the prompt's tail in one step stores
-    nothing of it, and a hit ends before it."""
+    """A chunk's state is stored only where vLLM kept it (a step ended there): an engine
+    that computes the last chunk and the prompt's tail in one step stores that chunk's
+    attention KV alone, and a hit ends before it."""
     salt = "state-3"
     tokens = prompt(83, 3 * CHUNK + 40)
     first = engines(**CHUNKED)
@@ -154,7 +160,7 @@ def test_a_hit_ends_at_the_last_chunk_stored_with_its_state(engines, server):
     second.run_until_idle()
     assert second.first_computed["three"] == 2 * CHUNK  # loaded 2 chunks, computed the rest
     assert second.state_reads["three"][0] == (2 * CHUNK, True)
-    assert stats(server).tenants[salt].chunks == 2 * 2  # no state at 768: chunk 2 unstored
+    assert stats(server).tenants[salt].chunks == 2 * 2 + 1  # chunk 2's KV, no state at 768
 
     reader = engines(**CHUNKED)
     reader.add("read", tokens, salt)
@@ -319,9 +325,11 @@ def test_a_state_block_vllm_gives_out_again_waits_for_the_store_that_reads_it(se
         output = scheduler_output(num_scheduled={"first": CHUNK + 16})
         output.scheduled_new_reqs = [NewRequestData.from_request(first, (full, state))]
         meta = scheduler.build_connector_meta(output)
-        (items,) = meta.stores
-        assert unpack_block_ids(items[0].block_ids, "block_ids") == full[:16]
-        assert unpack_block_ids(items[1].block_ids, "block_ids") == [18]  # the state at 256
+        (store,) = meta.stores
+        ((full_item,), (state_item,)) = store.groups
+        assert unpack_block_ids(full_item.block_ids, "block_ids") == full[:16]
+        assert unpack_block_ids(state_item.block_ids, "block_ids") == [18]  # the state at 256
+        assert state_item.parent_hash == b""  # a root
         assert not meta.fence
 
         second = Request("second", prompt(91, 40), SamplingParams(max_tokens=2), None)
@@ -334,25 +342,83 @@ def test_a_state_block_vllm_gives_out_again_waits_for_the_store_that_reads_it(se
         scheduler.shutdown()
 
 
-def test_a_state_the_server_does_not_hold_cuts_the_hit_there(engines, server):
-    """A salt's quota leaves no room for chunk 2's state beside chunk 2's attention KV: the
-    server refuses the state, or stores it in the room of that KV (evicted: it is the
-    salt's least recent chunk no stored chunk follows once its copy has ended, which may
-    be before or after the state's STORE is placed). Either way chunk 2 is incomplete, and
-    a hit ends at chunk 2, where the last complete boundary is, loading the state stored
-    there."""
-    salt = "state-9"
-    tokens = prompt(94, 3 * CHUNK + 40)
-    attention_chunk = 2 * 2 * CHUNK * 2 * 64 * 2
-    with server.client(admin=True) as admin:
-        admin.quota_set(salt, 3 * attention_chunk + 3 * aligned(2 * STATE_BYTES) - 1)
-    writer = engines(**CHUNKED)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_long_prefill_in_default_steps_stores_its_kv_and_the_state_where_a_step_ended(
+        engines, server, tp):
+    """vLLM's default steps of 2048 tokens: a prompt of 2348 tokens is computed in a step
+    that ends at chunk boundary 2048 and one of 300 tokens. Every chunk's attention KV is
+    stored, the state only at 2048, and a second engine's hit ends there, the deepest
+    boundary with a state, restoring it and the KV before it (with TP 2, each rank's)."""
+    salt = f"state-9-tp{tp}"
+    tokens = prompt(94, DEFAULT_STEP + 300)
+    writer = engines(tp=tp, **LONG)
     writer.add("write", tokens, salt)
     writer.run_until_idle()
-    tenant = stats(server).tenants[salt]
-    assert tenant.chunks == 3 * 2 - 1 and tenant.refused + tenant.evictions == 1
+    # the prompt in two steps, 2048 and 300 tokens: the second starts from the state at 2048
+    assert writer.state_reads["write"][0] == (DEFAULT_STEP, True)
+    full_chunks = len(tokens) // CHUNK
+    # 9 chunks' KV and 1 state, per rank
+    assert stats(server).tenants[salt].chunks == (full_chunks + 1) * tp
 
-    reader = engines(**CHUNKED)
+    reader = engines(tp=tp, **LONG)
+    reader.add("read", tokens, salt)
+    reader.run_until_idle()
+    assert_resumed_from(reader, "read", tokens, DEFAULT_STEP)
+    full_item, state_item = the_load(reader).items
+    full_table, state_table = reader.group_tables["read"]
+    last = DEFAULT_STEP // BLOCK - 1
+    assert written(full_item) == full_table[:last + 1]
+    assert written(state_item) == [state_table[last]]  # the state at 2048 alone
+    assert stats(server).leases_held == 0
+
+
+def test_a_checkpoint_at_the_end_of_a_one_step_prompt_is_the_hit_point(engines, server):
+    """A prompt of 4 chunks and 4 tokens in one step, with Mamba2's prefill checkpoint at
+    its last block boundary, 1024: the 4 chunks' KV and the state at 1024 are stored, and
+    a second engine loads all 4 chunks."""
+    checkpointed = [(ATTENTION, [0, 2]), (mamba(num_prefill_checkpoint_blocks=1,
+                                                prefill_checkpoint_alignment=1), [1, 3])]
+    salt = "state-10"
+    tokens = prompt(95, 4 * CHUNK + 4)
+    writer = engines(kv_groups=checkpointed, mamba_cache_mode="align",
+                     max_num_batched_tokens=DEFAULT_STEP)
+    writer.add("write", tokens, salt)
+    writer.run_until_idle()
+    assert writer.state_reads["write"][0] == (len(tokens), True)  # the prompt in one step
+    assert stats(server).tenants[salt].chunks == 4 + 1
+
+    longer = [*tokens, *prompt(96, 30)]
+    reader = engines(kv_groups=checkpointed, mamba_cache_mode="align",
+                     max_num_batched_tokens=DEFAULT_STEP)
+    reader.add("read", longer, salt)
+    reader.run_until_idle()
+    assert_resumed_from(reader, "read", longer, 4 * CHUNK)
+    assert stats(server).leases_held == 0
+
+
+def test_a_state_evicted_at_the_last_boundary_ends_the_hit_at_one_that_has_a_state(
+        engines, server):
+    """The long prefill above stores the state at 2048 alone; a chunked engine then stores
+    the states at 256 and 512 of the same prompt's start (its KV is there already), under
+    a quota with no room for the second: the salt's least recent chunk that no stored
+    chunk follows goes, the state at 2048 (a state is the root of nothing). A hit then
+    ends at 512, the deepest boundary with a state."""
+    salt = "state-11"
+    tokens = prompt(97, DEFAULT_STEP + 300)
+    writer = engines(**LONG)
+    writer.add("write", tokens, salt)
+    writer.run_until_idle()
+    assert stats(server).tenants[salt].chunks == len(tokens) // CHUNK + 1
+    with server.client(admin=True) as admin:
+        admin.quota_set(salt, stats(server).tenants[salt].bytes_used
+                        + 2 * aligned(2 * STATE_BYTES) - 1)
+    start = engines(**CHUNKED)
+    start.add("start", tokens[:2 * CHUNK + 40], salt)
+    start.run_until_idle()
+    tenant = stats(server).tenants[salt]
+    assert tenant.chunks == len(tokens) // CHUNK + 2 and tenant.evictions == 1
+
+    reader = engines(**LONG)
     reader.add("read", tokens, salt)
     reader.run_until_idle()
     assert_resumed_from(reader, "read", tokens, 2 * CHUNK)

@@ -17,6 +17,7 @@ from .test_vllm import (  # isort: skip
 from lmcache_mp.client import TransferItem
 from lmcache_mp.integrations.vllm import LoadSpec, StepMetadata
 from lmcache_mp.integrations.vllm.adapters import GroupAdapters
+from lmcache_mp.integrations.vllm.metadata import GroupStores
 from lmcache_mp.integrations.vllm.transfers import LoadState, RequestTransfers, StoreState
 from lmcache_mp.protocol import CHUNK_HASH_BYTES, unpack_block_ids
 
@@ -159,9 +160,10 @@ def load(request_id: str, *blocks: int, sync: bool = False, failed: tuple[int, .
     return LoadSpec(request_id, items, failed, sync)
 
 
-def store(request_id: str) -> tuple[TransferItem, ...]:
+def store(request_id: str) -> GroupStores:
     """A STORE of one chunk of the request: its item for the one KV cache group."""
-    return (TransferItem.build(request_id, [bytes(CHUNK_HASH_BYTES)], list(range(BLOCK))),)
+    return GroupStores(request_id, ((TransferItem.build(request_id, [bytes(CHUNK_HASH_BYTES)],
+                                                        list(range(BLOCK))),),))
 
 
 @dataclass

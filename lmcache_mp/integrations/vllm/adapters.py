@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from ...client.cache_client import Registration
 from ...client.worker import WorkerAdapter
 from ...protocol import SKIP_BLOCK, TransferItem, unpack_block_ids
+
+if TYPE_CHECKING:
+    from .metadata import GroupStores
 
 
 class GroupAdapters:
@@ -36,12 +40,14 @@ class GroupAdapters:
     def registrations(self) -> list[Registration | None]:
         return [adapter.registration for adapter in self.adapters]
 
-    def start_store(self, stores: list[tuple[TransferItem, ...]]) -> None:
-        """One STORE per group, each of its item of every request."""
+    def start_store(self, stores: list[GroupStores]) -> None:
+        """One STORE per group, each of its items of every request (none for a group with
+        no item: a request is reported once every group it stores in has been)."""
         for group, adapter in enumerate(self.adapters):
-            adapter.start_store([items[group] for items in stores])
-        for items in stores:
-            self._stores[items[0].request_id] = set(range(len(self.adapters)))
+            adapter.start_store([item for store in stores for item in store.groups[group]])
+        for store in stores:  # with those of its STOREs still open
+            self._stores.setdefault(store.request_id, set()).update(
+                group for group, items in enumerate(store.groups) if items)
 
     def start_load(self, loads: list[tuple[TransferItem, ...]], by_layer: bool = False) -> None:
         """One RETRIEVE per group (written layer by layer only with one group: with several

@@ -7,7 +7,8 @@ while the request runs and puts its null block, id 0, in their place), chunked-l
 attention only those of the current attention chunk. Each group is registered with the
 server apart, as a kv worker of its own (GroupShard), under the engine's one model name,
 which lists every group (model_name): one LOOKUP then finds a chunk only when every group
-of every rank holds it, and holds them all until each group's RETRIEVE.
+of every rank holds it (a recurrent group: see below), and holds them all until each
+group's RETRIEVE.
 
 A chunk of a window group stores, of its blocks, those that a later hit can need (KVGroup
 .kept_blocks): a hit ends at a chunk boundary, where vLLM keeps of that group only the
@@ -19,7 +20,10 @@ A recurrent group (vLLM's MambaSpec in mamba_cache_mode "align": Mamba, Gated De
 linear attention) keeps one block per position, the state after that block's last token,
 and only at the positions where a step ended. It registers with the server's "state"
 layout, one block per chunk: a chunk stores the block at its last position (the state at
-its end), and a load writes the state at the hit point alone.
+its end) where vLLM keeps one, as a root of its own (a snapshot of the prefix there,
+stored whether or not the states before it are), while the attention groups store every
+chunk. Its kv workers are a LOOKUP's snapshot_workers: a hit ends at a chunk boundary
+whose state is stored, and a load writes the state at the hit point alone.
 """
 
 from __future__ import annotations
@@ -187,7 +191,8 @@ def groups_suffix(groups: Sequence[KVGroup]) -> str:
 class GroupShard(ParallelStrategy):
     """The ParallelStrategy of one group's registration on one rank: each group of each
     kv worker is a kv worker of its own to the server, so that one LOOKUP (kv_world_size
-    of them) counts a chunk only where every group holds it."""
+    of them) counts a chunk only where every group holds it (a recurrent group's kv
+    workers: at the hit's last chunk only, snapshot_workers)."""
 
     group: int = 0
     num_groups: int = 1
@@ -206,29 +211,48 @@ def sharded(parallel: ParallelStrategy, group: int, num_groups: int) -> GroupSha
                       parallel.tp_size, parallel.pp_size, group, num_groups)
 
 
+def snapshot_workers(parallel: ParallelStrategy, groups: Sequence[KVGroup]) -> tuple[int, ...]:
+    """The kv workers (GroupShard's ids) of the recurrent groups' registrations on every
+    rank: their chunks are states, each a snapshot of the prefix at its chunk's end (a
+    LOOKUP's snapshot_workers)."""
+    per_group = parallel.kv_world_size
+    return tuple(group.index * per_group + worker for group in groups
+                 if group.kind is GroupKind.STATE for worker in range(per_group))
+
+
 def store_items(spec: StoreSpec, groups: Sequence[KVGroup], block_ids: Sequence[Sequence[int]],
                 layout: ChunkLayout, current: Sequence[Sequence[int]] | None = None
-                ) -> tuple[int, tuple[TransferItem, ...]]:
-    """The STORE items of `spec` (planned on group 0's blocks), one per group, and how many
-    of its leading chunks they carry: they end before the first chunk one of whose blocks
-    a later hit needs is no longer in a window group's table (vLLM's null block in
-    `block_ids`, or another block in `current`, vLLM's table now, where the scheduler can
-    read it)."""
+                ) -> tuple[int, tuple[tuple[TransferItem, ...], ...]]:
+    """The STORE items of `spec` (planned on group 0's blocks), per group (GroupStores),
+    and how many of its leading chunks they carry: they end before the first chunk one of
+    whose blocks a later hit needs is no longer in a window group's table (vLLM's null
+    block in `block_ids`, or another block in `current`, vLLM's table now, where the
+    scheduler can read it). A recurrent group stores the state at the end of each of those
+    chunks where vLLM keeps one, an item of its own per state."""
     rows: list[list[int]] = [[] for _ in groups]
+    states: list[list[TransferItem]] = [[] for _ in groups]
     storable = 0
-    for offset in range(len(spec.chunk_hashes)):
+    for offset, chunk_hash in enumerate(spec.chunk_hashes):
         chunk = spec.first_chunk_index + offset
         chunk_rows = [_stored_row(group, chunk, block_ids[group.index], layout,
                                   None if current is None else current[group.index])
                       for group in groups]
-        if any(row is None for row in chunk_rows):
+        if any(row is None and group.kind is not GroupKind.STATE
+               for group, row in zip(groups, chunk_rows)):
             break
-        for group_rows, row in zip(rows, chunk_rows):
-            group_rows.extend(row or ())
+        for group, row, group_rows, group_states in zip(groups, chunk_rows, rows, states):
+            if group.kind is not GroupKind.STATE:
+                group_rows.extend(row or ())
+            elif row is not None:  # a root: no parent_hash
+                group_states.append(TransferItem.build(spec.request_id, [chunk_hash], row,
+                                                       spec.cache_salt))
         storable += 1
     hashes = list(spec.chunk_hashes[:storable])
-    return storable, tuple(TransferItem.build(spec.request_id, hashes, row, spec.cache_salt,
-                                              spec.parent_hash) for row in rows)
+    return storable, tuple(
+        tuple(group_states) if group.kind is GroupKind.STATE
+        else (TransferItem.build(spec.request_id, hashes, group_rows, spec.cache_salt,
+                                 spec.parent_hash),)
+        for group, group_rows, group_states in zip(groups, rows, states))
 
 
 def _stored_row(group: KVGroup, chunk: int, ids: Sequence[int], layout: ChunkLayout,
@@ -261,15 +285,15 @@ def retrieve_items(spec: RetrieveSpec, groups: Sequence[KVGroup],
     """The RETRIEVE items of `spec` (planned on group 0's blocks), one per group: each
     writes the blocks vLLM allocated for the hit, skipping those the engine holds already
     and, in window groups, those vLLM keeps no KV in (its null block); a state group's
-    writes the state at the hit point alone (state_targets)."""
+    names the hit's last chunk alone and writes the state at its end (state_target)."""
     start = spec.first_chunk_index * layout.blocks_per_chunk
     count = len(spec.block_ids)
     items = []
     for group in groups:
         if group.kind is GroupKind.STATE:
-            items.append(TransferItem.build(spec.request_id, list(spec.chunk_hashes),
-                                            state_targets(spec, block_ids[group.index], layout),
-                                            spec.cache_salt))
+            last = list(spec.chunk_hashes[-1:])
+            targets = [state_target(spec, block_ids[group.index], layout)] if last else []
+            items.append(TransferItem.build(spec.request_id, last, targets, spec.cache_salt))
             continue
         ids = block_ids[group.index][start:start + count]
         targets = [SKIP_BLOCK] * spec.skip_leading_blocks
@@ -281,16 +305,15 @@ def retrieve_items(spec: RetrieveSpec, groups: Sequence[KVGroup],
     return tuple(items)
 
 
-def state_targets(spec: RetrieveSpec, ids: Sequence[int], layout: ChunkLayout) -> list[int]:
-    """A state group's RETRIEVE targets, one per chunk of `spec`: the block vLLM allocated
-    for the state at the hit point (the last chunk's end), every other chunk SKIP_BLOCK;
-    all SKIP_BLOCK when vLLM gave none (missing_state: the load must fail)."""
+def state_target(spec: RetrieveSpec, ids: Sequence[int], layout: ChunkLayout) -> int:
+    """Where a state group's RETRIEVE writes the state at the hit point (the end of the
+    last chunk of `spec`): the block vLLM allocated for it, or SKIP_BLOCK when it gave
+    none (missing_state: the load must fail)."""
     end = (spec.first_chunk_index + len(spec.chunk_hashes)) * layout.blocks_per_chunk
     state = ids[end - 1] if 0 < end <= len(ids) else NULL_BLOCK
-    targets = [SKIP_BLOCK] * len(spec.chunk_hashes)
-    if targets and state != NULL_BLOCK and not spec.skip_trailing_blocks:
-        targets[-1] = state
-    return targets
+    if not spec.chunk_hashes or state == NULL_BLOCK or spec.skip_trailing_blocks:
+        return SKIP_BLOCK
+    return state
 
 
 def missing_state(spec: RetrieveSpec, groups: Sequence[KVGroup],
@@ -298,5 +321,5 @@ def missing_state(spec: RetrieveSpec, groups: Sequence[KVGroup],
     """Whether a recurrent group has no block for the state at the hit point: then the
     attention KV alone would be loaded without its state, and the load must fail."""
     return any(group.kind is GroupKind.STATE and spec.chunk_hashes
-               and state_targets(spec, block_ids[group.index], layout)[-1] == SKIP_BLOCK
+               and state_target(spec, block_ids[group.index], layout) == SKIP_BLOCK
                for group in groups)

@@ -27,13 +27,25 @@ class LoadSpec:
     sync: bool = False
 
 
+@dataclass(frozen=True)
+class GroupStores:
+    """One request's STORE in a step: per KV cache group, in vLLM's group order, its
+    items. An attention group's is one item; a recurrent group's, one per state chunk
+    stored, each the root of a prefix of its own (no parent_hash: a state is a snapshot
+    of the prefix at its chunk's end, stored whether or not the one before it is), and
+    none where no state is stored."""
+
+    request_id: str
+    groups: tuple[tuple[TransferItem, ...], ...]
+
+
 @dataclass
 class StepMetadata(KVConnectorMetadata):
     """Built by the scheduler once per step (build_connector_meta), read by every worker."""
 
     loads: list[LoadSpec] = field(default_factory=list)  # start in start_load_kv
-    # start in wait_for_save: per request, one item per KV cache group
-    stores: list[tuple[TransferItem, ...]] = field(default_factory=list)
+    # start in wait_for_save: one per request
+    stores: list[GroupStores] = field(default_factory=list)
     # finished requests whose blocks vLLM frees only once every worker has reported them
     # in finished_sending, after their stores were read
     await_stores: list[str] = field(default_factory=list)

@@ -30,9 +30,10 @@ from .groups import (
     missing_state,
     retrieve_items,
     sharded,
+    snapshot_workers,
     store_items,
 )
-from .metadata import LoadSpec, StepMetadata
+from .metadata import GroupStores, LoadSpec, StepMetadata
 from .sources import hit_sources
 from .tracking import StoredTokens, VllmRequestTracker
 
@@ -90,7 +91,8 @@ class SchedulerSide:
                                   engine=engine_secret(config, vllm_config))
         self.adapter = SchedulerAdapter(
             self.client, model_name(config, vllm_config, groups_suffix(self.groups)),
-            sharded(parallel, 0, len(self.groups)), config.chunk_size)
+            sharded(parallel, 0, len(self.groups)), config.chunk_size,
+            snapshot_workers(parallel, self.groups))
         # window and state groups: vLLM frees their blocks while the request runs
         self.windowed = any(group.kind is not GroupKind.FULL for group in self.groups)
         # a recurrent group: a hit must end where vLLM computes on from the loaded state
@@ -344,12 +346,13 @@ class SchedulerSide:
             store, self.groups, tracker.group_block_ids, self.layout, current)
         if store is not None and chunks < len(store.chunk_hashes):
             logger.debug("request %s: %d of %d chunks stored: a window group freed blocks "
-                         "a hit needs, or a recurrent group has no state at a chunk's end",
-                         tracker.request_id, chunks, len(store.chunk_hashes))
+                         "a hit needs", tracker.request_id, chunks, len(store.chunk_hashes))
         if store is not None and chunks:
-            meta.stores.append(items)
-            for group, item in zip(self.groups, items):
-                if group.kind is not GroupKind.FULL:
+            meta.stores.append(GroupStores(tracker.request_id, items))
+            for group, group_items in zip(self.groups, items):
+                if group.kind is GroupKind.FULL:
+                    continue
+                for item in group_items:
                     for block_id in unpack_block_ids(item.block_ids, "block_ids"):
                         if block_id != NULL_BLOCK:
                             self._window_stores[block_id] = tracker.request_id

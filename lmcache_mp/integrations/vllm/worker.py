@@ -294,8 +294,8 @@ class WorkerSide:
             if self._store_event is not None:  # the server reads once this pass has written
                 self._store_event.record()
             self.adapter.start_store(meta.stores)
-            for items in meta.stores:
-                self._request(items[0].request_id).store_sent()
+            for store in meta.stores:
+                self._request(store.request_id).store_sent()
 
     def finished(self, meta: StepMetadata | None) -> tuple[set[str], set[str], set[str]]:
         """Worker, every step (get_transfer_results): (finished requests whose stores have

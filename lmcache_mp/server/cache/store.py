@@ -28,6 +28,7 @@ from .chunk import (
     SavedIndex,
 )
 from .pool import aligned
+from .scan import PrefixScan
 
 _ADOPT_BATCH = 65536  # chunks a warm restart's index reads into Python values at a time
 
@@ -40,18 +41,21 @@ class ChunkStore(Catalog):
     # -- lookup: probe, refresh, lease ---------------------------------------------------
 
     def lookup(self, model: str, kv_world_size: int, cache_salt: str,
-               hashes: Sequence[bytes], holder: LeaseOwner | None = None) -> int:
-        """Leading chunks stored for every kv worker; with `holder`, lease them to it. All at
-        once: the dispatcher sends long lookups through a sliced PrefixScan instead."""
-        return self.lookup_many(model, kv_world_size, [(cache_salt, hashes, holder)])[0]
+               hashes: Sequence[bytes], holder: LeaseOwner | None = None,
+               snapshot_workers: frozenset[int] = frozenset()) -> int:
+        """Leading chunks stored for every kv worker (a snapshot worker's: at the last of
+        them, PrefixScan); with `holder`, lease them to it. All at once: the dispatcher
+        sends long lookups through a sliced PrefixScan instead."""
+        return self.lookup_many(model, kv_world_size, [(cache_salt, hashes, holder)],
+                                snapshot_workers)[0]
 
     def lookup_many(self, model: str, kv_world_size: int,
-                    queries: Sequence[tuple[str, Sequence[bytes], LeaseOwner | None]]
-                    ) -> list[int]:
+                    queries: Sequence[tuple[str, Sequence[bytes], LeaseOwner | None]],
+                    snapshot_workers: frozenset[int] = frozenset()) -> list[int]:
         """lookup() of each (cache_salt, hashes, holder), in order: a LOOKUP's items in one
         call. The common item (one kv worker, no lease) costs no Python call: its probes
         and its hits' refresh are one loop here (a third of a batched LOOKUP's calls went
-        to the calls per item)."""
+        to the calls per item). With snapshot workers each item is a PrefixScan's."""
         hits = []
         policies, reuse = self._policies, self.reuse
         salt_seen = None  # the salt whose scopes and usage are at hand: items mostly share one
@@ -85,6 +89,13 @@ class ChunkStore(Catalog):
                 quick_hits += hit
                 quick_probes += len(hashes)
                 hits.append(hit)
+                continue
+            if snapshot_workers:
+                scan = PrefixScan(self, model, kv_world_size, cache_salt, hashes,
+                                  hold_while_scanning=False, snapshot_workers=snapshot_workers)
+                scan.step(len(hashes) * kv_world_size)
+                hits.append(scan.finish(holder))
+                salt_seen = None  # a lease may release chunks (below)
                 continue
             found: list[Chunk] = []
             if kv_world_size == 1:
@@ -428,6 +439,11 @@ class ChunkStore(Catalog):
         return usage.bytes_used - self._chunks[key].footprint >= reserve
 
     # -- retrieve: hold while reading ----------------------------------------------------
+
+    def is_stored(self, key: ChunkKey) -> bool:
+        """Whether the committed chunk of `key` is in memory now (a lower tier need not
+        read it back)."""
+        return self._visible(key) is not None
 
     def hold_if_stored(self, key: ChunkKey, geometry: Hashable) -> Chunk | None:
         """Hold the committed chunk of `key` if it has `geometry` (RETRIEVE reads it next)."""

@@ -70,42 +70,59 @@ class DiskReader:
                                 self._serving, self._start_read)
 
     def before_lookup(self, model: str, kv_world_size: int,
-                      items: Sequence[tuple[str, Sequence[bytes]]]) -> Awaitable[None] | None:
+                      items: Sequence[tuple[str, Sequence[bytes]]],
+                      snapshot_workers: frozenset[int]) -> Awaitable[None] | None:
         """Start (or join) read-backs for the items whose run continues on disk; return what
         the LOOKUP should await before it looks in memory, or None to look at once."""
-        return self._hook.before_lookup(model, kv_world_size, items)
+        return self._hook.before_lookup(model, kv_world_size, items, snapshot_workers)
 
     def _serving(self) -> bool:
         return self.counters.loaded and len(self.space.index) > 0
 
     def _start_read(self, model: str, kv_world_size: int, cache_salt: str,
-                    after: bytes | None, hashes: Sequence[bytes],
-                    geometries: list[Geometry]) -> Coroutine[Any, Any, None] | None:
-        """The read-back of the run `hashes`, or None if the disk lacks even its first chunk."""
-        if self._on_disk(model, kv_world_size, cache_salt, hashes[0], geometries) is None:
-            return None
-        return self._read(model, kv_world_size, cache_salt, after, hashes, geometries)
+                    after: bytes | None, hashes: Sequence[bytes], geometries: list[Geometry],
+                    snapshot_workers: frozenset[int]) -> Coroutine[Any, Any, None] | None:
+        """The read-back of the run `hashes`, or None if the disk has nothing of it to bring
+        before the run ends (without snapshot workers: not even its first chunk)."""
+        for chunk_hash in hashes:
+            found = self._on_disk(model, kv_world_size, cache_salt, chunk_hash, geometries,
+                                  snapshot_workers)
+            if found is None:
+                return None
+            if found:
+                return self._read(model, kv_world_size, cache_salt, after, hashes, geometries,
+                                  snapshot_workers)
+        return None
 
     def _timed_out(self) -> None:
         self.counters.prefetch_timeouts += 1
 
     def _on_disk(self, model: str, kv_world_size: int, cache_salt: str, chunk_hash: bytes,
-                 geometries: list[Geometry]) -> list[tuple[ChunkKey, int]] | None:
-        """Each kv worker's key and disk record of one chunk, or None unless all are there."""
+                 geometries: list[Geometry], snapshot_workers: frozenset[int]
+                 ) -> list[tuple[ChunkKey, int]] | None:
+        """The keys and disk records of one chunk's kv workers to read, or None where the
+        run ends. Without snapshot workers: every kv worker's, None unless all are on disk.
+        With them: those on disk that memory lacks, None unless every other kv worker's
+        chunk is on disk or in memory (a snapshot worker's is read where the disk has it:
+        a hit needs it at the hit's last chunk only)."""
         found = []
         for worker, geometry in enumerate(geometries):
             key = ChunkKey(model, kv_world_size, worker, cache_salt, chunk_hash)
+            if snapshot_workers and self.store.is_stored(key):
+                continue
             rid = self.space.index.find(self.key_of(key, geometry))
-            if rid < 0:
+            if rid >= 0:
+                found.append((key, rid))
+            elif worker not in snapshot_workers:
                 return None
-            found.append((key, rid))
         return found
 
     async def _read(self, model: str, kv_world_size: int, cache_salt: str,
-                    after: bytes | None, hashes: Sequence[bytes],
-                    geometries: list[Geometry]) -> None:
+                    after: bytes | None, hashes: Sequence[bytes], geometries: list[Geometry],
+                    snapshot_workers: frozenset[int]) -> None:
         """Bring the disk's run of `hashes` into the pool, the prompt's chunks after the one
-        of hash `after` (None: from its start); never raises."""
+        of hash `after` (None: from its start), and with snapshot workers theirs where the
+        disk has them, each a root; never raises."""
         parents = first_parents(model, kv_world_size, cache_salt, after)
         per_window = chunks_per_window(geometries)
         counters = self.counters
@@ -113,32 +130,35 @@ class DiskReader:
         try:
             while position < len(hashes):
                 window: list[list[tuple[ChunkKey, int]]] = []
+                start = position
                 while len(window) < per_window and position < len(hashes):
                     found = self._on_disk(model, kv_world_size, cache_salt, hashes[position],
-                                          geometries)
+                                          geometries, snapshot_workers)
                     if found is None:
                         break
                     window.append(found)
                     position += 1
                 if not window:
                     break
-                landed = await self._land(window, parents, geometries)
-                counters.hits += landed
+                parent_of = landing.parents_in_run(parents, hashes, start, snapshot_workers)
+                landed = await self._land(window, parents, geometries, parent_of)
+                counters.hits += sum(1 for found in window[:landed] if found)  # read back
                 if landed < len(window):
                     position -= len(window) - landed
                     break
-                parents = [key for key, _ in window[-1]]
+                parents = first_parents(model, kv_world_size, cache_salt, hashes[position - 1])
             counters.misses += len(hashes) - position
         except Exception:  # nothing of a read-back may reach a LOOKUP
             logger.exception("disk tier read-back failed")
 
     async def _land(self, window: list[list[tuple[ChunkKey, int]]],
-                    parents: list[ChunkKey | None], geometries: list[Geometry]) -> int:
+                    parents: list[ChunkKey | None], geometries: list[Geometry],
+                    parent_of: landing.ParentOf | None) -> int:
         """Read, verify and commit one window, in order; return how many of its chunks are
         in memory after it (a chunk that could not be placed or read ends the run)."""
         index = self.space.index
         reserved, ready = landing.reserve(self.store, window, parents, geometries,
-                                          lambda rid, _: index.nbytes(rid))
+                                          lambda rid, _: index.nbytes(rid), parent_of)
         reads = [self._read_of(item) for item in reserved]
         for read in reads:
             index.hold(read.rid)

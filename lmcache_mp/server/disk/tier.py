@@ -219,11 +219,12 @@ class DiskTier(LowerTier):
             self.writer.offer(chunks)
 
     def before_lookup(self, model: str, kv_world_size: int,
-                      items: Sequence[tuple[str, Sequence[bytes]]]) -> Awaitable[None] | None:
+                      items: Sequence[tuple[str, Sequence[bytes]]],
+                      snapshot_workers: frozenset[int]) -> Awaitable[None] | None:
         """What a LOOKUP awaits (at most --disk-prefetch-wait) before it looks in memory."""
         if self.closed:
             return None
-        return self.reader.before_lookup(model, kv_world_size, items)
+        return self.reader.before_lookup(model, kv_world_size, items, snapshot_workers)
 
     def enforce_cap(self, cache_salt: str) -> int:
         """The salt's quota changed: evict its least recent chunks on disk until it is

@@ -63,20 +63,22 @@ class Prefetcher:
                                 health.available, self._pull)
 
     def before_lookup(self, model: str, kv_world_size: int,
-                      items: Sequence[tuple[str, Sequence[bytes]]]) -> Awaitable[None] | None:
+                      items: Sequence[tuple[str, Sequence[bytes]]],
+                      snapshot_workers: frozenset[int]) -> Awaitable[None] | None:
         """Start (or join) pulls for the items whose run continues past L1 (none while L2
         is known down); return what the LOOKUP should await before it looks in L1, or None
         to look at once."""
-        return self._hook.before_lookup(model, kv_world_size, items)
+        return self._hook.before_lookup(model, kv_world_size, items, snapshot_workers)
 
     def _timed_out(self) -> None:
         self.counters.prefetch_timeouts += 1
 
     async def _pull(self, model: str, kv_world_size: int, cache_salt: str,
                     after: bytes | None, hashes: Sequence[bytes],
-                    geometries: list[Geometry]) -> None:
+                    geometries: list[Geometry], snapshot_workers: frozenset[int]) -> None:
         """Bring L2's run of `hashes` into L1, the prompt's chunks after the one of hash
-        `after` (None: from its start); never raises (an L2 failure is counted)."""
+        `after` (None: from its start), and with snapshot workers theirs where L2 has them,
+        each a root (_run); never raises (an L2 failure is counted)."""
         parents = first_parents(model, kv_world_size, cache_salt, after)
         spaces = [namespace(model, geometry) for geometry in geometries]
         keys = [[(ChunkKey(model, kv_world_size, worker, cache_salt, chunk_hash),
@@ -87,37 +89,62 @@ class Prefetcher:
         try:
             present = await self.health.call("EXISTS", self.backend.exists(
                 [key for chunk in keys for _, key in chunk]))
-            run = 0
-            while run < len(keys) and all(present[run * kv_world_size:
-                                                  (run + 1) * kv_world_size]):
-                run += 1
-            counters.misses += len(keys) - run
+            run = self._run(keys, present, snapshot_workers)
+            counters.misses += len(keys) - len(run)
             per_window = chunks_per_window(geometries)
-            for start in range(0, run, per_window):
-                window = keys[start:min(run, start + per_window)]
-                landed, corrupt = await self._land(window, parents, geometries)
+            for start in range(0, len(run), per_window):
+                window = run[start:start + per_window]
+                parent_of = landing.parents_in_run(parents, hashes, start, snapshot_workers)
+                landed, corrupt = await self._land(window, parents, geometries, parent_of)
                 # Counted together, with no await between them and the misses below: a
                 # corrupt value is also a miss, at every moment the counters are read.
-                counters.hits += landed
+                counters.hits += sum(1 for chunk in window[:landed] if chunk)  # pulled
                 counters.corrupt += corrupt
-                parents = [chunk_key for chunk_key, _ in window[-1]]
+                parents = first_parents(model, kv_world_size, cache_salt,
+                                        hashes[start + len(window) - 1])
                 if landed < len(window):
-                    counters.misses += run - start - landed
+                    counters.misses += len(run) - start - landed
                     return
         except L2Error:
             return
         except Exception:  # nothing of a pull may reach a LOOKUP
             logger.exception("L2 prefetch failed")
 
+    def _run(self, keys: list[list[tuple[ChunkKey, bytes]]], present: list[bool],
+             snapshot_workers: frozenset[int]) -> list[list[tuple[ChunkKey, bytes]]]:
+        """The chunks to pull, each as its kv workers' (L1 key, L2 key) pairs. Without
+        snapshot workers: the leading chunks L2 holds for every kv worker. With them, of
+        each chunk the pieces L1 lacks and L2 holds, up to the first chunk of which another
+        kv worker's piece is in neither (a snapshot worker's: where L2 has it)."""
+        run: list[list[tuple[ChunkKey, bytes]]] = []
+        for position, chunk in enumerate(keys):
+            held = present[position * len(chunk):(position + 1) * len(chunk)]
+            if not snapshot_workers:
+                if not all(held):
+                    break
+                run.append(chunk)
+                continue
+            pieces = []
+            for (chunk_key, key), in_l2 in zip(chunk, held):
+                if self.store.is_stored(chunk_key):
+                    continue
+                if in_l2:
+                    pieces.append((chunk_key, key))
+                elif chunk_key.kv_worker_id not in snapshot_workers:
+                    return run
+            run.append(pieces)
+        return run
+
     async def _land(self, window: list[list[tuple[ChunkKey, bytes]]],
-                    parents: list[ChunkKey | None], geometries: list[Geometry]
-                    ) -> tuple[int, int]:
+                    parents: list[ChunkKey | None], geometries: list[Geometry],
+                    parent_of: landing.ParentOf | None) -> tuple[int, int]:
         """Fetch, verify and commit one window of chunks, in order, the first after
         `parents` (per kv worker); return how many chunks are in L1 after it (a bad value,
         a full pool or a parent gone from L1 ends the run there), and how many values
         failed their check."""
         if isinstance(self.backend, DirectL2):
-            return await self._land_direct(self.backend, window, parents, geometries)
+            return await self._land_direct(self.backend, window, parents, geometries,
+                                           parent_of)
         flat = [pair for chunk in window for pair in chunk]
         values = await self.health.call("GET", self.backend.get([key for _, key in flat]))
         self.counters.bytes_read += sum(len(value) for value in values if value is not None)
@@ -125,9 +152,10 @@ class Prefetcher:
         intact = await self.offload.run(lambda: [
             value is not None and self.values.payload(key, value, size) is not None
             for (_, key), value, size in zip(flat, values, sizes)], lambda: None)
-        workers = len(geometries)
-        bad, corrupt = _first_bad(intact, workers, len(window))
-        reserved, chunks_ready = self._reserve(window[:bad], parents, geometries)
+        bad, corrupt = _first_bad(intact, [p for p, chunk in enumerate(window) for _ in chunk],
+                                  len(window))
+        reserved, chunks_ready = self._reserve(window[:bad], parents, geometries, parent_of)
+        value_of = {key: value for (_, key), value in zip(flat, values)}
         header_bytes = self.values.header_bytes
 
         def abort() -> None:
@@ -136,7 +164,7 @@ class Prefetcher:
         def copy_reserved() -> None:
             for item in reserved:
                 chunk = item.chunk
-                value = values[item.position * workers + chunk.key.kv_worker_id]
+                value = value_of[item.source]
                 assert value is not None  # intact
                 _copy_payload(value, header_bytes, self.pool.view(chunk.offset, chunk.nbytes))
         try:
@@ -151,12 +179,12 @@ class Prefetcher:
             corrupt if chunks_ready == bad else 0
 
     async def _land_direct(self, backend: DirectL2, window: list[list[tuple[ChunkKey, bytes]]],
-                           parents: list[ChunkKey | None], geometries: list[Geometry]
-                           ) -> tuple[int, int]:
+                           parents: list[ChunkKey | None], geometries: list[Geometry],
+                           parent_of: landing.ParentOf | None) -> tuple[int, int]:
         """_land() without a copy: the window's L1 chunks are reserved first, the backend
         reads each value's payload straight into its chunk's pool extent, and the chunks
         are verified there before any is committed (visible)."""
-        reserved, chunks_ready = self._reserve(window, parents, geometries)
+        reserved, chunks_ready = self._reserve(window, parents, geometries, parent_of)
         if not reserved:
             return chunks_ready, 0
         values = [PoolValue(item.source, bytearray(self.values.header_bytes),
@@ -192,11 +220,12 @@ class Prefetcher:
         return landing.commit(self.store, reserved, chunks_ready), corrupt
 
     def _reserve(self, window: Window[bytes], parents: list[ChunkKey | None],
-                 geometries: list[Geometry]) -> tuple[list[Reserved[bytes]], int]:
+                 geometries: list[Geometry], parent_of: landing.ParentOf | None
+                 ) -> tuple[list[Reserved[bytes]], int]:
         """landing.reserve() of the window's chunks, each with its L2 key; the values of
         those placed are known to be in L2 from now on."""
         reserved, placed = landing.reserve(self.store, window, parents, geometries,
-                                           _chunk_bytes)
+                                           _chunk_bytes, parent_of)
         for chunk in window[:placed]:
             for _, key in chunk:
                 self.ledger.seen(key)
@@ -210,11 +239,11 @@ def _chunk_bytes(_key: bytes, geometry: Geometry) -> int:
     return geometry.chunk_bytes
 
 
-def _first_bad(intact: list[bool], workers: int, chunks: int) -> tuple[int, int]:
-    """The index of the first chunk with a value (of its `workers`) that is not intact
-    (`chunks` if none), and how many of that chunk's values are not."""
-    for c in range(chunks):
-        values = intact[c * workers:(c + 1) * workers]
-        if not all(values):
-            return c, values.count(False)
+def _first_bad(intact: list[bool], positions: list[int], chunks: int) -> tuple[int, int]:
+    """The index of the first chunk with a value that is not intact (`chunks` if none),
+    and how many of that chunk's values are not; `positions`: each value's chunk."""
+    for good, position in zip(intact, positions):
+        if not good:
+            return position, sum(1 for ok, at in zip(intact, positions)
+                                 if at == position and not ok)
     return chunks, 0

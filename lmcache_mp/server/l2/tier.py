@@ -86,11 +86,12 @@ class L2Tier(LowerTier):
             self.writer.offer(chunks)
 
     def before_lookup(self, model: str, kv_world_size: int,
-                      items: Sequence[tuple[str, Sequence[bytes]]]) -> Awaitable[None] | None:
+                      items: Sequence[tuple[str, Sequence[bytes]]],
+                      snapshot_workers: frozenset[int]) -> Awaitable[None] | None:
         """What a LOOKUP awaits (at most --l2-prefetch-wait) before it looks in L1, or None."""
         if self.closed:
             return None
-        return self.prefetcher.before_lookup(model, kv_world_size, items)
+        return self.prefetcher.before_lookup(model, kv_world_size, items, snapshot_workers)
 
     def snapshot(self) -> L2Counters:
         """The counters as they are now."""

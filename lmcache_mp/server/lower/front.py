@@ -40,9 +40,10 @@ class LowerTier(ABC):
 
     @abstractmethod
     def before_lookup(self, model: str, kv_world_size: int,
-                      items: Sequence[tuple[str, Sequence[bytes]]]) -> Awaitable[None] | None:
-        """What a LOOKUP awaits (at most the tier's prefetch wait) before it looks in memory,
-        or None to look at once."""
+                      items: Sequence[tuple[str, Sequence[bytes]]],
+                      snapshot_workers: frozenset[int]) -> Awaitable[None] | None:
+        """What a LOOKUP (with those snapshot workers) awaits (at most the tier's prefetch
+        wait) before it looks in memory, or None to look at once."""
 
     @abstractmethod
     def snapshot(self) -> DataclassInstance:

@@ -21,11 +21,12 @@ from ..cache.store import ChunkStore
 from ..memory.geometry import Geometry
 from ..memory.registry import Registry
 
-# start_pull(model, kv_world_size, cache_salt, after, hashes, geometries): the pull of the
-# run `hashes`, the prompt's chunks after the one of hash `after` (None: from its start),
-# or None when the tier has none of it; the pull never raises.
-PullStarter = Callable[[str, int, str, bytes | None, tuple[bytes, ...], list[Geometry]],
-                       Coroutine[Any, Any, None] | None]
+# start_pull(model, kv_world_size, cache_salt, after, hashes, geometries, snapshot_workers):
+# the pull of the run `hashes`, the prompt's chunks after the one of hash `after` (None:
+# from its start), for a LOOKUP with those snapshot workers (PrefixScan), or None when
+# the tier has none of it; the pull never raises.
+PullStarter = Callable[[str, int, str, bytes | None, tuple[bytes, ...], list[Geometry],
+                        frozenset[int]], Coroutine[Any, Any, None] | None]
 
 
 class LookupHook:
@@ -41,7 +42,8 @@ class LookupHook:
         self._pulls = Pulls(limit, wait_s, on_timeout)
 
     def before_lookup(self, model: str, kv_world_size: int,
-                      items: Sequence[tuple[str, Sequence[bytes]]]) -> Awaitable[None] | None:
+                      items: Sequence[tuple[str, Sequence[bytes]]],
+                      snapshot_workers: frozenset[int]) -> Awaitable[None] | None:
         """Start (or join) pulls for the items whose run continues past memory; return what
         the LOOKUP should await before it looks in memory, or None to look at once."""
         if not self.ready():
@@ -51,15 +53,15 @@ class LookupHook:
             return None
         pulls: list[asyncio.Task] = []
         for cache_salt, hashes, stored in short_runs(self.store, model, kv_world_size, items,
-                                                     LOOKUP_SLICE_PROBES):
+                                                     LOOKUP_SLICE_PROBES, snapshot_workers):
             wanted = tuple(hashes[stored:])
             # Chained hashes: the first and last name the whole run.
-            ident = (model, kv_world_size, cache_salt, wanted[0], wanted[-1])
+            ident = (model, kv_world_size, cache_salt, wanted[0], wanted[-1], snapshot_workers)
             pull = self._pulls.running(ident)
             if pull is None:
                 after = hashes[stored - 1] if stored else None
                 coroutine = self.start_pull(model, kv_world_size, cache_salt, after, wanted,
-                                            geometries)
+                                            geometries, snapshot_workers)
                 if coroutine is None:
                     continue  # nothing of it in the tier: no pull to start
                 pull = self._pulls.start(ident, coroutine)

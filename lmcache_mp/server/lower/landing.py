@@ -24,8 +24,11 @@ from ..memory.geometry import Geometry
 WINDOW_BYTES = 64 * 1024**2  # chunk bytes landed in one go (at least one chunk)
 
 Source = TypeVar("Source")
-# A window: per chunk, in prompt order, each kv worker's key and where its bytes come from.
+# A window: per chunk, in prompt order, each kv worker's key and where its bytes come from
+# (of every kv worker, in order; with snapshot workers, of those the tier brings only).
 Window = Sequence[Sequence[tuple[ChunkKey, Source]]]
+# The parent of a window's chunk: (its position in the window, its key) -> its parent key
+ParentOf = Callable[[int, ChunkKey], ChunkKey | None]
 
 
 @dataclass(frozen=True)
@@ -48,19 +51,42 @@ def first_parents(model: str, kv_world_size: int, cache_salt: str,
             for worker in range(kv_world_size)]
 
 
+def parents_in_run(parents: Sequence[ChunkKey | None], hashes: Sequence[bytes], start: int,
+                   snapshot_workers: frozenset[int]) -> ParentOf | None:
+    """The parents of a window of a run `hashes` that starts at hashes[start], for a LOOKUP
+    with snapshot workers (None without: reserve's own): none for a snapshot worker's
+    chunk (a root, as the client stores it), the same kv worker's chunk before it for the
+    others' (for the window's first, `parents`)."""
+    if not snapshot_workers:
+        return None
+
+    def parent_of(position: int, key: ChunkKey) -> ChunkKey | None:
+        if key.kv_worker_id in snapshot_workers:
+            return None
+        if position == 0:
+            return parents[key.kv_worker_id]
+        return key._replace(chunk_hash=hashes[start + position - 1])
+    return parent_of
+
+
 def reserve(store: ChunkStore, window: Window[Source], parents: Sequence[ChunkKey | None],
-            geometries: Sequence[Geometry], nbytes: Callable[[Source, Geometry], int]
-            ) -> tuple[list[Reserved[Source]], int]:
+            geometries: Sequence[Geometry], nbytes: Callable[[Source, Geometry], int],
+            parent_of: ParentOf | None = None) -> tuple[list[Reserved[Source]], int]:
     """Reserve the window's chunks in memory, in prompt order, each after its parent, up to
     the first that cannot be placed for every kv worker (no room, over the salt's cap, its
     parent gone from memory). Return the reserved chunks and how many of the window's
-    chunks are placed: reserved, or in memory already. `nbytes`: a chunk's size."""
+    chunks are placed: reserved, or in memory already. `nbytes`: a chunk's size. Parents:
+    `parent_of`'s, or where none is given (a window of every kv worker's chunks), the
+    same kv worker's chunk before (for the window's first, `parents`)."""
     reserved: list[Reserved[Source]] = []
     for position, chunk in enumerate(window):
         placed: list[Reserved[Source]] = []
         for worker, (chunk_key, source) in enumerate(chunk):
-            geometry = geometries[worker]
-            parent = window[position - 1][worker][0] if position else parents[worker]
+            geometry = geometries[chunk_key.kv_worker_id]
+            if parent_of is not None:
+                parent = parent_of(position, chunk_key)
+            else:
+                parent = window[position - 1][worker][0] if position else parents[worker]
             reservation = store.reserve(chunk_key, nbytes(source, geometry), geometry,
                                         parent=parent)
             if reservation.status == StoreStatus.STORED:

@@ -11,14 +11,16 @@ from ...protocol import (
     CHUNK_HASH_BYTES,
     LOOKUP_SLICE_PROBES,
     MAX_LOOKUP_PROBES,
+    WORKER_ID_BYTES,
     LookupReply,
     LookupRequest,
     check_hashes,
     split_hashes,
+    unpack_worker_ids,
     validate_salt,
 )
 from ..cache.chunk import LeaseOwner
-from ..cache.scan import PrefixScan
+from ..cache.scan import PrefixScan, resident_hit
 from ..net.access import Session
 from .context import OpContext
 from .transfers import chunks_named
@@ -45,6 +47,7 @@ class LookupOp:
             raise BadRequest(f"`items`: {probes} index probes (chunk hashes times kv_world_size "
                              f"{req.kv_world_size}) in one LOOKUP; the limit is "
                              f"{MAX_LOOKUP_PROBES}")
+        snapshot = _snapshot_workers(req)
         parsed: Parsed = []
         valid_salts = self._valid_salts
         for i, item in enumerate(req.items):
@@ -61,40 +64,42 @@ class LookupOp:
         if self.ctx.lower:
             items = [(salt, hashes) for salt, hashes, _ in parsed]
             for first, tier in enumerate(self.ctx.lower):
-                pull = tier.before_lookup(req.model, req.kv_world_size, items)
+                pull = tier.before_lookup(req.model, req.kv_world_size, items, snapshot)
                 if pull is not None:
-                    in_memory = self._resident(req, items, probes) if req.tiers else None
-                    return self._after_pulls(pull, first, req, parsed, items, probes,
+                    in_memory = (self._resident(req, snapshot, items, probes) if req.tiers
+                                 else None)
+                    return self._after_pulls(pull, first, req, snapshot, parsed, items, probes,
                                              in_memory)
-        reply = self._now(req, parsed, probes)
+        reply = self._now(req, snapshot, parsed, probes)
         if not req.tiers:
             return reply
         return (_in_memory(reply) if isinstance(reply, LookupReply)
                 else self._sliced_in_memory(reply))
 
-    def _now(self, req: LookupRequest, parsed: Parsed, probes: int
+    def _now(self, req: LookupRequest, snapshot: frozenset[int], parsed: Parsed, probes: int
              ) -> LookupReply | Awaitable[LookupReply]:
         if probes <= LOOKUP_SLICE_PROBES:
             stamp = phases.now() if phases.enabled else 0
-            reply = LookupReply(self.ctx.store.lookup_many(req.model, req.kv_world_size, parsed))
+            reply = LookupReply(self.ctx.store.lookup_many(req.model, req.kv_world_size, parsed,
+                                                           snapshot))
             if phases.enabled:
                 phases.add("LOOKUP", "server index", stamp, probes)
             return reply
-        return self._sliced(req, parsed)
+        return self._sliced(req, snapshot, parsed)
 
-    def _resident(self, req: LookupRequest, items: list[tuple[str, tuple[bytes, ...]]],
-                  probes: int) -> list[int] | None:
+    def _resident(self, req: LookupRequest, snapshot: frozenset[int],
+                  items: list[tuple[str, tuple[bytes, ...]]], probes: int) -> list[int] | None:
         """Per item, its leading chunks in memory before a lower tier reads back (one more
         probe per chunk hash and kv worker); None for a LOOKUP too large to probe at once:
         its hits' tiers are not counted."""
         if probes > LOOKUP_SLICE_PROBES:
             return None
-        return self._runs(req, items)
+        return self._runs(req, snapshot, items)
 
-    def _runs(self, req: LookupRequest, items: list[tuple[str, tuple[bytes, ...]]]
-              ) -> list[int]:
-        resident_run = self.ctx.store.resident_run
-        return [resident_run(req.model, req.kv_world_size, salt, hashes)
+    def _runs(self, req: LookupRequest, snapshot: frozenset[int],
+              items: list[tuple[str, tuple[bytes, ...]]]) -> list[int]:
+        store = self.ctx.store
+        return [resident_hit(store, req.model, req.kv_world_size, salt, hashes, snapshot)
                 for salt, hashes in items]
 
     @staticmethod
@@ -103,8 +108,9 @@ class LookupOp:
         return _in_memory(await reply)
 
     async def _after_pulls(self, pull: Awaitable[None], first: int, req: LookupRequest,
-                           parsed: Parsed, items: list[tuple[str, tuple[bytes, ...]]],
-                           probes: int, in_memory: list[int] | None) -> LookupReply:
+                           snapshot: frozenset[int], parsed: Parsed,
+                           items: list[tuple[str, tuple[bytes, ...]]], probes: int,
+                           in_memory: list[int] | None) -> LookupReply:
         """Look in memory once the lower tiers' chunks have landed there (or their bounded
         waits are over): `pull` is the `first`th lower tier's; each tier after it is asked
         for the rest once the one before it is done."""
@@ -114,22 +120,23 @@ class LookupOp:
             starts.append((self.ctx.lower[first].hit_column, in_memory))
         await pull
         for tier in self.ctx.lower[first + 1:]:
-            next_pull = tier.before_lookup(req.model, req.kv_world_size, items)
+            next_pull = tier.before_lookup(req.model, req.kv_world_size, items, snapshot)
             if next_pull is not None:
                 if starts:
-                    starts.append((tier.hit_column, self._runs(req, items)))
+                    starts.append((tier.hit_column, self._runs(req, snapshot, items)))
                 await next_pull
-        reply = self._now(req, parsed, probes)
+        reply = self._now(req, snapshot, parsed, probes)
         done = reply if isinstance(reply, LookupReply) else await reply
         if starts:
             done.hit_tiers = _split(done.hits, starts)
         return done
 
-    async def _sliced(self, req: LookupRequest, parsed: Parsed) -> LookupReply:
+    async def _sliced(self, req: LookupRequest, snapshot: frozenset[int], parsed: Parsed
+                      ) -> LookupReply:
         """A LOOKUP of many probes, LOOKUP_SLICE_PROBES at a time between other clients'
         requests; each item's chunks stay held between its slices."""
         scans = [(PrefixScan(self.ctx.store, req.model, req.kv_world_size, salt, hashes,
-                             hold_while_scanning=True), holder)
+                             hold_while_scanning=True, snapshot_workers=snapshot), holder)
                  for salt, hashes, holder in parsed]
         hits: list[int] = []
 
@@ -148,6 +155,28 @@ class LookupOp:
                 scan.abandon()
             raise
         return LookupReply(hits)
+
+
+def _snapshot_workers(req: LookupRequest) -> frozenset[int]:
+    """The LOOKUP's snapshot workers, checked: kv workers of its kv world, each named once,
+    and not all of them (a hit needs a run of some worker's chunks)."""
+    packed = req.snapshot_workers
+    if not packed:
+        return frozenset()
+    if len(packed) > WORKER_ID_BYTES * req.kv_world_size:  # checked before it is unpacked
+        raise BadRequest(f"`snapshot_workers`: {len(packed)} bytes, more than "
+                         f"{req.kv_world_size} kv worker ids")
+    named = unpack_worker_ids(packed, "snapshot_workers")
+    workers = frozenset(named)
+    if len(workers) != len(named):
+        raise BadRequest("`snapshot_workers`: a kv worker id is named twice")
+    if max(workers) >= req.kv_world_size:
+        raise BadRequest(f"`snapshot_workers`: kv worker id {max(workers)} is not below "
+                         f"kv_world_size {req.kv_world_size}")
+    if len(workers) == req.kv_world_size:
+        raise BadRequest("`snapshot_workers`: every kv worker is named; at least one must "
+                         "not be a snapshot worker")
+    return workers
 
 
 def _in_memory(reply: LookupReply) -> LookupReply:
