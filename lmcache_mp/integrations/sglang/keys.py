@@ -12,6 +12,9 @@ from ...protocol import CHUNK_HASH_BYTES
 # page's tokens and its prefix and seeded by the request's extra key and salt.
 _SHA256_HEX = 64
 _SHA256_BYTES = _SHA256_HEX // 2
+# A digest as numpy reads it: its first CHUNK_HASH_BYTES, the chunk hash, as one value.
+_HEADS = np.dtype({"names": ["head"], "formats": [f"V{CHUNK_HASH_BYTES}"],
+                   "itemsize": _SHA256_BYTES})
 # Keys of any other form are hashed, under a personalization of their own: apart from the
 # digests taken as they are.
 _OTHER_KEYS = b"lmcache-mp-sgl"
@@ -25,8 +28,7 @@ def packed_hashes(keys: list[str]) -> bytes:
     digests = _digests(keys)
     if digests is None:
         return b"".join(chunk_hash(key) for key in keys)
-    by_key = np.frombuffer(digests, np.uint8).reshape(len(keys), _SHA256_BYTES)
-    return by_key[:, :CHUNK_HASH_BYTES].tobytes()
+    return np.frombuffer(digests, _HEADS)["head"].tobytes()
 
 
 def chunk_hash(key: str) -> bytes:
@@ -42,10 +44,11 @@ def _digests(keys: list[str]) -> bytes | None:
     """The SHA-256 digests the keys spell, back to back; None unless every key is 64
     lowercase hex digits."""
     # Each key's own length: a batch's joined length alone would let a 63-digit key and a
-    # 65-digit one pass as two digests cut in the wrong places.
-    if any(len(key) != _SHA256_HEX for key in keys):
-        return None
+    # 65-digit one pass as two digests cut in the wrong places. Keys that add up to 64
+    # digits each, none longer, are 64 digits each (a pass in C, not a Python call a key).
     joined = "".join(keys)
+    if len(joined) != _SHA256_HEX * len(keys) or max(map(len, keys), default=0) > _SHA256_HEX:
+        return None
     if joined != joined.lower():
         return None
     try:

@@ -198,14 +198,17 @@ class Catalog:
         """Refresh chunks that were read (each prompt's in order), the first the most recent:
         a client that names no parents stores a prompt's chunks as unrelated ones, and they
         still lose the later ones first."""
-        reuse = self.reuse
+        reuse, policies = self.reuse, self._policies
+        stamp = self._last_stamp
         for chunk in reversed(chunks):
-            chunk.stamp = self._last_stamp = self._last_stamp + 1
-            if reuse:
-                chunk.stamp += self.reuse_lead(chunk)
-            # Successors first: most of a prompt's chunks have some, and are not evictable.
-            if not chunk.successors and chunk.evictable:
-                self._policies[chunk.tier].add(chunk.key.cache_salt, chunk.key, chunk.stamp)
+            stamp += 1
+            chunk.stamp = stamp + self.reuse_lead(chunk) if reuse else stamp
+            # Chunk.evictable, inline (a property is a call a chunk), successors first: most
+            # of a prompt's chunks have some, and are not evictable.
+            if (not chunk.successors and not chunk.holds and chunk.committed
+                    and not chunk.moving):
+                policies[chunk.tier].add(chunk.key.cache_salt, chunk.key, chunk.stamp)
+        self._last_stamp = stamp
 
     def reuse_lead(self, chunk: Chunk) -> int:
         """How far ahead of its last use `--eviction reuse` stamps the chunk: as many stamps
@@ -298,15 +301,26 @@ class Catalog:
     def unhold(self, chunks: Sequence[Chunk]) -> None:
         """The reads or leases of `chunks` are over: a use (pass each prompt's chunks in
         order). A chunk whose parent went meanwhile goes now."""
-        for chunk in chunks:
-            chunk.holds -= 1
-        self._use(chunks)
+        # _use's loop with each hold dropped in it: one pass, no call a chunk (a chunk named
+        # twice is unheld at the later of its two turns, which _use stamps last).
+        reuse, policies = self.reuse, self._policies
+        stamp = self._last_stamp
         freed: set[str] = set()
-        for chunk in chunks:
+        orphans = False
+        for chunk in reversed(chunks):
+            chunk.holds -= 1
+            stamp += 1
+            chunk.stamp = stamp + self.reuse_lead(chunk) if reuse else stamp
             if not chunk.holds:
-                if chunk.orphaned and self._chunks.get(chunk.key) is chunk:
-                    self._remove(chunk, evicted=False)
                 freed.add(chunk.key.cache_salt)
+                orphans = orphans or chunk.orphaned
+                if not chunk.successors and chunk.committed and not chunk.moving:
+                    policies[chunk.tier].add(chunk.key.cache_salt, chunk.key, chunk.stamp)
+        self._last_stamp = stamp
+        if orphans:
+            for chunk in chunks:
+                if not chunk.holds and chunk.orphaned and self._chunks.get(chunk.key) is chunk:
+                    self._remove(chunk, evicted=False)
         self._bring_under_cap(freed)
 
     def _bring_under_cap(self, salts: Iterable[str]) -> None:
@@ -336,8 +350,9 @@ class Catalog:
         assert not any(c.moving and (c.holds or c.tier != CPU_TIER) for c in chunks)
         assert all(c.holds >= 0 for c in chunks)
         # Leases name stored chunks only, each holding them.
-        leased = Counter(key for lease in self.leases.leases() for key in lease.keys)
-        assert all(self._chunks[key].holds >= times for key, times in leased.items())
+        leased = Counter(chunk for lease in self.leases.leases() for chunk in lease.chunks)
+        assert all(self._chunks.get(chunk.key) is chunk and chunk.holds >= times
+                   for chunk, times in leased.items())
         self.leases.check_invariants()
         for salt, usage in self.tenants.items():
             mine = [c for c in chunks if c.key.cache_salt == salt]

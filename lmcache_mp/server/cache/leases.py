@@ -6,12 +6,15 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .chunk import ChunkKey, LeaseOwner
+from .chunk import Chunk, LeaseOwner
 
 
 @dataclass(slots=True)
 class Lease:
-    keys: list[ChunkKey]
+    # The chunks themselves, not their keys: a leased chunk is held, so it stays stored
+    # (and indexed under its key) until the lease ends, and ending it finds them without
+    # a 5-field key's hash and index probe each.
+    chunks: list[Chunk]
     deadline: float
 
 
@@ -24,9 +27,9 @@ class _EngineLeases:
 
 
 class LeaseTable:
-    """Which keys each lease names, until when, and what the caps leave room for. Holding
+    """Which chunks each lease names, until when, and what the caps leave room for. Holding
     and unholding the chunks is the store's: it asks here whose lease gives way, records
-    new leases, and takes the keys of those that end.
+    new leases, and takes the chunks of those that end.
 
     Every lease lasts the same from its making, so making order is expiry order: the first
     one is the first to expire, and no walk over all of them is ever needed. Two
@@ -73,32 +76,33 @@ class LeaseTable:
         return (count <= self.max_leased_chunks_per_engine and len(self._leases) < self.max_leases
                 and self.chunks + count <= self.max_leased_chunks)
 
-    def add(self, owner: LeaseOwner, keys: list[ChunkKey], deadline: float) -> None:
-        """Record a new lease (the owner has none, and has_room() said yes)."""
+    def add(self, owner: LeaseOwner, chunks: list[Chunk], deadline: float) -> None:
+        """Record a new lease of `chunks` (held for it already; the list is the lease's
+        from now on): the owner has none, and has_room() said yes."""
         mine = self._by_engine.get(owner.engine)
         if mine is None:
             mine = self._by_engine[owner.engine] = _EngineLeases(OrderedDict())
-        self._leases[owner] = Lease(keys, deadline)
+        self._leases[owner] = Lease(chunks, deadline)
         mine.owners[owner] = None
-        mine.chunks += len(keys)
-        self.chunks += len(keys)
+        mine.chunks += len(chunks)
+        self.chunks += len(chunks)
 
-    def take(self, owner: LeaseOwner, kv_worker_id: int | None = None) -> list[ChunkKey]:
-        """End the owner's lease (only its keys of one kv worker, if given); return the keys
-        it no longer holds."""
+    def take(self, owner: LeaseOwner, kv_worker_id: int | None = None) -> list[Chunk]:
+        """End the owner's lease (only its chunks of one kv worker, if given); return the
+        chunks it no longer holds."""
         lease = self._leases.get(owner)
         if lease is None:
             return []
         if kv_worker_id is None:
-            dropped, kept = lease.keys, []
+            dropped, kept = lease.chunks, []
         else:
-            dropped = [k for k in lease.keys if k.kv_worker_id == kv_worker_id]
-            kept = [k for k in lease.keys if k.kv_worker_id != kv_worker_id]
+            dropped = [c for c in lease.chunks if c.key.kv_worker_id == kv_worker_id]
+            kept = [c for c in lease.chunks if c.key.kv_worker_id != kv_worker_id]
         mine = self._by_engine[owner.engine]
         mine.chunks -= len(dropped)
         self.chunks -= len(dropped)
         if kept:
-            lease.keys = kept
+            lease.chunks = kept
         else:
             del self._leases[owner]
             del mine.owners[owner]
@@ -118,11 +122,11 @@ class LeaseTable:
         deadlines = [lease.deadline for lease in self._leases.values()]
         assert deadlines == sorted(deadlines), "leases out of expiry order"
         assert len(self._leases) <= self.max_leases
-        assert self.chunks == sum(len(lease.keys) for lease in self._leases.values()) \
+        assert self.chunks == sum(len(lease.chunks) for lease in self._leases.values()) \
             <= self.max_leased_chunks
         by_engine = [owner for mine in self._by_engine.values() for owner in mine.owners]
         assert sorted(by_engine) == sorted(self._leases), "engines' leases disagree"
         for mine in self._by_engine.values():
             assert 0 < len(mine.owners) <= self.max_leases_per_engine
-            assert mine.chunks == sum(len(self._leases[o].keys) for o in mine.owners) \
+            assert mine.chunks == sum(len(self._leases[o].chunks) for o in mine.owners) \
                 <= self.max_leased_chunks_per_engine

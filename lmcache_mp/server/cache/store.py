@@ -10,7 +10,8 @@ quotas, recency and evictability, removal with a chunk's successors) is catalog.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -53,9 +54,10 @@ class ChunkStore(Catalog):
                     queries: Sequence[tuple[str, Sequence[bytes], LeaseOwner | None]],
                     snapshot_workers: frozenset[int] = frozenset()) -> list[int]:
         """lookup() of each (cache_salt, hashes, holder), in order: a LOOKUP's items in one
-        call. The common item (one kv worker, no lease) costs no Python call: its probes
-        and its hits' refresh are one loop here (a third of a batched LOOKUP's calls went
-        to the calls per item). With snapshot workers each item is a PrefixScan's."""
+        call. An item of one kv worker costs no Python call per chunk: without a lease, its
+        probes and its hits' refresh are one loop here (a third of a batched LOOKUP's calls
+        went to the calls per item); with one, _hold_run's loop holds them too. With
+        snapshot workers each item is a PrefixScan's."""
         hits = []
         policies, reuse = self._policies, self.reuse
         salt_seen = None  # the salt whose scopes and usage are at hand: items mostly share one
@@ -72,9 +74,8 @@ class ChunkStore(Catalog):
                 # first chunk gets the highest, as _use gives it.
                 top = self._last_stamp = self._last_stamp + len(hashes)
                 hit = 0
-                for chunk_hash in hashes:
-                    chunk = get(chunk_hash)
-                    if chunk is None or not chunk.visible:
+                for chunk in map(get, hashes):  # probes in C, up to the first miss
+                    if chunk is None or not chunk.committed or chunk.moving:  # not visible
                         break
                     chunk.stamp = top - hit
                     if reuse:
@@ -97,15 +98,10 @@ class ChunkStore(Catalog):
                 hits.append(scan.finish(holder))
                 salt_seen = None  # a lease may release chunks (below)
                 continue
-            found: list[Chunk] = []
-            if kv_world_size == 1:
-                for chunk_hash in hashes:
-                    chunk = get(chunk_hash)
-                    if chunk is None or not chunk.visible:
-                        break
-                    found.append(chunk)
-                hit = len(found)
+            if kv_world_size == 1 and holder is not None:
+                hit = self._hold_run(get, cache_salt, hashes, holder)
             else:
+                found: list[Chunk] = []
                 hit = 0
                 for chunk_hash in hashes:
                     chunks = self._probe(scopes, chunk_hash)
@@ -113,7 +109,7 @@ class ChunkStore(Catalog):
                         break
                     found.extend(chunks)
                     hit += 1
-            self._touch_and_lease(cache_salt, len(hashes), hit, found, holder, held=False)
+                self._touch_and_lease(cache_salt, len(hashes), hit, found, holder, held=False)
             # A lease may release chunks, and so change the index and the tenants.
             if holder is not None:
                 salt_seen = None
@@ -121,6 +117,45 @@ class ChunkStore(Catalog):
         self._totals.hits += quick_hits
         self._totals.misses += quick_probes - quick_hits
         return hits
+
+    def _hold_run(self, get: Callable[[bytes], Chunk | None], cache_salt: str,
+                  hashes: Sequence[bytes], holder: LeaseOwner) -> int:
+        """A held lookup of one kv worker's chunks (`get`: its scope's probe), with
+        _touch_and_lease's outcome: counted, refreshed, held, leased to `holder`; the probe,
+        refresh and hold of each chunk in one loop, with no Python call per chunk. The
+        stamps are _use's: the first hit the most recent, one stamp a hit (a chunk named twice
+        ends with another, which no one sees: held, it is stamped again when unheld)."""
+        policies, reuse = self._policies, self.reuse
+        top = self._last_stamp + len(hashes)  # as if every hash hit: corrected below if not
+        # Every hash probed at once, in C (those after a miss too: no more than the hashes
+        # the LOOKUP was allowed), then cut at the first chunk not visible.
+        probed = list(map(get, hashes))
+        hit = 0
+        for chunk in probed:
+            if chunk is None or not chunk.committed or chunk.moving:  # not visible
+                break
+            chunk.stamp = top - hit
+            if reuse:
+                chunk.hits += 1
+                chunk.stamp += self.reuse_lead(chunk)
+            if not chunk.holds and not chunk.successors:  # evictable until this hold
+                policies[chunk.tier].remove(cache_salt, chunk.key)
+            chunk.holds += 1
+            hit += 1
+        del probed[hit:]
+        found = cast("list[Chunk]", probed)  # the visible chunks only, now
+        if hit < len(hashes):
+            for chunk in found:
+                chunk.stamp -= len(hashes) - hit
+        self._last_stamp += hit
+        usage = self.tenants.get(cache_salt)  # None: no hits, only misses to count
+        if usage is not None:
+            usage.hits += hit
+            usage.misses += len(hashes) - hit
+        self._totals.hits += hit
+        self._totals.misses += len(hashes) - hit
+        self._relet(holder, found)
+        return hit
 
     def _touch_and_lease(self, cache_salt: str, hashes: int, hit: int, found: list[Chunk],
                          holder: LeaseOwner | None, held: bool) -> int:
@@ -145,13 +180,18 @@ class ChunkStore(Catalog):
             self._use(found)
             for chunk in found:
                 self._hold(chunk)
+        self._relet(holder, found)
+        return hit
+
+    def _relet(self, holder: LeaseOwner, found: list[Chunk]) -> None:
+        """`holder`'s lease is now of `found` (held for it already), or of nothing if the
+        caps leave no room."""
         # Only now the request's previous lease goes: a chunk both leases name stays held
         # throughout, where releasing first could remove it (an orphan goes at its last
         # hold) and the new lease would name a chunk no longer stored.
         self.release(holder)
         if found and not self._lease(holder, found):
             self.unhold(found)
-        return hit
 
     def _lease(self, holder: LeaseOwner, chunks: list[Chunk]) -> bool:
         """Record the lease of `chunks` (held for it already) to `holder`, its engine's
@@ -162,8 +202,7 @@ class ChunkStore(Catalog):
         if not self.leases.has_room(len(chunks)):
             self.holds_refused += 1
             return False
-        self.leases.add(holder, [chunk.key for chunk in chunks],
-                        self.clock() + self.lease_timeout)
+        self.leases.add(holder, chunks, self.clock() + self.lease_timeout)
         return True
 
     # -- store: reserve, then commit or abort -------------------------------------------
@@ -460,7 +499,7 @@ class ChunkStore(Catalog):
     def release(self, owner: LeaseOwner, kv_worker_id: int | None = None) -> int:
         """Drop the owner's holds (only those of one kv worker if given); return how many."""
         dropped = self.leases.take(owner, kv_worker_id)
-        self.unhold([self._chunks[k] for k in dropped])
+        self.unhold(dropped)
         return len(dropped)
 
     def expire_leases(self, limit: int | None = None) -> int:
