@@ -10,6 +10,7 @@ import contextlib
 import os
 import queue
 import random
+import signal
 import socket
 import struct
 import subprocess
@@ -18,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Literal, ParamSpec, TypeVar
 
 from lmcache_mp.spawn import ForkedServer, ServerProcess
@@ -114,6 +116,21 @@ def wait_for(condition: Callable[[], T | Literal[False, 0] | None], what: str,
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
     return result
+
+
+def stop_process(pid: int) -> None:
+    """SIGSTOP `pid`, and return once every thread of it is stopped: the signal takes
+    effect on each thread when the kernel next schedules it, some time after kill()
+    returns (on a loaded machine, long enough for a server's I/O thread to read a request
+    sent meanwhile, which a test of a stopped server must not see)."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: all(_stopped(task) for task in Path(f"/proc/{pid}/task").iterdir()),
+             f"every thread of {pid} stopped")
+
+
+def _stopped(task: Path) -> bool:
+    stat = (task / "stat").read_text()
+    return stat[stat.rindex(")") + 2] == "T"  # the state, after the command's parentheses
 
 
 def counted(calls: list[int], function: Callable[P, T]) -> Callable[P, T]:

@@ -1,6 +1,5 @@
 """The client transport against real servers: timeouts, restarts, late replies, threads."""
 
-import os
 import signal
 import threading
 import time
@@ -13,7 +12,7 @@ from lmcache_mp.client import CacheClient, LookupItem, RpcClient, StoreStatus, T
 from lmcache_mp.errors import RequestTimeout, ServerUnavailable
 from lmcache_mp.protocol import PingReply, PingRequest, StatsReply, StatsRequest, StoreRequest
 
-from ..utils import ipc_url, lines_run, run_server, server_process, started_process
+from ..utils import ipc_url, lines_run, run_server, server_process, started_process, stop_process
 from ..workers import BLOCKS_PER_CHUNK, MODEL, chunk_blocks, make_cache, prompt
 
 W1 = dict(layout="mha", num_layers=32, block_size=16, heads=8, head_dim=128, dtype=torch.float16)
@@ -171,7 +170,7 @@ def test_wait_reads_replies_on_the_waiting_thread_and_ends_at_its_timeout(server
             pumps[name] = pumps.get(name, 0) + 1
             pump(*args)
         monkeypatch.setattr(client, "_pump", counted_pump)
-        started_process(srv).send_signal(signal.SIGSTOP)  # it cannot answer
+        stop_process(started_process(srv).pid)  # it cannot answer
         try:
             future = client.submit(PingRequest())
             time.sleep(0.1)  # the background thread leads for it meanwhile
@@ -220,7 +219,7 @@ def test_calls_sent_to_a_server_that_dies_fail_on_the_lost_connection():
     try:
         with server.client(timeout=120) as client:
             client.ping()
-            os.kill(started_process(server).pid, signal.SIGSTOP)
+            stop_process(started_process(server).pid)
             pending = client.rpc.submit(PingRequest())
             killer = threading.Timer(0.2, started_process(server).kill)
             started = time.monotonic()

@@ -1,9 +1,7 @@
 """The worker adapter's transfers end when the server can no longer touch their blocks:
 loads are tagged, a gone server ends every wait at once, and a restart loses no STORE."""
 
-import os
 import secrets
-import signal
 import threading
 import time
 
@@ -17,7 +15,7 @@ from lmcache_mp.client import (
     WorkerAdapter,
 )
 
-from ..utils import ipc_url, run_server, server_process, started_process
+from ..utils import ipc_url, run_server, server_process, started_process, stop_process
 from ..workers import MLA, MODEL, chunk_blocks, expected_blocks, make_cache, prompt
 
 NUM_BLOCKS = 8 * 16
@@ -86,7 +84,7 @@ def test_waiting_for_a_store_ends_at_once_when_the_server_dies():
         with make_cache(NUM_BLOCKS, 5) as cache, server.client(timeout=30) as client:
             adapter = WorkerAdapter(client, MODEL, ALONE, load_timeout=120)
             adapter.register_kv_cache(cache)
-            os.kill(started_process(server).pid, signal.SIGSTOP)
+            stop_process(started_process(server).pid)
             adapter.start_store([TransferItem.build("r", prompt(301, 2), chunk_blocks([0, 1]))])
             killer = threading.Timer(0.2, started_process(server).kill)
             started = time.monotonic()

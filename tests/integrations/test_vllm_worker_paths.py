@@ -3,14 +3,12 @@ driven with vLLM's own data types as in test_vllm.py: no forward pass and no fin
 request waits on a server that is gone, the first STORE after a restart lands, and an MLA
 follower never takes a late LOAD_DONE for the next load of the same request."""
 
-import os
-import signal
 import threading
 import time
 
 import torch
 
-from ..utils import ipc_url, run_server, server_process, started_process
+from ..utils import ipc_url, run_server, server_process, started_process, stop_process
 from .test_vllm import (
     BLOCK,
     FullAttentionSpec,
@@ -52,7 +50,7 @@ def test_with_the_server_gone_preemptions_and_finished_requests_wait_for_nothing
         meta = scheduler.build_connector_meta(scheduler_output(
             new=[(preempted, placed["preempted"]), (finished, placed["finished"])],
             num_scheduled={"preempted": 4 * 256, "finished": 2 * 256}))
-        os.kill(started_process(server).pid, signal.SIGSTOP)
+        stop_process(started_process(server).pid)
         worker.bind_connector_metadata(meta)
         worker.wait_for_save()  # the STORE is sent; the stopped server never reads it
         worker.clear_connector_metadata()

@@ -23,7 +23,15 @@ from lmcache_mp.protocol import (
     UnregisterKVCacheRequest,
 )
 
-from ..utils import free_port, rid, run_server, server_process, started_process, wait_for
+from ..utils import (
+    free_port,
+    rid,
+    run_server,
+    server_process,
+    started_process,
+    stop_process,
+    wait_for,
+)
 from ..workers import BLOCKS_PER_CHUNK, MODEL, W2, chunk_blocks, prompt
 from .agents import RawClient, new_cache, raw_bytes
 
@@ -208,15 +216,16 @@ def test_requests_sent_just_before_sigterm_are_each_answered():
     right behind them: each gets exactly one reply, served or `shutting_down`. The server
     answers what still arrives until its socket has been quiet, rather than closing it
     under requests ZeroMQ is still delivering (RETRIEVEs sent ~5 ms before a SIGTERM got no
-    reply). The order is the test's, not the machine's: the server is stopped (SIGSTOP)
-    while the requests are sent, the signal is sent once the kernel holds every byte of
-    them for the server, and only then does it run again."""
+    reply). The order is the test's, not the machine's: the server is stopped (SIGSTOP, every
+    thread of it, before the first request is sent) while the requests are sent, the signal
+    is sent once the kernel holds every byte of them for the server, and only then does it
+    run again."""
     port = free_port()
     with run_server(url=f"tcp://127.0.0.1:{port}") as stopping, \
             RawClient(stopping.url, timeout_ms=20_000) as raw:
         raw.hello(stopping.token())
         process = started_process(stopping)
-        process.send_signal(signal.SIGSTOP)
+        stop_process(process.pid)
         try:
             sent = {raw.send("PING", {}) for _ in range(900)}
             # A PING is three frames of 8, 4 and 1 bytes, each after 2 bytes of ZMTP framing.
