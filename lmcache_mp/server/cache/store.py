@@ -91,32 +91,40 @@ class ChunkStore(Catalog):
                 quick_probes += len(hashes)
                 hits.append(hit)
                 continue
-            if snapshot_workers:
-                scan = PrefixScan(self, model, kv_world_size, cache_salt, hashes,
-                                  hold_while_scanning=False, snapshot_workers=snapshot_workers)
-                scan.step(len(hashes) * kv_world_size)
-                hits.append(scan.finish(holder))
-                salt_seen = None  # a lease may release chunks (below)
-                continue
             if kv_world_size == 1 and holder is not None:
                 hit = self._hold_run(get, cache_salt, hashes, holder)
             else:
-                found: list[Chunk] = []
-                hit = 0
-                for chunk_hash in hashes:
-                    chunks = self._probe(scopes, chunk_hash)
-                    if chunks is None:
-                        break
-                    found.extend(chunks)
-                    hit += 1
-                self._touch_and_lease(cache_salt, len(hashes), hit, found, holder, held=False)
+                hit = self._lookup_workers(model, kv_world_size, scopes, cache_salt, hashes,
+                                           holder, snapshot_workers)
             # A lease may release chunks, and so change the index and the tenants.
-            if holder is not None:
+            if holder is not None or snapshot_workers:
                 salt_seen = None
             hits.append(hit)
         self._totals.hits += quick_hits
         self._totals.misses += quick_probes - quick_hits
         return hits
+
+    def _lookup_workers(self, model: str, kv_world_size: int,
+                        scopes: list[dict[bytes, Chunk]], cache_salt: str,
+                        hashes: Sequence[bytes], holder: LeaseOwner | None,
+                        snapshot_workers: frozenset[int]) -> int:
+        """One item of several kv workers (`scopes`: their index scopes), counted, refreshed
+        and leased to `holder`: every worker's chunk of each hash, or, with snapshot
+        workers, PrefixScan's hit."""
+        if snapshot_workers:
+            scan = PrefixScan(self, model, kv_world_size, cache_salt, hashes,
+                              hold_while_scanning=False, snapshot_workers=snapshot_workers)
+            scan.step(len(hashes) * kv_world_size)
+            return scan.finish(holder)
+        found: list[Chunk] = []
+        hit = 0
+        for chunk_hash in hashes:
+            chunks = self._probe(scopes, chunk_hash)
+            if chunks is None:
+                break
+            found.extend(chunks)
+            hit += 1
+        return self._touch_and_lease(cache_salt, len(hashes), hit, found, holder, held=False)
 
     def _hold_run(self, get: Callable[[bytes], Chunk | None], cache_salt: str,
                   hashes: Sequence[bytes], holder: LeaseOwner) -> int:
