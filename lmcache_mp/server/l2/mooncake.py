@@ -117,12 +117,9 @@ class MooncakeL2(DirectL2):
         def put(store: Any) -> None:
             with _HeaderArea(store, values) as area:
                 area.fill()
-                statuses = store.batch_put_from_multi_buffers(
-                    names, area.buffers(), [[len(value.header), value.size]
-                                            for value in values])
-            if len(statuses) != len(values):
-                raise L2Error(f"batch_put_from_multi_buffers answered {len(statuses)} "
-                              f"statuses for {len(values)} values")
+                statuses = store.batch_put_from_multi_buffers(names, area.buffers(),
+                                                              area.sizes())
+            area.check_answered(statuses, "batch_put_from_multi_buffers", "statuses")
             if NO_ROOM in statuses:
                 raise L2Refused("the pool has no room: values not kept")
             failed = [status for status in statuses if status != 0]
@@ -136,12 +133,8 @@ class MooncakeL2(DirectL2):
             with _HeaderArea(store, values) as area:
                 # Per key, the bytes read, or an error: no value (-704), a value of another
                 # size (-600, -800), a failed transfer. Each is that key's miss alone.
-                got = store.batch_get_into_multi_buffers(
-                    names, area.buffers(), [[len(value.header), value.size]
-                                            for value in values])
-                if len(got) != len(values):
-                    raise L2Error(f"batch_get_into_multi_buffers answered {len(got)} sizes "
-                                  f"for {len(values)} values")
+                got = store.batch_get_into_multi_buffers(names, area.buffers(), area.sizes())
+                area.check_answered(got, "batch_get_into_multi_buffers", "sizes")
                 area.empty()
             return [size == len(value.header) + value.size for size, value in zip(got, values)]
         names = _names([value.key for value in values])
@@ -190,6 +183,16 @@ class _HeaderArea:
         """Each value's two buffers: its header slot here, its payload in the pool."""
         return [[self.address + i * self.slot, value.address]
                 for i, value in enumerate(self.values)]
+
+    def sizes(self) -> list[list[int]]:
+        """Each value's two buffers' sizes, as buffers() names them."""
+        return [[len(value.header), value.size] for value in self.values]
+
+    def check_answered(self, answers: Sequence[object], call: str, what: str) -> None:
+        """L2Error unless the transfer engine's `call` answered one of `what` a value."""
+        if len(answers) != len(self.values):
+            raise L2Error(f"{call} answered {len(answers)} {what} for {len(self.values)} "
+                          f"values")
 
     def fill(self) -> None:
         """The values' headers into their slots (before a put)."""
