@@ -1,5 +1,5 @@
-"""Pre-faulting a mapping, so that the first copies into it run at full speed; and giving its
-pages back."""
+"""Pre-faulting a mapping, so that the first copies into it run at full speed; giving its
+pages back; and moving a process's own anonymous memory into a file, in place."""
 
 from __future__ import annotations
 
@@ -17,7 +17,15 @@ _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; faults pages in writable without cha
 _MADV_POPULATE_READ = 22  # the same, readable only: a third faster, for pages only read soon
 _MADV_REMOVE = 9  # frees a shared mapping's backing memory, as a hole punched in it
 
+_MOVE_STEP = 64 * 1024**2
+_MAP_FIXED = 0x10  # not in Python's mmap module
+# what /proc/self/maps names an anonymous mapping: private (no name), or shared without a file
+_ANONYMOUS = ("", "/dev/zero (deleted)")
+
 _libc = ctypes.CDLL(None, use_errno=True)  # ctypes drops the GIL for the call
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
 
 
 def _base_address(mapping: mmap.mmap) -> int:
@@ -84,3 +92,71 @@ def data_runs(fd: int, start: int, end: int, most: int) -> list[tuple[int, int]]
     finally:
         os.lseek(fd, kept, os.SEEK_SET)
     return runs
+
+
+def page_span(length: int) -> int:
+    """`length` rounded up to whole pages."""
+    return -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def why_not_movable(address: int, length: int) -> str | None:
+    """Why [address, address + page_span(length)) is not anonymous read-write memory of
+    this process from the start of a mapping on (memory an mmap made for one allocation,
+    that move_into may move: the kernel merges a private one with the mapping after it, so
+    the last may go on past the end); None when it is."""
+    end = address + page_span(length)
+    expected = address
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, stop = (int(bound, 16) for bound in fields[0].split("-"))
+            if stop <= address or start >= end:
+                continue
+            name = fields[5].strip() if len(fields) > 5 else ""
+            if start != expected:
+                return f"the memory at {expected:#x} does not start a mapping"
+            if name not in _ANONYMOUS or not fields[1].startswith("rw"):
+                return f"the mapping at {start:#x} is {name or fields[1]!r}, not anonymous memory"
+            expected = stop
+    if expected < end:
+        return f"the memory at {expected:#x} is not mapped"
+    return None
+
+
+def move_into(fd: int, address: int, length: int) -> None:
+    """Move the pages of [address, address + page_span(length)) (memory why_not_movable
+    finds nothing against) into the file `fd`, at the same offsets from `address`, mapped
+    shared over the same addresses: every pointer into the range stays valid and reads the
+    same bytes. A step at a time, each copied into the file before its old pages are given
+    back, so that the memory in use grows by one step at most. The range's owner unmaps it
+    as before.
+
+    Raises OSError if the kernel refuses a mapping (it then puts an anonymous mapping
+    holding the step's bytes back, so every byte stays readable in place)."""
+    span = page_span(length)
+    for offset in range(0, span, _MOVE_STEP):
+        size = min(_MOVE_STEP, span - offset)
+        _write_all(fd, (ctypes.c_char * size).from_address(address + offset), offset)
+        # frees a shared anonymous mapping's pages now; a private one's go with the remap
+        _libc.madvise(ctypes.c_void_p(address + offset), ctypes.c_size_t(size), _MADV_REMOVE)
+        if not _map_fixed(address + offset, size, fd, offset, mmap.MAP_SHARED):
+            failure = OSError(ctypes.get_errno(), f"mmap over {address + offset:#x}: "
+                              f"{os.strerror(ctypes.get_errno())}")
+            if _map_fixed(address + offset, size, -1, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS):
+                os.preadv(fd, [(ctypes.c_char * size).from_address(address + offset)], offset)
+            raise failure
+        _libc.madvise(ctypes.c_void_p(address + offset), ctypes.c_size_t(size),
+                      _MADV_POPULATE_WRITE)
+
+
+def _map_fixed(address: int, size: int, fd: int, offset: int, flags: int) -> bool:
+    mapped = _libc.mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, flags | _MAP_FIXED,
+                        fd, offset)
+    return bool(mapped == address)
+
+
+def _write_all(fd: int, data: ctypes.Array, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written

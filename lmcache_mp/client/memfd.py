@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from ..memory import populate
+from ..memory import move_into, page_span, populate, why_not_movable
 from ..protocol import MemfdHandle, span_bytes
 
 SEGMENT_PREFIX = "lmcache_mp_"
@@ -31,7 +31,12 @@ class SharedSegment:
     file system; the memory is freed when the last descriptor and mapping are gone.
     """
 
-    def __init__(self, nbytes: int, name: str = ""):
+    def __init__(self, nbytes: int, name: str = "", *, over: int | None = None):
+        """A new segment of `nbytes`; or, with `over`, the memory this process already uses
+        at [over, over + nbytes), moved into the segment in place (memory.move_into): every
+        pointer into it stays valid and keeps its bytes, and its owner still unmaps it
+        (close() then only closes the descriptor). ValueError unless that memory is
+        anonymous, from the start of a mapping on (memory.why_not_movable)."""
         if nbytes <= 0:
             raise ValueError(f"a SharedSegment needs a positive size, got {nbytes} bytes")
         self._name = name or f"{SEGMENT_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:12]}"
@@ -39,26 +44,37 @@ class SharedSegment:
             # Handles name their segment, and the client finds its fd by that name.
             raise ValueError(f"a SharedSegment named {self._name!r} is open in this process "
                              f"already")
+        why = None if over is None else why_not_movable(over, nbytes)
+        if why is not None:
+            raise ValueError(f"cannot move {nbytes} bytes at {over:#x} into a segment: {why}")
         fd = os.memfd_create(self._name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(fd, nbytes)
+            os.ftruncate(fd, nbytes if over is None else page_span(nbytes))
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
                         fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            self._mapping = mmap.mmap(fd, nbytes)
+            self._mapping = mmap.mmap(fd, nbytes) if over is None else None
+            if over is not None:
+                move_into(fd, over, nbytes)
         except BaseException:
             os.close(fd)
             raise
+        self._fd = fd
+        self._size = nbytes
+        self._base = over if over is not None else self._map()
+        self._close_fd = weakref.finalize(self, os.close, fd)
+        _LIVE[self._base] = self
+
+    def _map(self) -> int:
+        """Fault the new mapping in; its base address."""
+        assert self._mapping is not None
         # Allocate every page now, as the torch.zeros it stands in for would: otherwise the
         # first pass that reads KV the server wrote faults each page into this process.
         populate(self._mapping)
-        self._fd = fd
-        self._size = nbytes
         # A ctypes view exports the mapping's buffer; dropping it at once lets close() unmap.
         anchor = ctypes.c_char.from_buffer(self._mapping)
-        self._base = ctypes.addressof(anchor)
+        base = ctypes.addressof(anchor)
         del anchor
-        self._close_fd = weakref.finalize(self, os.close, fd)
-        _LIVE[self._base] = self
+        return base
 
     @property
     def fd(self) -> int:
@@ -78,11 +94,14 @@ class SharedSegment:
     def mapping(self) -> mmap.mmap:
         """This process's mapping. Tensors made with torch.frombuffer(mapping) do not keep it
         mapped: use tensor() so that close() cannot unmap memory a tensor still uses."""
+        if self._mapping is None:
+            raise ValueError(f"SharedSegment {self._name!r} was moved over memory its owner "
+                             f"maps: use that memory")
         return self._mapping
 
     def tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """The whole segment as a flat tensor that keeps the mapping alive while it lives."""
-        return torch.frombuffer(memoryview(self._mapping), dtype=dtype)
+        return torch.frombuffer(memoryview(self.mapping), dtype=dtype)
 
     def contains(self, address: int, length: int) -> int | None:
         """The offset of [address, address + length) in this segment; None unless all inside."""
@@ -97,7 +116,8 @@ class SharedSegment:
             return
         _LIVE.pop(self._base, None)
         try:
-            self._mapping.close()
+            if self._mapping is not None:
+                self._mapping.close()
         except BufferError:
             pass  # views remain; the mmap object unmaps itself when they are gone
         self._close_fd()

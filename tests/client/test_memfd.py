@@ -159,3 +159,40 @@ def test_a_cache_in_more_segments_than_one_fd_message_carries_registers():
     finally:
         for segment in segments:
             segment.close()
+
+
+def test_memory_moved_into_a_segment_keeps_its_address_and_bytes_and_outlives_the_segment():
+    """A private anonymous mapping (as SGLang's parallel allocation makes) moves in place:
+    the segment's memfd holds its bytes, writes through the old address reach the memfd,
+    and closing the segment leaves the memory to its owner."""
+    import mmap
+    region = mmap.mmap(-1, 3 * mmap.PAGESIZE + 100, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory = torch.frombuffer(region, dtype=torch.uint8)
+    memory.copy_(torch.arange(memory.numel()) % 251)
+    before = memory.clone()
+    segment = SharedSegment(memory.numel(), over=memory.data_ptr())
+    assert torch.equal(memory, before) and segment_of(memory) is segment
+    memory[7] = 99
+    assert os.pread(segment.fd, 8, 0)[7] == 99
+    with pytest.raises(ValueError, match="moved over memory its owner maps"):
+        segment.tensor()
+    segment.close()
+    assert memory[7] == 99 and torch.equal(memory[8:], before[8:])
+
+
+def test_memory_that_is_not_why_not_movable_mappings_is_not_moved(tmp_path):
+    import mmap
+    inside = torch.zeros(1 << 20, dtype=torch.uint8)  # malloc's: not a mapping of its own
+    with pytest.raises(ValueError, match="cannot move"):
+        SharedSegment(inside.numel(), over=inside.data_ptr())
+    path = tmp_path / "file"
+    path.write_bytes(b"\0" * mmap.PAGESIZE)
+    with open(path, "r+b") as file:
+        mapped = mmap.mmap(file.fileno(), mmap.PAGESIZE)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+        with pytest.raises(ValueError, match="not anonymous memory"):
+            SharedSegment(mmap.PAGESIZE, over=address)
+    region = mmap.mmap(-1, 2 * mmap.PAGESIZE)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    with pytest.raises(ValueError, match="does not start a mapping"):
+        SharedSegment(mmap.PAGESIZE, over=start + mmap.PAGESIZE)  # the second half of one

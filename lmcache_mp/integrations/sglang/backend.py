@@ -13,6 +13,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from .config import BackendConfig, namespace
+from .host_pool import moved_pool
 from .link import ServerLink
 from .pages import PageCodec
 
@@ -22,7 +23,8 @@ logger = logging.getLogger(__name__)
 class LMCacheMPStorage(HiCacheStorage):
     """Built by SGLang's dynamic backend factory as `LMCacheMPStorage(storage_config,
     kwargs)`, then given the host pool by register_mem_pool_host: that is where the pool's
-    layout is checked (ValueError naming --hicache-mem-layout) and the staging segment
+    layout is checked (ValueError naming --hicache-mem-layout), a layer_first pool moved
+    into memory the server maps (host_pool.moved_pool), and the pool or a staging segment
     registered. Until then, and whenever the server cannot be reached, every page misses.
 
     SGLang calls the data path from its prefetch and backup threads: batch_exists (one
@@ -43,11 +45,13 @@ class LMCacheMPStorage(HiCacheStorage):
                           config.pp_size, config.is_mla_model, config.is_storage_writer)
         if self.link is not None:
             self.link.close()
-        self.link = ServerLink(self.settings, space, codec)
+        pool = moved_pool(codec) if self.settings.zero_copy else None
+        self.link = ServerLink(self.settings, space, codec, pool)
         self.link.connect()
 
     def close(self) -> None:
-        """Unregister and free the staging segment (SGLang drops the backend on detach)."""
+        """Unregister, and free the staging segment (SGLang drops the backend on detach); a
+        moved host pool stays in its segment for as long as SGLang keeps the pool."""
         if self.link is not None:
             self.link.close()
             self.link = None

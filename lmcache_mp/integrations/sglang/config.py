@@ -12,7 +12,7 @@ DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_STAGING_BYTES = 64 << 20
 DEFAULT_STAGING_BOUNDS = (2, 128)
 MAX_STAGING_PAGES = 4096
-_FIELDS = {"url", "cache_salt", "model", "timeout_s", "staging_pages"}
+_FIELDS = {"url", "cache_salt", "model", "timeout_s", "staging_pages", "zero_copy"}
 # Read by SGLang itself (its factory, its allocator choice, --file-storage-path), not by us.
 _SGLANG_FIELDS = {"backend_name", "module_path", "class_name", "interface_v1", "allocator",
                   "file_storage_path", "enable_metadata_cache", "metadata_ttl"}
@@ -27,13 +27,16 @@ class BackendConfig:
     salt into its page keys, and passes the backend none); `model`: the name pages are
     shared under (default SGLang's model name); `timeout_s`: the longest a LOOKUP, STORE
     or RETRIEVE may take before it counts as a miss; `staging_pages`: pages the staging
-    segment holds, in two halves (None: staging_pages_for picks)."""
+    segment holds, in two halves (None: staging_pages_for picks); `zero_copy`: move a
+    layer_first host pool into memory the server maps (host_pool.moved_pool), so that its
+    pages bypass the staging segment (False: every page goes through staging)."""
 
     url: str = ""
     cache_salt: str = ""
     model: str = ""
     timeout_s: float = DEFAULT_TIMEOUT_S
     staging_pages: int | None = None
+    zero_copy: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> BackendConfig:
@@ -49,7 +52,8 @@ class BackendConfig:
         config = cls(url=str(extra.get("url", "")), cache_salt=str(extra.get("cache_salt", "")),
                      model=str(extra.get("model", "")),
                      timeout_s=float(extra.get("timeout_s", DEFAULT_TIMEOUT_S)),
-                     staging_pages=_staging_pages(extra.get("staging_pages")))
+                     staging_pages=_staging_pages(extra.get("staging_pages")),
+                     zero_copy=_flag(extra, "zero_copy", True))
         if not 0 < config.timeout_s <= 60:
             raise ValueError(f"timeout_s must be in (0, 60] seconds, got {config.timeout_s}")
         if config.staging_pages is not None and not 0 < config.staging_pages <= MAX_STAGING_PAGES:
@@ -64,6 +68,13 @@ class BackendConfig:
             return self.staging_pages
         least, most = DEFAULT_STAGING_BOUNDS
         return max(least, min(most, DEFAULT_STAGING_BYTES // page_bytes))
+
+
+def _flag(extra: dict[str, Any], field: str, default: bool) -> bool:
+    value = extra.get(field, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{field} must be true or false, got {value!r}")
+    return value
 
 
 def _staging_pages(value: Any) -> int | None:

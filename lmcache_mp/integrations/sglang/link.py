@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import uuid
 from collections import deque
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import TypeVar
 
 from ...client import CacheClient, LeaseRef, LookupItem, Registration, StoreStatus, TransferItem
 from ...client.cache_client import DEADLINE_MARGIN_S
-from ...protocol import CHUNK_HASH_BYTES, LookupRequest, pack_block_ids
+from ...client.memfd import SharedSegment
+from ...errors import BadRequest
+from ...protocol import CHUNK_HASH_BYTES, LookupRequest, MemfdHandle, pack_block_ids
 from .config import BackendConfig, Namespace
 from .keys import chunk_hash, packed_hashes
+from .layers import part_handles, splits
 from .pages import PageCodec
-from .staging import Half, Staging
+from .staging import Half, Staging, settle
 
 logger = logging.getLogger(__name__)
 
@@ -25,21 +30,28 @@ _STORED = (StoreStatus.STORED, StoreStatus.ALREADY_STORED)
 
 
 class ServerLink:
-    """Moves whole SGLang pages between the host pool and the server through a staging
-    segment the server maps (a sealed memfd registered like a vLLM worker's cache, one
-    page per chunk): the KV bytes never cross the socket. The backend's copy of a slice
-    (one memcpy per run of consecutive host pages) overlaps the server's copy of the
-    slice before (STORE) or after (RETRIEVE), through the segment's two halves.
+    """Moves whole SGLang pages between the host pool and the server, one page per chunk:
+    the KV bytes never cross the socket. Where the host pool itself lies in memory the
+    server maps (host_pool.moved_pool) and its pages split into parts (layers.splits), the
+    server copies pages straight into and out of it: one copy each way. Otherwise through
+    a staging segment the server maps (a sealed memfd registered like a vLLM worker's
+    cache): the backend's copy of a slice (one memcpy per run of consecutive host pages)
+    overlaps the server's copy of the slice before (STORE) or after (RETRIEVE), through
+    the segment's two halves.
 
     Never raises on the data path: a server that is down, restarting or slower than
     `timeout_s` makes a miss (LOOKUP, RETRIEVE) or a failed store, and the next call
     tries again. Calls from SGLang's prefetch and backup threads share the staging
     segment (Staging.halves)."""
 
-    def __init__(self, settings: BackendConfig, space: Namespace, codec: PageCodec):
+    def __init__(self, settings: BackendConfig, space: Namespace, codec: PageCodec,
+                 pool: SharedSegment | None = None):
         self.settings = settings
         self.space = space
         self.codec = codec
+        self._named = space.model
+        self._pool = pool
+        self._in_place = False  # pages move straight between the server and the host pool
         self.client = CacheClient(settings.url or None, timeout=settings.timeout_s,
                                   client_name="sglang")
         self._tp_group = f"sglang-{uuid.uuid4().hex}"  # one group per rank: each loads itself
@@ -56,17 +68,45 @@ class ServerLink:
     def _register(self) -> bool:
         try:
             chunk_size = self.client.hello().chunk_size
-            if self._staging is None:
-                pages = self.settings.staging_pages_for(self.codec.page_bytes)
-                self._staging = Staging(self.codec, pages, chunk_size)
-            self._registration = self.client.register_kv_cache(
-                self._staging.handles(), model=self.space.model, layout="mla",
-                block_size=chunk_size, kv_world_size=self.space.kv_world_size,
-                kv_worker_id=self.space.kv_worker_id, tp_group=self._tp_group)
+            handles = self._handles(chunk_size)
+            # A page registered as its parts is a chunk of another geometry than one padded
+            # block: never the same name, so that neither is taken for the other.
+            parts = ":parts" if splits(self.codec, chunk_size) else ""
+            self.space = replace(self.space, model=self._named + parts)
+            try:
+                self._registration = self._register_pages(handles, chunk_size)
+            except BadRequest as exc:
+                if not self._in_place:
+                    raise
+                # e.g. this uid's registered memory would pass MAX_REGISTERED_BYTES_PER_UID
+                logger.warning("lmcache-mp: the server refused the host pool, pages go through "
+                               "the staging segment: %s", exc)
+                self._pool = None
+                self._registration = self._register_pages(self._handles(chunk_size),
+                                                          chunk_size)
         except Exception as exc:  # noqa: BLE001 (a server not there yet: pages miss)
             logger.warning("lmcache-mp server not reachable, pages miss until it is: %s", exc)
             return False
         return True
+
+    def _register_pages(self, handles: list[MemfdHandle], chunk_size: int) -> Registration:
+        return self.client.register_kv_cache(
+            handles, model=self.space.model, layout="mla", block_size=chunk_size,
+            kv_world_size=self.space.kv_world_size, kv_worker_id=self.space.kv_worker_id,
+            tp_group=self._tp_group)
+
+    def _handles(self, chunk_size: int) -> list[MemfdHandle]:
+        """The host pool's pages, where it lies in a segment and they split; else the
+        staging segment's blocks (made now, or again for a new chunk size)."""
+        self._in_place = self._pool is not None and splits(self.codec, chunk_size)
+        if self._pool is not None and self._in_place:
+            pool_pages, part = self.codec.pool_pages, self.codec.part_bytes
+            return part_handles(self.codec, self._pool.name, chunk_size, pool_pages,
+                                pool_pages * part, part)
+        if self._staging is None or self._staging.chunk_size != chunk_size:
+            pages = self.settings.staging_pages_for(self.codec.page_bytes)
+            self._staging = Staging(self.codec, pages, chunk_size)
+        return self._staging.handles()
 
     def close(self) -> None:
         self.client.close()
@@ -95,17 +135,21 @@ class ServerLink:
         return LookupRequest(self.space.model, self.space.kv_world_size, [item])
 
     def store(self, keys: list[str], pages: list[int], parent: str | None) -> list[bool]:
-        """Per page: stored now or before. Pages go in slices of a staging half, each
-        copied in while the server stores the slice before; a slice that fails ends the
-        batch (SGLang stops at the first failure): its later pages are False, even those
-        of the one slice already sent after it (stored, a later set finds them stored)."""
+        """Per page: stored now or before. In place, one STORE of the host pages; through
+        staging, pages go in slices of a staging half, each copied in while the server
+        stores the slice before. A page that fails ends the batch (SGLang stops at the
+        first failure): the pages after it are False, even those the server stored (a
+        later set finds them stored)."""
         if not keys or not self.space.writes or not self.connect():
             return [not self.space.writes] * len(keys)
         stored: list[bool] = []
         try:
-            with self.staging.halves(self._patience()) as halves:
-                self._store_slices(_request_id(keys), packed_hashes(keys), pages, parent,
-                                   halves, stored)
+            if self._in_place:
+                self._store_in_place(keys, pages, parent, stored)
+            else:
+                with self.staging.halves(self._patience()) as halves:
+                    self._store_slices(_request_id(keys), packed_hashes(keys), pages, parent,
+                                       halves, stored)
         except Exception as exc:  # noqa: BLE001 (the data path never raises)
             logger.warning("lmcache-mp store of %d pages failed: %s", len(keys), exc)
         return stored + [False] * (len(keys) - len(stored))
@@ -146,6 +190,36 @@ class ServerLink:
         stored += outcome
         return all(outcome)
 
+    def _store_in_place(self, keys: list[str], pages: list[int], parent: str | None,
+                        stored: list[bool]) -> None:
+        """One STORE naming the host pages themselves; appends to `stored` the leading run
+        of pages stored now or before (a failed page ends the batch, as through staging)."""
+        hashes = packed_hashes(keys)
+        item = TransferItem(_request_id(keys), hashes, pack_block_ids(pages),
+                            self.settings.cache_salt, parent_hash=_parent_hash(hashes, 0, parent))
+        future = self.client.store_async(self.registration, [item], self.settings.timeout_s)
+        try:
+            statuses = self._reply(future).results[0][:len(keys)]
+        finally:
+            self._settle(future)
+        stored += itertools.takewhile(bool, (status in _STORED for status in statuses))
+
+    def _retrieve_in_place(self, rid: str, hashes: bytes, pages: list[int]) -> int:
+        """One RETRIEVE into the host pages themselves: how many leading pages landed."""
+        item = TransferItem(rid, hashes, pack_block_ids(pages), self.settings.cache_salt)
+        future = self.client.retrieve_async(self.registration, [item], self.settings.timeout_s)
+        try:
+            return min(int(self._reply(future).retrieved[0]), len(pages))
+        except Exception as exc:  # noqa: BLE001 (a miss)
+            logger.warning("lmcache-mp RETRIEVE of %d pages failed: %s", len(pages), exc)
+            return 0
+        finally:
+            self._settle(future)
+
+    def _settle(self, future: Future) -> None:
+        """Return only once the server touches the host pages no more."""
+        settle(future, self._patience())
+
     def retrieve(self, keys: list[str], pages: list[int]) -> list[bool]:
         """Per page: its bytes are in the host pool now. Only a leading run is True. The
         server fills one staging half while the backend copies the other out; a batch
@@ -154,8 +228,11 @@ class ServerLink:
         if keys and self.connect():
             rid = _request_id(keys)
             try:
-                with self.staging.halves(self._patience()) as halves:
-                    landed = self._retrieve_slices(rid, packed_hashes(keys), pages, halves)
+                if self._in_place:
+                    landed = self._retrieve_in_place(rid, packed_hashes(keys), pages)
+                else:
+                    with self.staging.halves(self._patience()) as halves:
+                        landed = self._retrieve_slices(rid, packed_hashes(keys), pages, halves)
             except Exception as exc:  # noqa: BLE001 (the data path never raises)
                 logger.warning("lmcache-mp retrieve of %d pages failed: %s", len(keys), exc)
             if landed < len(keys):

@@ -39,10 +39,17 @@ class PageCodec:
         else:
             raise ValueError(f"lmcache-mp stores the pages of MHA and MLA host pools, not of "
                              f"{type(pool).__name__} (a hybrid or sparse model's pool)")
+        self.layout: str = layout
         self.page_size: int = pool.page_size
         self.pool_tokens: int = pool.size
+        self.pool_pages: int = pool.size // pool.page_size
+        self.pool_buffer: torch.Tensor = pool.kv_buffer
         self.dtype: torch.dtype = pool.dtype
         self.page_bytes = int(np.prod(self.page_shape))
+        # A page's parts, in canonical order: each layer's K then each layer's V, or each
+        # layer's latent; each is page_size rows, contiguous in a layer_first pool.
+        self.parts = int(np.prod(self.page_shape[:-2]))
+        self.part_bytes = self.page_bytes // self.parts
 
     def _init_mha(self, pool: MHATokenToKVPoolHost, layout: str) -> None:
         if pool.v_head_dim != pool.head_dim:

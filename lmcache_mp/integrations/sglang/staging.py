@@ -13,6 +13,7 @@ import torch
 
 from ...client.memfd import SharedKVCache
 from ...protocol import MemfdHandle
+from .layers import part_handles, splits
 from .pages import PageCodec, runs
 
 
@@ -48,12 +49,18 @@ class Half:
             np.copyto(codec.run(first, count), self.slots[position:position + count])
 
     def settle(self, patience: float) -> None:
-        """Wait until the server touches this half no more (what it answered is dropped):
-        a transfer's future settles by itself at its budget plus the client's margin."""
+        """Wait until the server touches this half no more (what it answered is dropped)."""
         future, self.in_flight = self.in_flight, None
         if future is not None:
-            with contextlib.suppress(Exception):
-                future.exception(patience)
+            settle(future, patience)
+
+
+def settle(future: Future, patience: float) -> None:
+    """Wait until a STORE's or RETRIEVE's future settles, answered or not: it does by itself
+    at its budget plus the client's margin, after which the server touches the memory it
+    names no more; `patience` only ends a hang."""
+    with contextlib.suppress(Exception):
+        future.exception(patience)
 
 
 class Staging:
@@ -67,6 +74,8 @@ class Staging:
     them, at most `patience` seconds."""
 
     def __init__(self, codec: PageCodec, pages: int, chunk_size: int):
+        self.codec = codec
+        self.chunk_size = chunk_size
         width = math.ceil(codec.page_bytes / chunk_size)
         self.cache = SharedKVCache("mla", 1, pages, chunk_size, 1, width, torch.uint8)
         slots = codec.slots(self.cache.layers[0].numpy().reshape(pages, -1))
@@ -76,7 +85,12 @@ class Staging:
         self._freed = threading.Condition()
 
     def handles(self) -> list[MemfdHandle]:
-        return self.cache.handles()
+        """The page's parts as layers where they split (layers.splits), else one layer."""
+        if not splits(self.codec, self.chunk_size):
+            return self.cache.handles()
+        block_bytes = self.codec.page_bytes  # each part whole rows: no padding
+        return part_handles(self.codec, self.cache.name, self.chunk_size,
+                            self.cache.num_blocks, self.codec.part_bytes, block_bytes)
 
     @contextlib.contextmanager
     def halves(self, patience: float) -> Iterator[list[Half]]:

@@ -163,7 +163,8 @@ def test_layouts_it_cannot_read_are_refused_at_start_up_naming_the_flag(server):
     ({}, "interface_v1"), ({"interface_v1": 1, "urll": "x"}, "urll"),
     ({"interface_v1": 1, "timeout_s": 0}, "timeout_s"),
     ({"interface_v1": 1, "staging_pages": 0}, "staging_pages"),
-    ({"interface_v1": 1, "staging_pages": "8"}, "staging_pages")])
+    ({"interface_v1": 1, "staging_pages": "8"}, "staging_pages"),
+    ({"interface_v1": 1, "zero_copy": "yes"}, "zero_copy")])
 def test_a_wrong_extra_config_is_refused_naming_the_field(fields, refusal):
     extra = {"backend_name": "lmcache_mp", "class_name": "LMCacheMPStorage",
              "module_path": "lmcache_mp.integrations.sglang", **fields}
@@ -206,13 +207,14 @@ def test_a_killed_server_gives_misses_and_caching_resumes_after_its_restart(tmp_
         reader.close()
 
 
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])  # staging, in place
 def test_under_sglangs_failure_injector_every_page_reported_loaded_is_byte_exact(
-        server, monkeypatch):
+        server, monkeypatch, layout):
     """SGLang's HiCacheStorageFailureInjector (its test hook) fails half the calls before
     they reach the backend: stores go missing, chains break. No call raises, and a page
     batch_get_v1 reports True always holds the bytes that were set for its key."""
     monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.5")
-    source, target = filled(mha_pool, "page_first"), mha_pool("page_first", TOKENS, PAGE)
+    source, target = filled(mha_pool, layout), mha_pool(layout, TOKENS, PAGE)
     writer, reader = backend(source, server.url), backend(target, server.url)
     assert type(writer).__name__ == "HiCacheStorageFailureInjector"
     loaded = 0

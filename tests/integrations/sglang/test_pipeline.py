@@ -1,8 +1,9 @@
 """The backend's pipeline through its staging segment's two halves, against a real server:
 batches larger than the segment move byte for byte both ways, whatever the host pages and
 layouts, one STORE a slice; a miss in the middle of a batch ends it, writes nothing after
-it and leaves no hold; a get and a set at once share the segment; the segment's default
-size follows the page size."""
+it and leaves no hold; a get and a set at once share the segment (and, a pool in place,
+each names its own host pages); the segment's default size follows the page size. The
+tests set zero_copy false, so that layer_first pools go through staging too."""
 
 import concurrent.futures
 
@@ -43,8 +44,10 @@ def test_a_batch_larger_than_the_staging_segment_moves_byte_exact_through_its_ha
         server, make, layout_from, layout_to, staging_pages, slices):
     mla = make is mla_pool
     source, target = filled(make, layout_from), filled(make, layout_to)
-    writer = backend(source, server.url, mla=mla, staging_pages=staging_pages)
-    reader = backend(target, server.url, mla=mla, staging_pages=staging_pages)
+    writer = backend(source, server.url, mla=mla, staging_pages=staging_pages,
+                     zero_copy=False)
+    reader = backend(target, server.url, mla=mla, staging_pages=staging_pages,
+                     zero_copy=False)
     keys = page_keys(len(SOURCE_PAGES))
     assert writer.batch_set_v1(keys, tokens_at(SOURCE_PAGES)) == [True] * 11
     assert instance(server, writer).stores == slices
@@ -60,8 +63,8 @@ def test_a_batch_larger_than_the_staging_segment_moves_byte_exact_through_its_ha
 def test_a_miss_in_the_middle_of_a_pipelined_get_ends_it_and_leaves_no_hold():
     with run_server("--lease-timeout", "600") as server:
         source, target = filled(mha_pool, "layer_first"), filled(mha_pool, "page_first")
-        writer = backend(source, server.url, staging_pages=4)
-        reader = backend(target, server.url, staging_pages=4)  # halves of 2 pages
+        writer = backend(source, server.url, staging_pages=4, zero_copy=False)
+        reader = backend(target, server.url, staging_pages=4, zero_copy=False)  # halves of 2 pages
         keys = page_keys(10)
         # Page 5 is missing: its slice (pages 4, 5) lands one page, while the next slice
         # (pages 6, 7, stored) is already in flight into the other half.
@@ -85,11 +88,14 @@ def test_a_miss_in_the_middle_of_a_pipelined_get_ends_it_and_leaves_no_hold():
         reader.close()
 
 
-def test_a_get_and_a_set_at_once_share_the_staging_segment_byte_exact(server):
-    """SGLang's prefetch and backup threads call one backend at once: each call takes the
-    halves free when it starts and waits for the others; neither sees the other's bytes."""
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_a_get_and_a_set_at_once_are_both_byte_exact(server, zero_copy):
+    """SGLang's prefetch and backup threads call one backend at once: through staging, each
+    call takes the halves free when it starts and waits for the others; in place, each
+    transfer names its own host pages. Neither sees the other's bytes."""
     pool, fresh = filled(mha_pool, "layer_first"), filled(mha_pool, "layer_first")
-    storage = backend(pool, server.url, staging_pages=4)
+    storage = backend(pool, server.url, staging_pages=4, zero_copy=zero_copy)
+    assert storage.link._in_place == zero_copy
     loaded, stored = page_keys(6), page_keys(6)
     assert storage.batch_set_v1(loaded, tokens_at(range(6))) == [True] * 6
     assert storage.batch_exists(loaded) == 6
