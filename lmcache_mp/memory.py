@@ -8,7 +8,7 @@ import errno
 import logging
 import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,16 @@ def page_span(length: int) -> int:
     return -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
+def mappings() -> Iterator[tuple[int, int, str, str]]:
+    """This process's mappings, in address order, from /proc/self/maps: (start, stop,
+    permissions, name), the name "" for private anonymous memory."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, stop = (int(bound, 16) for bound in fields[0].split("-"))
+            yield start, stop, fields[1], fields[5].strip() if len(fields) > 5 else ""
+
+
 def why_not_movable(address: int, length: int) -> str | None:
     """Why [address, address + page_span(length)) is not anonymous read-write memory of
     this process from the start of a mapping on (memory an mmap made for one allocation,
@@ -106,18 +116,14 @@ def why_not_movable(address: int, length: int) -> str | None:
     the last may go on past the end); None when it is."""
     end = address + page_span(length)
     expected = address
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            start, stop = (int(bound, 16) for bound in fields[0].split("-"))
-            if stop <= address or start >= end:
-                continue
-            name = fields[5].strip() if len(fields) > 5 else ""
-            if start != expected:
-                return f"the memory at {expected:#x} does not start a mapping"
-            if name not in _ANONYMOUS or not fields[1].startswith("rw"):
-                return f"the mapping at {start:#x} is {name or fields[1]!r}, not anonymous memory"
-            expected = stop
+    for start, stop, permissions, name in mappings():
+        if stop <= address or start >= end:
+            continue
+        if start != expected:
+            return f"the memory at {expected:#x} does not start a mapping"
+        if name not in _ANONYMOUS or not permissions.startswith("rw"):
+            return f"the mapping at {start:#x} is {name or permissions!r}, not anonymous memory"
+        expected = stop
     if expected < end:
         return f"the memory at {expected:#x} is not mapped"
     return None

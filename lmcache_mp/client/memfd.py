@@ -52,8 +52,10 @@ class SharedSegment:
             os.ftruncate(fd, nbytes if over is None else page_span(nbytes))
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
                         fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            self._mapping = mmap.mmap(fd, nbytes) if over is None else None
-            if over is not None:
+            if over is None:
+                self._mapping: mmap.mmap | None = mmap.mmap(fd, nbytes)
+            else:
+                self._mapping = None
                 move_into(fd, over, nbytes)
         except BaseException:
             os.close(fd)

@@ -98,10 +98,11 @@ class ServerLink:
     def _handles(self, chunk_size: int) -> list[MemfdHandle]:
         """The host pool's pages, where it lies in a segment and they split; else the
         staging segment's blocks (made now, or again for a new chunk size)."""
-        self._in_place = self._pool is not None and splits(self.codec, chunk_size)
-        if self._pool is not None and self._in_place:
+        pool = self._pool if splits(self.codec, chunk_size) else None
+        self._in_place = pool is not None
+        if pool is not None:
             pool_pages, part = self.codec.pool_pages, self.codec.part_bytes
-            return part_handles(self.codec, self._pool.name, chunk_size, pool_pages,
+            return part_handles(self.codec, pool.name, chunk_size, pool_pages,
                                 pool_pages * part, part)
         if self._staging is None or self._staging.chunk_size != chunk_size:
             pages = self.settings.staging_pages_for(self.codec.page_bytes)

@@ -14,6 +14,8 @@ import textwrap
 import pytest
 import torch
 
+from lmcache_mp.memory import mappings
+
 from ...utils import run_server
 from .hostpools import mha_pool, mla_pool
 from .test_backend import PAGE, backend, kv_at, page_keys
@@ -36,13 +38,7 @@ def pages_at(page):
 
 def mapped_file(address):
     """What /proc/self/maps names the mapping holding `address`."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            start, stop = (int(bound, 16) for bound in fields[0].split("-"))
-            if start <= address < stop:
-                return fields[5].strip() if len(fields) > 5 else ""
-    raise AssertionError(f"{address:#x} is not mapped")
+    return next(name for start, stop, _, name in mappings() if start <= address < stop)
 
 
 def test_a_layer_first_pool_moves_into_a_segment_keeping_its_addresses_and_bytes(server):

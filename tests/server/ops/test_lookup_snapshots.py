@@ -169,6 +169,17 @@ def test_hits_read_back_from_disk_count_their_tiers_by_the_same_rule(tmp_path, e
             workers.close()
 
 
+def run_again_then_snapshots_read_back(client: CacheClient, workers: Workers, again: list[bytes],
+                                       hit_tiers: list[int], counter: str) -> None:
+    """Worker 0 stores the run of `again` in memory again; its LOOKUP then brings the two
+    snapshots back from the tier (`counter`, a STATS field, counts those two alone)."""
+    workers.send(0, "store", [TransferItem.build("b", again, chunk_blocks(range(4)))], "b")
+    before = getattr(client.stats(), counter)
+    reply = lookup(client, again, [SNAPSHOT], tiers=True)
+    assert (reply.hits, reply.hit_tiers) == ([4], [hit_tiers])
+    assert getattr(client.stats(), counter) - before == 2  # the two snapshots alone
+
+
 def test_a_read_back_brings_the_run_and_the_snapshots_the_disk_has(tmp_path, engine):
     """After a restart memory is empty and the disk tier holds every chunk stored before:
     a prompt whose snapshots are at chunk 2 only is read back, worker 0's run and worker
@@ -198,12 +209,7 @@ def test_a_read_back_brings_the_run_and_the_snapshots_the_disk_has(tmp_path, eng
             want = model_hit({0: 4}, {SNAPSHOT: {2}})
             assert (want, reply.hits, reply.hit_tiers) == (3, [3], [[0, 3, 0]])
 
-            workers.send(0, "store", [TransferItem.build("b", again, chunk_blocks(range(4)))],
-                         "b")
-            before = client.stats().disk_hits
-            reply = lookup(client, again, [SNAPSHOT], tiers=True)
-            assert (reply.hits, reply.hit_tiers) == ([4], [[0, 4, 0]])
-            assert client.stats().disk_hits - before == 2  # the two snapshots alone
+            run_again_then_snapshots_read_back(client, workers, again, [0, 4, 0], "disk_hits")
             assert lookup(client, again, [SNAPSHOT], tiers=True).hit_tiers == [[4, 0, 0]]
         finally:
             workers.close()
@@ -231,11 +237,6 @@ def test_a_pull_from_l2_brings_the_run_and_the_snapshots_l2_has(engine):
             reply = lookup(client, sparse, [SNAPSHOT], tiers=True)
             assert (reply.hits, reply.hit_tiers) == ([3], [[0, 0, 3]])
 
-            workers.send(0, "store", [TransferItem.build("b", again, chunk_blocks(range(4)))],
-                         "b")
-            before = client.stats().l2_hits
-            reply = lookup(client, again, [SNAPSHOT], tiers=True)
-            assert (reply.hits, reply.hit_tiers) == ([4], [[0, 0, 4]])
-            assert client.stats().l2_hits - before == 2  # the two snapshots alone
+            run_again_then_snapshots_read_back(client, workers, again, [0, 0, 4], "l2_hits")
         finally:
             workers.close()
