@@ -119,10 +119,13 @@ def redis_cluster(masters: int = 3) -> Iterator[list[RedisProcess]]:
                         *(f"127.0.0.1:{node.port}" for node in nodes),
                         "--cluster-replicas", "0", "--cluster-yes"],
                        check=True, capture_output=True, timeout=60)
-        probe = redis.RedisCluster(host="127.0.0.1", port=nodes[0].port, socket_timeout=5)
-        deadline = time.monotonic() + 30
-        while probe.cluster_info()["cluster_state"] != "ok":
-            assert time.monotonic() < deadline, "the cluster did not come up"
-            time.sleep(0.1)
-        probe.close()
+        # Each node decides for itself that the cluster is up (from the others' gossip),
+        # and refuses commands until it has: every node must say so, not only the first.
+        deadline = time.monotonic() + 60
+        for node in nodes:
+            with redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=5) as probe:
+                while probe.execute_command("CLUSTER INFO")["cluster_state"] != "ok":
+                    assert time.monotonic() < deadline, f"node {node.port} never saw the " \
+                        "cluster up"
+                    time.sleep(0.1)
         yield nodes

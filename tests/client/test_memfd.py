@@ -1,6 +1,7 @@
 import ctypes
 import fcntl
 import gc
+import mmap
 import os
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 from lmcache_mp.client import SharedKVCache
 from lmcache_mp.client.memfd import SharedSegment, find_segment, memfd_handles, segment_of
 from lmcache_mp.protocol import MemfdHandle
+
+PAGE = mmap.PAGESIZE
 
 
 def test_layers_live_back_to_back_in_one_segment_described_by_handles():
@@ -161,13 +164,26 @@ def test_a_cache_in_more_segments_than_one_fd_message_carries_registers():
             segment.close()
 
 
+def private_mapping_of_its_own(nbytes: int) -> tuple[mmap.mmap, int]:
+    """A private anonymous mapping of `nbytes` at the returned offset of the returned region,
+    between two PROT_NONE pages: the kernel merges an anonymous mapping into a neighbour of
+    the same protection, and this one must start a mapping of its own."""
+    span = -(-nbytes // PAGE) * PAGE
+    region = mmap.mmap(-1, span + 2 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    libc = ctypes.CDLL(None, use_errno=True)
+    for guard in (base, base + PAGE + span):
+        assert libc.mprotect(ctypes.c_void_p(guard), ctypes.c_size_t(PAGE), 0) == 0, \
+            os.strerror(ctypes.get_errno())
+    return region, PAGE
+
+
 def test_memory_moved_into_a_segment_keeps_its_address_and_bytes_and_outlives_the_segment():
     """A private anonymous mapping (as SGLang's parallel allocation makes) moves in place:
     the segment's memfd holds its bytes, writes through the old address reach the memfd,
     and closing the segment leaves the memory to its owner."""
-    import mmap
-    region = mmap.mmap(-1, 3 * mmap.PAGESIZE + 100, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    memory = torch.frombuffer(region, dtype=torch.uint8)
+    region, offset = private_mapping_of_its_own(3 * PAGE + 100)
+    memory = torch.frombuffer(region, dtype=torch.uint8, offset=offset, count=3 * PAGE + 100)
     memory.copy_(torch.arange(memory.numel()) % 251)
     before = memory.clone()
     segment = SharedSegment(memory.numel(), over=memory.data_ptr())
@@ -181,7 +197,6 @@ def test_memory_moved_into_a_segment_keeps_its_address_and_bytes_and_outlives_th
 
 
 def test_memory_that_is_not_why_not_movable_mappings_is_not_moved(tmp_path):
-    import mmap
     inside = torch.zeros(1 << 20, dtype=torch.uint8)  # malloc's: not a mapping of its own
     with pytest.raises(ValueError, match="cannot move"):
         SharedSegment(inside.numel(), over=inside.data_ptr())

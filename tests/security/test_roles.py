@@ -351,6 +351,8 @@ def unsafe_start_ups(tmp_path_factory):
     for process in running.values():
         process.kill()
         process.wait()
+        assert process.stdout is not None  # stdout=PIPE
+        process.stdout.close()  # communicate() closed it, unless the test did not run
 
 
 def test_unsafe_start_ups_are_refused(unsafe_start_ups):

@@ -80,9 +80,12 @@ class EchoProcess:
                 raise RuntimeError(f"the echo process did not start on {self.bind}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            if self.proc.stdout is not None:  # else a ResourceWarning whenever it is collected
+                self.proc.stdout.close()
         unlink_ipc_endpoint(self.bind)
 
 

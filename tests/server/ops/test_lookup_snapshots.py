@@ -159,6 +159,9 @@ def test_hits_read_back_from_disk_count_their_tiers_by_the_same_rule(tmp_path, e
             for tag in (5301, 5302):
                 store_pattern(workers, prompt(tag=tag, num_chunks=4), run=4,
                               snapshots={0, 1, 2, 3}, request_id=f"w{tag}")
+            # A chunk the disk tier is writing is held, and the read-back could not evict
+            # it to make room: the prompt's chunks need the whole pool.
+            wait_for(lambda: client.stats().disk_queue_chunks == 0, "the disk queue")
             reply = lookup(client, hashes, [SNAPSHOT], tiers=True)
             want = model_hit({0: 4}, {SNAPSHOT: {0, 1, 2, 3}})
             assert reply.hits == [want]
