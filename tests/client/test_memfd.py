@@ -9,6 +9,7 @@ import torch
 
 from lmcache_mp.client import SharedKVCache
 from lmcache_mp.client.memfd import SharedSegment, find_segment, memfd_handles, segment_of
+from lmcache_mp.memory import page_span
 from lmcache_mp.protocol import MemfdHandle
 
 PAGE = mmap.PAGESIZE
@@ -168,7 +169,7 @@ def private_mapping_of_its_own(nbytes: int) -> tuple[mmap.mmap, int]:
     """A private anonymous mapping of `nbytes` at the returned offset of the returned region,
     between two PROT_NONE pages: the kernel merges an anonymous mapping into a neighbour of
     the same protection, and this one must start a mapping of its own."""
-    span = -(-nbytes // PAGE) * PAGE
+    span = page_span(nbytes)
     region = mmap.mmap(-1, span + 2 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = ctypes.addressof(ctypes.c_char.from_buffer(region))
     libc = ctypes.CDLL(None, use_errno=True)
