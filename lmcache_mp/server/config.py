@@ -356,6 +356,16 @@ class Config:
         return grp.getgrnam(self.socket_group).gr_gid
 
     def validate(self) -> None:
+        """Refuse (ValueError, naming the flag) what no server can run with."""
+        self._validate_transport()
+        self._validate_memory()
+        self._validate_disk()
+        self._validate_l2()
+        self._validate_salts()
+
+    def _validate_transport(self) -> None:
+        if not self.bind_url.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"--url must start with tcp:// or ipc://, got {self.bind_url!r}")
         if self.max_chunks_per_message > MAX_CHUNKS_PER_MESSAGE:
             raise ValueError(f"--max-chunks-per-message must be at most {MAX_CHUNKS_PER_MESSAGE}, "
                              f"got {self.max_chunks_per_message}")
@@ -370,14 +380,16 @@ class Config:
                 f"authenticate: create a token file (`openssl rand -hex 32 > /etc/lmcache-mp/"
                 f"token; chmod 600 /etc/lmcache-mp/token`), pass --token-file with its path, "
                 f"and give the clients the same token (LMCACHE_MP_TOKEN); see docs/security.md")
+
+    def _validate_memory(self) -> None:
         if self.cpu_size < 1024**2:
             raise ValueError(f"--cpu-size must be at least 1MiB, got {self.cpu_size} bytes")
         if self.gpu_size and not _cuda_available():
             raise ValueError("--gpu-size needs CUDA, and this server has none: leave it at 0")
-        if not self.bind_url.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"--url must start with tcp:// or ipc://, got {self.bind_url!r}")
         if self.pool_segment_dir is not None and self.pool_segment is None:
             raise ValueError("--pool-segment-dir needs --pool-segment")
+
+    def _validate_disk(self) -> None:
         if self.disk_dir is None and self.disk_size is not None:
             raise ValueError("--disk-size needs --disk-dir")
         if self.disk_dir is not None and not self.disk_size:
@@ -397,6 +409,8 @@ class Config:
                                  f"{self.disk_dir}: the key must live apart from the files it "
                                  f"signs; give a file outside it, e.g. "
                                  f"/var/lib/lmcache-mp/disk.key")
+
+    def _validate_l2(self) -> None:
         if self.l2 is None and self.l2_password_file is not None:
             raise ValueError("--l2-password-file needs --l2")
         if self.l2 is None and self.l2_key_file is not None:
@@ -417,6 +431,8 @@ class Config:
                 raise ValueError(f"--l2-password-file: {exc}") from None
         if self.l2_key_file is not None:
             read_key_file(self.l2_key_file)
+
+    def _validate_salts(self) -> None:
         for flag, pairs in (("--quota", self.quota), ("--tenant-label", self.tenant_label)):
             for salt, _ in pairs:
                 try:

@@ -14,7 +14,7 @@ from ...client.memfd import SharedSegment, memfd_handles
 from ...client.tracker import ChunkLayout
 from ...client.worker import WorkerAdapter
 from ...errors import LMCacheMPError
-from ...protocol import RegisterKVCacheRequest
+from ...protocol import RegisterKVCacheRequest, TensorHandle
 from .adapters import GroupAdapters
 from .allocation import SharedMemoryAllocation
 from .config import ConnectorConfig, engine_secret, model_name, parallel_strategy
@@ -99,6 +99,23 @@ class WorkerSide:
         self._kv_caches = dict(kv_caches)
         per_group = [self._group_tensors(group, kv_caches) for group in self.groups]
         devices = {t.device.type for tensors in per_group for t in tensors}
+        handles = self._server_handles(per_group, layouts, devices)
+        self._register_groups(handles, layouts)
+        self._by_layer = (self.config.load_by_layer and devices == {"cpu"}
+                          and self.parallel.sends_transfers and len(self.groups) == 1)
+        for group, registration, layout in zip(self.groups, self.adapter.registrations,
+                                               layouts):
+            assert registration is not None  # registered just above
+            logger.info("rank %d registered %d %s layers of %d blocks (KV cache group %d of "
+                        "%d, %s) with %s as instance %d", self.parallel.worker_id,
+                        len(registration.request.layers), layout, registration.num_blocks,
+                        group.index, len(self.groups), group.kind.value, self.url,
+                        registration.instance_id)
+
+    def _server_handles(self, per_group: list[list[torch.Tensor]], layouts: list[str],
+                        devices: set[str]) -> list[list[TensorHandle]]:
+        """Each group's layers as the server maps them: cuda_ipc handles on GPUs (with the
+        event its STOREs wait on), memfd handles in CPU shared memory; raises otherwise."""
         if devices == {"cuda"}:
             # The server maps the cache by CUDA IPC; its STORE copies wait on this event,
             # recorded after each forward pass (start_stores).
@@ -106,11 +123,12 @@ class WorkerSide:
                         for handle in cuda_ipc_handles(tensors)]
                        for tensors, layout in zip(per_group, layouts)]
             self._store_event = StoreEvent(per_group[0][0].device)
-        elif devices == {"cpu"}:
+            return handles
+        if devices == {"cpu"}:
             try:
-                handles = [[as_server_layout(handle, layout, self.block_size)
-                            for handle, _ in memfd_handles(tensors)]
-                           for tensors, layout in zip(per_group, layouts)]
+                return [[as_server_layout(handle, layout, self.block_size)
+                         for handle, _ in memfd_handles(tensors)]
+                        for tensors, layout in zip(per_group, layouts)]
             except ValueError as exc:
                 raise ValueError(
                     f"lmcache-mp cannot register vLLM's KV cache: {exc}. On CPU the server "
@@ -118,9 +136,12 @@ class WorkerSide:
                     f"vLLM allocate it through this connector (get_mem_pool_context), or pass "
                     f"tensors that lie in a SharedKVCache or another "
                     f"lmcache_mp.client.SharedSegment") from None
-        else:
-            raise ValueError(f"lmcache-mp registers KV caches on CUDA devices or in CPU shared "
-                             f"memory, all on one of them; these are on {sorted(devices)}")
+        raise ValueError(f"lmcache-mp registers KV caches on CUDA devices or in CPU shared "
+                         f"memory, all on one of them; these are on {sorted(devices)}")
+
+    def _register_groups(self, handles: list[list[TensorHandle]], layouts: list[str]) -> None:
+        """Check the server's chunk size, then register each KV cache group's layers;
+        raises RuntimeError naming the server if it cannot be reached or refuses."""
         try:
             hello = self.client.hello()
             if hello.chunk_size != self.config.chunk_size:
@@ -141,16 +162,6 @@ class WorkerSide:
         except LMCacheMPError as exc:
             raise RuntimeError(f"cannot register the KV cache with lmcache-mp-server at "
                                f"{self.url} (is it running?): {exc}") from exc
-        self._by_layer = (self.config.load_by_layer and devices == {"cpu"}
-                          and self.parallel.sends_transfers and len(self.groups) == 1)
-        for group, registration, layout in zip(self.groups, self.adapter.registrations,
-                                               layouts):
-            assert registration is not None  # registered just above
-            logger.info("rank %d registered %d %s layers of %d blocks (KV cache group %d of "
-                        "%d, %s) with %s as instance %d", self.parallel.worker_id,
-                        len(registration.request.layers), layout, registration.num_blocks,
-                        group.index, len(self.groups), group.kind.value, self.url,
-                        registration.instance_id)
 
     def _group_tensors(self, group: KVGroup, kv_caches: dict[str, torch.Tensor]
                        ) -> list[torch.Tensor]:

@@ -34,6 +34,19 @@ from .scan import PrefixScan
 _ADOPT_BATCH = 65536  # chunks a warm restart's index reads into Python values at a time
 
 
+def _lost_with_parents(parents: np.ndarray, intact: np.ndarray) -> np.ndarray:
+    """Which chunks of a saved index a warm restart loses: those not `intact`, and every
+    chunk after one of them in its prompt (`parents`: each one's parent's row, or -1)."""
+    has_parent = parents >= 0
+    lost = ~intact
+    while lost.any():  # a lost chunk's successors are lost with it, prompt by prompt
+        spread = lost | (has_parent & lost[np.where(has_parent, parents, 0)])
+        if (spread == lost).all():
+            break
+        lost = spread
+    return lost
+
+
 class ChunkStore(Catalog):
     """The operations the server calls: LOOKUP's probes and leases, STORE's reserve and
     commit (with eviction and GPU demotion to make room), RETRIEVE's holds, warm restart's
@@ -363,13 +376,7 @@ class ChunkStore(Catalog):
             raise ValueError("adopt_run() fills an empty store")
         count = len(index)
         parents = index.parents
-        has_parent = parents >= 0
-        lost = ~intact
-        while lost.any():  # a lost chunk's successors are lost with it, prompt by prompt
-            spread = lost | (has_parent & lost[np.where(has_parent, parents, 0)])
-            if (spread == lost).all():
-                break
-            lost = spread
+        lost = _lost_with_parents(parents, intact)
         kept = np.flatnonzero(~lost)
         nbytes = index.nbytes
         by_offset = kept[np.argsort(index.offsets[kept], kind="stable")]
@@ -409,6 +416,19 @@ class ChunkStore(Catalog):
         for scope, in_scope in zip(scopes, in_scopes):
             if not in_scope:
                 del self._by_scope[scope]
+        self._count_adopted(index, kept, sizes)
+        followed = np.zeros(count, dtype=bool)
+        kept_parents = parents[kept]
+        followed[kept_parents[kept_parents >= 0]] = True
+        policy = self._policies[CPU_TIER]
+        for i in np.flatnonzero(~lost & ~followed).tolist():  # evictable, as committed ones are
+            chunk = adopted[i]
+            policy.add(chunk.key.cache_salt, chunk.key, chunk.stamp)
+        return len(kept)
+
+    def _count_adopted(self, index: SavedIndex, kept: np.ndarray, sizes: list[int]) -> None:
+        """The adopted chunks (`kept`, of `index`) in their tenants' usage, by scope at once."""
+        scopes = index.scopes
         kept_scopes = index.scope_ids[kept]
         footprints = np.array([aligned(size) for size in sizes], dtype=np.int64)
         scope_bytes = np.zeros(len(scopes), dtype=np.int64)
@@ -419,13 +439,6 @@ class ChunkStore(Catalog):
                 usage = self._tenant(scope[3])
                 usage.bytes_used += used
                 usage.chunks += adopted_here
-        followed = np.zeros(count, dtype=bool)
-        followed[parents[kept][has_parent[kept]]] = True
-        policy = self._policies[CPU_TIER]
-        for i in np.flatnonzero(~lost & ~followed).tolist():  # evictable, as committed ones are
-            chunk = adopted[i]
-            policy.add(chunk.key.cache_salt, chunk.key, chunk.stamp)
-        return len(kept)
 
     def commit(self, chunk: Chunk) -> bool:
         """Its bytes are copied: the chunk is visible; True. Unless its pending parent was

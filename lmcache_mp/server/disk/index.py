@@ -52,6 +52,21 @@ def _extent(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
+def _checked_rows(replayed: Replayed, salt_ids: np.ndarray) -> np.ndarray:
+    """`salt_ids` as 16-bit ints (a stable sort of them is a radix sort), once a replay's
+    rows are known to fit the index's columns; ValueError if not."""
+    n, offsets, nbytes = len(replayed), replayed.offsets, replayed.nbytes
+    if salt_ids.shape != (n,) or (n and (salt_ids.min() < 0 or salt_ids.max() >= MAX_SALTS
+                                         or np.any(offsets % ALIGNMENT)
+                                         or offsets.min() < 0
+                                         or offsets.max() >= ALIGNMENT << 32
+                                         or nbytes.min() <= 0
+                                         or nbytes.max() >= 1 << 32)):
+        raise ValueError("load() needs a salt id below MAX_SALTS a row, 4096-aligned "
+                         "offsets below 16 TiB and 1 to 2**32-1 bytes a record")
+    return salt_ids.astype(np.uint16)
+
+
 class DiskIndex:
     """Every chunk on disk, by record id (an int, reused after remove()).
 
@@ -410,17 +425,8 @@ class DiskIndex:
         if self._count:
             raise ValueError("load() fills an empty index")
         n = len(replayed)
-        salt_ids = np.asarray(salt_ids)
         offsets, nbytes = replayed.offsets, replayed.nbytes
-        if salt_ids.shape != (n,) or (n and (salt_ids.min() < 0 or salt_ids.max() >= MAX_SALTS
-                                             or np.any(offsets % ALIGNMENT)
-                                             or offsets.min() < 0
-                                             or offsets.max() >= ALIGNMENT << 32
-                                             or nbytes.min() <= 0
-                                             or nbytes.max() >= 1 << 32)):
-            raise ValueError("load() needs a salt id below MAX_SALTS a row, 4096-aligned "
-                             "offsets below 16 TiB and 1 to 2**32-1 bytes a record")
-        salt_ids = salt_ids.astype(np.uint16)  # a stable sort of 16-bit ints is a radix sort
+        salt_ids = _checked_rows(replayed, np.asarray(salt_ids))
         capacity = self._initial
         while capacity < n:
             capacity *= 2
@@ -444,8 +450,17 @@ class DiskIndex:
         a["parent"][:n] = parents
         children = np.bincount(parents[parents >= 0], minlength=n)
         a["children"][:n] = children
+        self._link_evictable(np.flatnonzero(children == 0), salt_ids)
+        extents = -(-nbytes // ALIGNMENT) * ALIGNMENT
+        # float64 sums are exact below 2**53 bytes (8 PiB) a salt
+        self._salt_bytes[:] = np.bincount(salt_ids, weights=extents, minlength=MAX_SALTS)
+        self._salt_chunks[:] = np.bincount(salt_ids, minlength=MAX_SALTS)
+        self._total = int(extents.sum())
 
-        evictable = np.flatnonzero(children == 0)
+    def _link_evictable(self, evictable: np.ndarray, salt_ids: np.ndarray) -> None:
+        """The evictable rows (no child), in row order, as the eviction list and as each
+        salt's list, at once (load())."""
+        a = self._arrays
         for column in ("prev", "next", "salt_prev", "salt_next"):
             a[column].fill(-1)
         if len(evictable):
@@ -461,11 +476,6 @@ class DiskIndex:
             last = np.concatenate((~same, [True]))
             self._salt_head[salts[first]] = by_salt[first]
             self._salt_tail[salts[last]] = by_salt[last]
-        extents = -(-nbytes // ALIGNMENT) * ALIGNMENT
-        # float64 sums are exact below 2**53 bytes (8 PiB) a salt
-        self._salt_bytes[:] = np.bincount(salt_ids, weights=extents, minlength=MAX_SALTS)
-        self._salt_chunks[:] = np.bincount(salt_ids, minlength=MAX_SALTS)
-        self._total = int(extents.sum())
 
     def _evictable(self) -> np.ndarray:
         a, used = self._arrays, self._used

@@ -7,7 +7,7 @@ import mmap
 import secrets
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 import torch
@@ -22,6 +22,7 @@ from ...protocol import (
     CudaIpcHandle,
     MemfdHandle,
     RegisterKVCacheRequest,
+    TensorHandle,
     span_bytes,
 )
 from ...protocol.fd_channel import FD_CHANNEL_MAGIC
@@ -44,6 +45,46 @@ def _release(counter: Counter, key: Any, amount: int) -> None:
     counter[key] -= amount
     if not counter[key]:
         del counter[key]
+
+
+@dataclass
+class _Memory:
+    """A registration's memory while it is set up: what a failure must close, and what the
+    instance keeps once it succeeds."""
+
+    mappings: dict[bytes, mmap.mmap] = field(default_factory=dict)  # memfd windows, by ticket
+    allocations: dict[bytes, Allocation] = field(default_factory=dict)  # cuda_ipc's
+    prefault: list[tuple[mmap.mmap, int, int]] = field(default_factory=list)
+    registered: Counter[int] = field(default_factory=Counter)  # memfd bytes, by sending uid
+
+    def views(self, handles: list[TensorHandle], dtype: torch.dtype
+              ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Each layer's tensor over the mapped memory, and the layers stacked where they
+        lie at one stride (handles.stack_layers)."""
+        buffers = ({name: torch.frombuffer(m, dtype=torch.uint8)
+                    for name, m in self.mappings.items()}
+                   if self.mappings else {key: a.data for key, a in self.allocations.items()})
+        typed = {key: raw[:raw.numel() - raw.numel() % dtype.itemsize].view(dtype)
+                 for key, raw in buffers.items()}
+        layers = [typed[memory_of(h)].as_strided(h.shape, h.strides, h.offset // dtype.itemsize)
+                  for h in handles]
+        return layers, stack_layers(handles, typed[memory_of(handles[0])])
+
+
+def _layer_ends(req: RegisterKVCacheRequest, dtype: torch.dtype, sizes: dict[bytes, int]
+                ) -> list[int]:
+    """Where each layer's tensor ends in its memory, refused (BadRequest) past the memory's
+    `sizes` (by memfd ticket or cuda_ipc key)."""
+    ends = []
+    for i, handle in enumerate(req.layers):
+        size = sizes[memory_of(handle)]
+        end = handle.offset + span_bytes(handle.shape, handle.strides, dtype.itemsize)
+        where = (f"memfd {handle.name[:64]!r}" if isinstance(handle, MemfdHandle)
+                 else "its CUDA allocation")
+        check(end <= size, f"`layers[{i}]`: tensor ends at byte {end} but {where} "
+              f"holds {size} bytes")
+        ends.append(end)
+    return ends
 
 
 class Tickets(Protocol):
@@ -130,11 +171,7 @@ class Registry:
         # validate_handles: every layer is of layers[0]'s kind
         memfds = cast(list[MemfdHandle], req.layers) if memfd else []
         passed = self._usable_tickets(memfds, engine, uid) if memfd else {}
-        mappings: dict[bytes, mmap.mmap] = {}
-        allocations: dict[bytes, Allocation] = {}
-        prefault: list[tuple[mmap.mmap, int, int]] = []
-        registered: Counter[int] = Counter()
-        handles = req.layers
+        memory = _Memory()
         stop_watching = None
         try:
             if memfd:
@@ -142,41 +179,20 @@ class Registry:
             else:
                 if mapped is None:
                     mapped = self.map_cuda_ipc(req, geometry)
-                allocations = mapped.allocations
-                sizes = {key: a.data.numel() for key, a in allocations.items()}
-            ends = []
-            for i, handle in enumerate(req.layers):
-                size = sizes[memory_of(handle)]
-                end = handle.offset + span_bytes(handle.shape, handle.strides, dtype.itemsize)
-                where = (f"memfd {handle.name[:64]!r}" if isinstance(handle, MemfdHandle)
-                         else "its CUDA allocation")
-                check(end <= size, f"`layers[{i}]`: tensor ends at byte {end} but {where} "
-                      f"holds {size} bytes")
-                ends.append(end)
-            if memfd:
-                windows = self._windows(owner, memfds, ends, passed)
-                for ticket, window in windows.items():
-                    mappings[ticket], runs = window.map(passed[ticket])
-                    prefault += [(mappings[ticket], offset, length) for offset, length in runs]
-                    registered[passed[ticket].uid] += window.end - window.start
-                # Each mapping starts at its window: offsets count from there.
-                handles = [replace(h, offset=h.offset - windows[h.ticket].start) for h in memfds]
+                memory.allocations = mapped.allocations
+                sizes = {key: a.data.numel() for key, a in memory.allocations.items()}
+            ends = _layer_ends(req, dtype, sizes)
+            handles = (self._map_windows(owner, memfds, ends, passed, memory) if memfd
+                       else req.layers)
             instance_id = self._new_id()
             stop_watching = self._watch(req.watch, instance_id) if req.watch else None
             # Views only once nothing can fail: a segment with views cannot be closed.
-            buffers = ({name: torch.frombuffer(m, dtype=torch.uint8)
-                        for name, m in mappings.items()}
-                       if mappings else {key: a.data for key, a in allocations.items()})
-            typed = {key: raw[:raw.numel() - raw.numel() % dtype.itemsize].view(dtype)
-                     for key, raw in buffers.items()}
-            layers = [typed[memory_of(h)].as_strided(h.shape, h.strides, h.offset // dtype.itemsize)
-                      for h in handles]
-            stacked = stack_layers(handles, typed[memory_of(handles[0])])
+            layers, stacked = memory.views(handles, dtype)
             lane = mapped.lane if mapped is not None else None
         except BaseException:  # only cuda_ipc can fail after the views exist: they hold no mmap
             if stop_watching is not None:
                 stop_watching()
-            for mapping in mappings.values():
+            for mapping in memory.mappings.values():
                 mapping.close()
             if mapped is not None:
                 mapped.close()
@@ -188,22 +204,40 @@ class Registry:
             kv_world_size=req.kv_world_size, kv_worker_id=req.kv_worker_id, tp_rank=req.tp_rank,
             tp_group=req.tp_group,
             num_blocks=num_blocks, geometry=geometry, layers=layers, stacked=stacked,
-            mappings=list(mappings.values()), last_seen=self.clock(),
-            allocations=list(allocations.values()), lane=lane, stop_watching=stop_watching,
-            host_rows=HostRows.of(layers, stacked, geometry.block_dim), prefault=prefault,
-            registered=registered)
+            mappings=list(memory.mappings.values()), last_seen=self.clock(),
+            allocations=list(memory.allocations.values()), lane=lane,
+            stop_watching=stop_watching, host_rows=HostRows.of(layers, stacked, geometry.block_dim),
+            prefault=memory.prefault, registered=memory.registered)
+        self._add(instance)
+        return instance
+
+    def _map_windows(self, owner: bytes, memfds: list[MemfdHandle], ends: list[int],
+                     passed: dict[bytes, Any], memory: _Memory) -> list[TensorHandle]:
+        """Map each memfd's window (the extent its layers span) into `memory`, one at a
+        time (what is mapped is there to close if the next fails); the layers' handles
+        with their offsets counted from their window's start."""
+        windows = self._windows(owner, memfds, ends, passed)
+        for ticket, window in windows.items():
+            memory.mappings[ticket], runs = window.map(passed[ticket])
+            memory.prefault += [(memory.mappings[ticket], offset, length)
+                                for offset, length in runs]
+            memory.registered[passed[ticket].uid] += window.end - window.start
+        return [replace(h, offset=h.offset - windows[h.ticket].start) for h in memfds]
+
+    def _add(self, instance: KVCacheInstance) -> None:
+        """A registered instance into the registry's indexes and counts, populating."""
         self._instances[instance.instance_id] = instance
-        self._bytes_of_owner[owner] += registered.total()
-        self._bytes_of_uid.update(registered)
-        for index, key in ((self._by_owner, owner), (self._by_engine, engine)):
+        self._bytes_of_owner[instance.owner] += instance.registered.total()
+        self._bytes_of_uid.update(instance.registered)
+        for index, key in ((self._by_owner, instance.owner), (self._by_engine, instance.engine)):
             index.setdefault(key, {})[instance.instance_id] = instance
         instance.start_populating()
+        geometry, layers = instance.geometry, instance.layers
         logger.info("registered instance %d: model %s, kv worker %d/%d, %d layers on %s, "
-                    "%d blocks, %d bytes per chunk%s", instance.instance_id, req.model,
-                    req.kv_worker_id, req.kv_world_size, geometry.num_layers, layers[0].device,
-                    num_blocks, geometry.chunk_bytes,
-                    "" if stacked is not None else " (per-layer copies)")
-        return instance
+                    "%d blocks, %d bytes per chunk%s", instance.instance_id, instance.model,
+                    instance.kv_worker_id, instance.kv_world_size, geometry.num_layers,
+                    layers[0].device, instance.num_blocks, geometry.chunk_bytes,
+                    "" if instance.stacked is not None else " (per-layer copies)")
 
     def _usable_tickets(self, handles: list[MemfdHandle], engine: bytes, uid: int | None
                         ) -> dict[bytes, Any]:

@@ -87,9 +87,29 @@ def _histogram(family: HistogramMetricFamily, labels: list[str], hist: Histogram
 
 def stats_metrics(stats: StatsReply, labels: TenantLabels) -> Iterator[Metric]:
     """Every metric docs/operations.md lists, from one STATS snapshot."""
-    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-        return GaugeMetricFamily(PREFIX + name, doc, value=value)
+    yield from _request_metrics(stats)
+    yield CounterMetricFamily(PREFIX + "stored_bytes", "Bytes of chunks STORE placed in the "
+                              "cache", value=stats.bytes_stored)
+    yield CounterMetricFamily(PREFIX + "retrieved_bytes", "Bytes RETRIEVE copied into KV "
+                              "caches", value=stats.bytes_retrieved)
+    yield CounterMetricFamily(PREFIX + "hits", "Chunks LOOKUP found", value=stats.hits)
+    yield CounterMetricFamily(PREFIX + "misses", "Chunks LOOKUP did not find",
+                              value=stats.misses)
+    evictions = CounterMetricFamily(PREFIX + "evictions", "Chunks evicted, by cause",
+                                    labels=["cause"])
+    for cause, count in sorted(stats.evictions_by_cause.items()):
+        evictions.add_metric([cause], count)
+    yield evictions
+    yield from _pool_metrics(stats)
+    if stats.l2_enabled:
+        yield from _l2_metrics(stats)
+    if stats.disk_enabled:
+        yield from _disk_metrics(stats)
+    yield from _tenant_metrics(fold_tenants(stats.tenants, labels))
 
+
+def _request_metrics(stats: StatsReply) -> Iterator[Metric]:
+    """Requests by op and outcome, their latency, and the copies' durations."""
     requests = CounterMetricFamily(PREFIX + "requests", "Requests answered, by op and outcome "
                                    "(ok, or the error code replied)", labels=["op", "outcome"])
     for op, outcomes in sorted(stats.outcomes.items()):
@@ -106,18 +126,13 @@ def stats_metrics(stats: StatsReply, labels: TenantLabels) -> Iterator[Metric]:
     for direction, hist in sorted(stats.copy_time.items()):
         _histogram(copies, [direction], hist)
     yield copies
-    yield CounterMetricFamily(PREFIX + "stored_bytes", "Bytes of chunks STORE placed in the "
-                              "cache", value=stats.bytes_stored)
-    yield CounterMetricFamily(PREFIX + "retrieved_bytes", "Bytes RETRIEVE copied into KV "
-                              "caches", value=stats.bytes_retrieved)
-    yield CounterMetricFamily(PREFIX + "hits", "Chunks LOOKUP found", value=stats.hits)
-    yield CounterMetricFamily(PREFIX + "misses", "Chunks LOOKUP did not find",
-                              value=stats.misses)
-    evictions = CounterMetricFamily(PREFIX + "evictions", "Chunks evicted, by cause",
-                                    labels=["cause"])
-    for cause, count in sorted(stats.evictions_by_cause.items()):
-        evictions.add_metric([cause], count)
-    yield evictions
+
+
+def _pool_metrics(stats: StatsReply) -> Iterator[Metric]:
+    """The pool's bytes by tier, and the server's other gauges of the moment."""
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
     used = GaugeMetricFamily(PREFIX + "pool_used_bytes", "Bytes of the pool that chunks "
                              "take, by tier", labels=["tier"])
     capacity = GaugeMetricFamily(PREFIX + "pool_capacity_bytes", "Bytes of the pool, by tier",
@@ -144,11 +159,6 @@ def stats_metrics(stats: StatsReply, labels: TenantLabels) -> Iterator[Metric]:
     yield gauge("connected_clients", "Connections with a session", stats.clients)
     yield gauge("event_loop_lag_seconds", "How late the event loop last woke for a timer",
                 stats.loop_lag_seconds)
-    if stats.l2_enabled:
-        yield from _l2_metrics(stats)
-    if stats.disk_enabled:
-        yield from _disk_metrics(stats)
-    yield from _tenant_metrics(fold_tenants(stats.tenants, labels))
 
 
 def _tier_families(prefix: str) -> tuple[Callable[[str, str, float], CounterMetricFamily],

@@ -10,7 +10,7 @@ from functools import partial
 from ... import phases
 from ...errors import InternalError
 from ...protocol import TRANSFER_SLICE_CHUNKS, StoreReply, StoreRequest, StoreStatus
-from ..cache.chunk import Chunk, Demotion, Reservation
+from ..cache.chunk import Chunk, ChunkKey, Demotion, Reservation
 from ..copy.engine import DeadlinePassed
 from ..copy.streams import DeviceStalled
 from ..memory.instance import KVCacheInstance
@@ -104,6 +104,17 @@ class StoreOp:
             unpin()
             raise
         unpin()
+        return await self._commit(transfers, places, reservations, pending, demotions, errors,
+                                  stamp)
+
+    async def _commit(self, transfers: list[Transfer], places: list[tuple[int, int, ChunkKey]],
+                      reservations: list[Reservation], pending: list[Place],
+                      demotions: list[Demotion], errors: list, stamp: int) -> StoreReply:
+        """Settle what the copies did (`errors`: the demotions', then `pending`'s): each
+        demotion landed or undone, each chunk's status, the copied chunks committed a slice
+        at a time (one whose parent's copy failed is not), and the committed queued for
+        the lower tiers."""
+        ctx, store = self.ctx, self.ctx.store
         for demotion, error in zip(demotions, errors):
             if error is None:
                 store.finish_demotion(demotion)
