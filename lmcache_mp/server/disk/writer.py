@@ -31,7 +31,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,8 +54,10 @@ logger = logging.getLogger("lmcache_mp.server.disk")
 
 # Bytes written in one go, at most: a batch's chunks are held meanwhile, so a batch is
 # also at most BATCH_SHARE of the pool (at least one chunk), and never keeps a STORE out.
+# A batch ends when its last run and its last MAC are done, and the next is placed only
+# then: a batch of twice the write threads' runs keeps them busy through more of it.
 BATCH_BYTES = 64 * 1024**2
-BATCH_SHARE = 1 / 8
+BATCH_SHARE = 1 / 4
 # Written bytes are synced and recorded (two fdatasyncs) once SYNC_BYTES are written, or
 # when the queue is empty: a sync costs milliseconds, and a small batch's would halve the
 # disk's write bandwidth.
@@ -64,7 +66,8 @@ SYNC_BYTES = 64 * 1024**2
 # time: a disk takes several large writes at once faster than one after the other. A run's
 # MACs are computed on MAC_THREADS while the run is written, not before: its bytes are held
 # and cannot change, and a MAC computed first costs the disk the time of the MAC (a third
-# of the bandwidth).
+# of the bandwidth). A write thread does not wait for its run's MACs before it writes the
+# next run: the batch waits for them all at its end.
 WRITE_THREADS = 4
 MAC_THREADS = 2
 # The journal is rewritten with the live records alone once it holds this many more
@@ -415,10 +418,16 @@ class DiskWriter:
         return memoryview(staging)
 
     def _write_out(self, placed: list[_Placed]) -> None:
-        """The write thread: the bytes, several runs at once, each run's MACs computed by
-        the thread that writes it."""
+        """The write thread: the bytes, several runs at once, each run's MACs computed on
+        the MAC threads while it is written; returns once every write and every MAC is
+        done (the buffers are theirs until then), raising the first write error."""
         runs = adjacent_runs(placed, lambda p: p.offset, lambda p: p.queued.chunk.nbytes)
-        for error in self._parallel.map(self._write_run, runs):
+        writes = [self._parallel.submit(self._write_run, run) for run in runs]
+        wait(writes)
+        wait([write.result()[0] for write in writes if write.exception() is None])
+        for write in writes:
+            macs, error = write.result()  # or what the run raised
+            macs.result()
             if error is not None:
                 raise error
 
@@ -440,18 +449,17 @@ class DiskWriter:
             self._commit_appended.set()
             threading.Event().wait(60)
 
-    def _write_run(self, run: list[_Placed]) -> OSError | None:
+    def _write_run(self, run: list[_Placed]) -> tuple[Future[None], OSError | None]:
         """One run of chunks whose extents follow each other, in one pwritev per IOV_MAX
-        of them (a write thread), its MACs computed meanwhile; the OSError it met, if any."""
+        of them (a write thread), its MACs handed to the MAC threads first and not waited
+        for; their future, and the OSError the write met, if any."""
         buffers = [self._bytes_of(p.queued.chunk) for p in run]
         macs = self._macs.submit(self._mac_run, run, buffers)
-        error = None
         try:
             self.data.write(run[0].offset, buffers)
         except OSError as exc:
-            error = exc
-        macs.result()  # the buffers stay the MAC's until it is done
-        return error
+            return macs, exc
+        return macs, None
 
     def _mac_run(self, run: list[_Placed], buffers: list[memoryview]) -> None:
         for p, buffer in zip(run, buffers):
