@@ -222,5 +222,22 @@ def test_concurrent_tenants_never_exceed_their_caps_or_the_pool():
             assert stats.bytes_used <= stats.capacity_bytes
             for salt, tenant in stats.tenants.items():
                 assert tenant.bytes_used <= limits[salt]
+        # How far each concurrent STORE gets is the scheduler's: the caps (7 MiB) overbook
+        # the pool (6 MiB), and a chunk inside another STORE's reservation cannot be
+        # evicted. A STORE stops at its cap, or earlier only where the pool was full of such
+        # reservations (NO_SPACE), never because of another tenant's cap.
         for n, (statuses,) in enumerate(results):
-            assert statuses.count(StoreStatus.STORED) == limits[f"t{n}"] // CHUNK
+            stored = statuses.count(StoreStatus.STORED)
+            assert statuses[:stored] == bytes(stored)  # a prefix, from the prompt's start
+            assert stored <= limits[f"t{n}"] // CHUNK
+            if stored < limits[f"t{n}"] // CHUNK:
+                assert statuses[stored] == StoreStatus.NO_SPACE
+        # One at a time, with no reservation in the way, each prompt fills its cap exactly:
+        # what it lacks evicts other tenants' chunks.
+        for n, job in enumerate(jobs):
+            [(statuses,)] = run_all(store_worker, [job])
+            assert (statuses.count(StoreStatus.STORED) + statuses.count(StoreStatus.ALREADY_STORED)
+                    == limits[f"t{n}"] // CHUNK), (n, statuses)
+            stats = client.stats()
+            assert stats.bytes_used <= stats.capacity_bytes
+            assert stats.tenants[f"t{n}"].bytes_used == limits[f"t{n}"]
