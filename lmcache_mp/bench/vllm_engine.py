@@ -145,6 +145,10 @@ class EngineSettings:
     # vLLM's --max-num-batched-tokens; None: its default. A recurrent model keeps a state
     # only where a step ends: steps of a chunk keep one at each chunk boundary
     max_num_batched_tokens: int | None = None
+    # vLLM's --mamba-ssm-cache-dtype: a recurrent state's dtype. "auto" lets vLLM choose: on
+    # CPU, float32 where the CPU has AVX-512 BF16, the model's dtype elsewhere (the state's
+    # size, and with it a hybrid model's attention block size, then depends on the CPU)
+    mamba_ssm_cache_dtype: str = "auto"
 
 
 @dataclass
@@ -258,6 +262,7 @@ def _build_engine(settings: EngineSettings):
                dtype=settings.dtype, seed=0, enable_prefix_caching=True,
                disable_hybrid_kv_cache_manager=not settings.hybrid_kv_cache_manager,
                max_num_batched_tokens=settings.max_num_batched_tokens,
+               mamba_ssm_cache_dtype=settings.mamba_ssm_cache_dtype,
                kv_transfer_config=transfer)
 
 

@@ -23,10 +23,14 @@ from .test_vllm_engine import cold, retrieves, run, tenant_hits, wait_stored
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
 # vLLM raises the attention block size (a multiple of the engines' 32) until its page holds
-# the recurrent state: 544 tokens for this model in bfloat16 with max_model_len 4096 (the
-# engines report it). One block per chunk, and steps of a chunk (max_num_batched_tokens),
-# so that each chunk boundary ends a step and has a state.
-CHUNK_SIZE = 544
+# the recurrent state: 1056 tokens for this model with its state in float32 and
+# max_model_len 4096 (the engines report it). The state's dtype is set, not left to vLLM,
+# whose CPU platform keeps it in float32 on a CPU with AVX-512 BF16 and in the model's
+# bfloat16 elsewhere (544 tokens a block): the block size would be the CPU's choice. One
+# block per chunk, and steps of a chunk (max_num_batched_tokens), so that each chunk
+# boundary ends a step and has a state.
+CHUNK_SIZE = 1056
+SSM_DTYPE = "float32"
 MAX_MODEL_LEN = 4096
 VOCAB = 1024
 
@@ -71,7 +75,8 @@ def pair(python, tmp_path_factory) -> Iterator[Pair]:
             settings = EngineSettings(str(root / "model"), server_url=server.url,
                                       chunk_size=CHUNK_SIZE, cache_name="e2e-gdn",
                                       max_model_len=MAX_MODEL_LEN,
-                                      dtype="bfloat16", max_num_batched_tokens=CHUNK_SIZE)
+                                      dtype="bfloat16", max_num_batched_tokens=CHUNK_SIZE,
+                                      mamba_ssm_cache_dtype=SSM_DTYPE)
             return stack.enter_context(EngineProcess(python, settings, root / f"{name}.log"))
 
         writer, reader = engine("writer"), engine("reader")
