@@ -11,6 +11,7 @@ quotas, recency and evictability, removal with a chunk's successors) is catalog.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from functools import partial
 from typing import cast
 
 import numpy as np
@@ -47,6 +48,10 @@ def _lost_with_parents(parents: np.ndarray, intact: np.ndarray) -> np.ndarray:
     return lost
 
 
+def _settled() -> None:
+    """answer_many()'s settle() where everything was done at once."""
+
+
 class ChunkStore(Catalog):
     """The operations the server calls: LOOKUP's probes and leases, STORE's reserve and
     commit (with eviction and GPU demotion to make room), RETRIEVE's holds, warm restart's
@@ -67,54 +72,97 @@ class ChunkStore(Catalog):
                     queries: Sequence[tuple[str, Sequence[bytes], LeaseOwner | None]],
                     snapshot_workers: frozenset[int] = frozenset()) -> list[int]:
         """lookup() of each (cache_salt, hashes, holder), in order: a LOOKUP's items in one
-        call. An item of one kv worker costs no Python call per chunk: without a lease, its
-        probes and its hits' refresh are one loop here (a third of a batched LOOKUP's calls
-        went to the calls per item); with one, _hold_run's loop holds them too. With
-        snapshot workers each item is a PrefixScan's."""
+        call; answer_many() settled at once."""
+        hits, settle = self.answer_many(model, kv_world_size, queries, snapshot_workers)
+        settle()
+        return hits
+
+    def answer_many(self, model: str, kv_world_size: int,
+                    queries: Sequence[tuple[str, Sequence[bytes], LeaseOwner | None]],
+                    snapshot_workers: frozenset[int] = frozenset()
+                    ) -> tuple[list[int], Callable[[], None]]:
+        """lookup_many()'s hits, and `settle()`, which makes them its outcome (counted,
+        refreshed, held and leased) and must run before anything else touches the store:
+        the router runs it just after it sends the reply, off the round trip. Items of one
+        kv worker are only probed here (in C, then one loop without calls); with more kv
+        workers, or snapshot workers, everything is done here and settle() has nothing
+        left to do."""
+        if kv_world_size != 1 or snapshot_workers:
+            return self._lookup_workers_many(model, kv_world_size, queries,
+                                             snapshot_workers), _settled
+        probed: list[tuple[str, int, list[Chunk], LeaseOwner | None]] = []
         hits = []
-        policies, reuse = self._policies, self.reuse
-        salt_seen = None  # the salt whose scopes and usage are at hand: items mostly share one
-        quick_hits = quick_probes = 0  # of the common items, for the totals
+        salt_seen = None  # items mostly share one salt
+        for cache_salt, hashes, holder in queries:
+            if cache_salt != salt_seen:
+                salt_seen = cache_salt
+                get = self._scopes(model, 1, cache_salt)[0].get
+            found = list(map(get, hashes))  # every hash probed at once, then cut at the
+            hit = 0  # first chunk not visible (a LOOKUP probes no more than it is allowed)
+            for chunk in found:
+                if chunk is None or not chunk.committed or chunk.moving:  # not visible
+                    break
+                hit += 1
+            del found[hit:]
+            hits.append(hit)
+            probed.append((cache_salt, len(hashes), cast("list[Chunk]", found), holder))
+        return hits, partial(self._settle_probed, probed)
+
+    def _settle_probed(self, probed: list[tuple[str, int, list[Chunk], LeaseOwner | None]]
+                       ) -> None:
+        """answer_many()'s outcome for items of one kv worker (salt, hashes probed, visible
+        chunks found, holder), in order: each item's chunks refreshed (its first the most
+        recent, one stamp a chunk, as _use gives them) and, for a holder, held; counted;
+        then the holders' leases, once every item's chunks are held (a lease that gives way
+        can evict: never a chunk this LOOKUP found for a holder). A chunk named twice by a
+        held item ends with another stamp, which no one sees: held, it is stamped again
+        when unheld. No Python call per chunk."""
+        policies, reuse, tenants = self._policies, self.reuse, self.tenants
+        hits = probes = 0
+        for cache_salt, probed_here, found, holder in probed:
+            hit = len(found)
+            top = self._last_stamp = self._last_stamp + hit
+            for chunk in found:
+                chunk.stamp = top
+                top -= 1
+                if reuse:
+                    chunk.hits += 1
+                    chunk.stamp += self.reuse_lead(chunk)
+                if not chunk.successors and not chunk.holds:  # evictable
+                    if holder is None:
+                        policies[chunk.tier].add(cache_salt, chunk.key, chunk.stamp)
+                    else:
+                        policies[chunk.tier].remove(cache_salt, chunk.key)
+                if holder is not None:
+                    chunk.holds += 1
+            usage = tenants.get(cache_salt)  # None: no hits, only misses to count
+            if usage is not None:
+                usage.hits += hit
+                usage.misses += probed_here - hit
+            hits += hit
+            probes += probed_here
+        self._totals.hits += hits
+        self._totals.misses += probes - hits
+        for _, _, found, holder in probed:
+            if holder is not None:
+                self._relet(holder, found)
+
+    def _lookup_workers_many(self, model: str, kv_world_size: int,
+                             queries: Sequence[tuple[str, Sequence[bytes], LeaseOwner | None]],
+                             snapshot_workers: frozenset[int]) -> list[int]:
+        """lookup_many() of items of several kv workers, or with snapshot workers, in
+        order, each done at once."""
+        hits = []
+        salt_seen = None  # the salt whose scopes are at hand: items mostly share one
         for cache_salt, hashes, holder in queries:
             if cache_salt != salt_seen:
                 salt_seen = cache_salt
                 scopes = self._scopes(model, kv_world_size, cache_salt)
-                get = scopes[0].get
-                usage = self.tenants.get(cache_salt)  # None: no hits, only misses to count
-            if kv_world_size == 1 and holder is None:
-                # The common case, per key: one dict probe and _use's refresh in one pass,
-                # nothing built. Stamps for every hash are taken at once, so that the
-                # first chunk gets the highest, as _use gives it.
-                top = self._last_stamp = self._last_stamp + len(hashes)
-                hit = 0
-                for chunk in map(get, hashes):  # probes in C, up to the first miss
-                    if chunk is None or not chunk.committed or chunk.moving:  # not visible
-                        break
-                    chunk.stamp = top - hit
-                    if reuse:
-                        chunk.hits += 1
-                        chunk.stamp += self.reuse_lead(chunk)
-                    hit += 1
-                    if not chunk.successors and not chunk.holds:  # visible, so evictable
-                        policies[chunk.tier].add(cache_salt, chunk.key, chunk.stamp)
-                if usage is not None:
-                    usage.hits += hit
-                    usage.misses += len(hashes) - hit
-                quick_hits += hit
-                quick_probes += len(hashes)
-                hits.append(hit)
-                continue
-            if kv_world_size == 1 and holder is not None:
-                hit = self._hold_run(get, cache_salt, hashes, holder)
-            else:
-                hit = self._lookup_workers(model, kv_world_size, scopes, cache_salt, hashes,
-                                           holder, snapshot_workers)
-            # A lease may release chunks, and so change the index and the tenants.
+            hits.append(self._lookup_workers(model, kv_world_size, scopes, cache_salt, hashes,
+                                             holder, snapshot_workers))
+            # A lease may release chunks, and so change the index.
             if holder is not None or snapshot_workers:
                 salt_seen = None
-            hits.append(hit)
-        self._totals.hits += quick_hits
-        self._totals.misses += quick_probes - quick_hits
         return hits
 
     def _lookup_workers(self, model: str, kv_world_size: int,
@@ -138,45 +186,6 @@ class ChunkStore(Catalog):
             found.extend(chunks)
             hit += 1
         return self._touch_and_lease(cache_salt, len(hashes), hit, found, holder, held=False)
-
-    def _hold_run(self, get: Callable[[bytes], Chunk | None], cache_salt: str,
-                  hashes: Sequence[bytes], holder: LeaseOwner) -> int:
-        """A held lookup of one kv worker's chunks (`get`: its scope's probe), with
-        _touch_and_lease's outcome: counted, refreshed, held, leased to `holder`; the probe,
-        refresh and hold of each chunk in one loop, with no Python call per chunk. The
-        stamps are _use's: the first hit the most recent, one stamp a hit (a chunk named twice
-        ends with another, which no one sees: held, it is stamped again when unheld)."""
-        policies, reuse = self._policies, self.reuse
-        top = self._last_stamp + len(hashes)  # as if every hash hit: corrected below if not
-        # Every hash probed at once, in C (those after a miss too: no more than the hashes
-        # the LOOKUP was allowed), then cut at the first chunk not visible.
-        probed = list(map(get, hashes))
-        hit = 0
-        for chunk in probed:
-            if chunk is None or not chunk.committed or chunk.moving:  # not visible
-                break
-            chunk.stamp = top - hit
-            if reuse:
-                chunk.hits += 1
-                chunk.stamp += self.reuse_lead(chunk)
-            if not chunk.holds and not chunk.successors:  # evictable until this hold
-                policies[chunk.tier].remove(cache_salt, chunk.key)
-            chunk.holds += 1
-            hit += 1
-        del probed[hit:]
-        found = cast("list[Chunk]", probed)  # the visible chunks only, now
-        if hit < len(hashes):
-            for chunk in found:
-                chunk.stamp -= len(hashes) - hit
-        self._last_stamp += hit
-        usage = self.tenants.get(cache_salt)  # None: no hits, only misses to count
-        if usage is not None:
-            usage.hits += hit
-            usage.misses += len(hashes) - hit
-        self._totals.hits += hit
-        self._totals.misses += len(hashes) - hit
-        self._relet(holder, found)
-        return hit
 
     def _touch_and_lease(self, cache_salt: str, hashes: int, hit: int, found: list[Chunk],
                          holder: LeaseOwner | None, held: bool) -> int:

@@ -18,6 +18,7 @@ from ...errors import InternalError, ServerError, ShuttingDown
 from ...zmq_io import readable, recv_message, send_frames
 from ..config import Config
 from ..observe.metrics import OK, ServerMetrics
+from ..ops.answer import Answer
 from ..ops.dispatcher import Dispatcher
 from .access import Sessions
 
@@ -128,7 +129,7 @@ class Router:
         timing = phases.enabled  # its stamps are Python calls: ~3% of a LOOKUP's own work
         stamp = phases.now() if timing else 0
         client, body = frames[0], frames[1:]
-        request_id = op = None
+        request_id = op = then = None
         try:
             request_id, op, payload = protocol.parse_request_frames(body)
             # Who may send it is known from the frames: no decoding for those who may not.
@@ -137,6 +138,8 @@ class Router:
             if timing:
                 stamp = phases.add(op, "server decode", stamp)
             result = self.dispatcher.serve(client, op, request, session, first)
+            if isinstance(result, Answer):
+                result, then = result.reply, result.then
             if timing:
                 stamp = phases.add(op, "server handle", stamp)
             # inspect.isawaitable(), less its three Python calls: a coroutine or a Future.
@@ -159,10 +162,20 @@ class Router:
             else:
                 self._send(client, reply)
                 self.metrics.answered(op, OK, time.perf_counter() - started)
+        if then is not None:  # the reply (or its error) is on its way: nothing ran since
+            self._then(then, op)
         # Any request that names a known op counts, and is a sign of life, even when its
         # payload was refused: noted once its reply is on its way, off the round trip.
         if op != "invalid":
             self.dispatcher.note_request(client, op)
+
+    @staticmethod
+    def _then(then: Callable[[], None], op: str) -> None:
+        """An Answer's work after its reply; a failure is logged (the reply has gone)."""
+        try:
+            then()
+        except Exception:
+            logger.exception("the work after a %s reply failed", op)
 
     async def _finish(self, pending: _InFlight, result: Awaitable) -> None:
         try:

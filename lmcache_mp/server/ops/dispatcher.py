@@ -34,6 +34,7 @@ from ..memory.registry import Registry
 from ..net.access import Session, Sessions
 from ..observe.metrics import ServerMetrics
 from .admin import AdminOps
+from .answer import Answer
 from .context import OpContext
 from .holds import HoldOps
 from .lookup import LookupOp
@@ -52,8 +53,9 @@ if TYPE_CHECKING:
 class Dispatcher:
     """Owns no socket: the server hands it decoded requests and sends what it returns.
 
-    Fast ops return their reply; LOOKUPs that wait for L2 or run in slices, STORE, RETRIEVE
-    and an admin's STATS return an awaitable of it. Each op is a module of its own
+    Fast ops return their reply (a LOOKUP an Answer: its holds follow the reply); LOOKUPs
+    that wait for L2 or run in slices, STORE, RETRIEVE and an admin's STATS return an
+    awaitable of it. Each op is a module of its own
     (lookup.py, store.py, retrieve.py, holds.py, stats.py, admin.py, session.py), sharing
     the server's parts through one OpContext.
     """
@@ -118,12 +120,17 @@ class Dispatcher:
         return session
 
     def handle(self, client: bytes, op: str, request: Any) -> Any | Awaitable[Any]:
-        """admit(), then serve(): the reply, or an awaitable of it."""
-        return self.serve(client, op, request, self.admit(client, op))
+        """admit(), then serve(): the reply (an Answer's work done), or an awaitable of it."""
+        result = self.serve(client, op, request, self.admit(client, op))
+        if isinstance(result, Answer):
+            result.then()
+            return result.reply
+        return result
 
     def serve(self, client: bytes, op: str, request: Any, session: Session | None,
               peer: zmq.Frame | None = None) -> Any | Awaitable[Any]:
-        """The reply to a request admit() let in as `session`, or an awaitable of it;
+        """The reply to a request admit() let in as `session`, an Answer (the reply, and
+        work to do just after it is sent), or an awaitable of the reply;
         `peer`: the request's first frame, whose metadata HELLO reads the peer's uid from."""
         if op == "HELLO":
             return self.session_ops.hello(client, request, peer)

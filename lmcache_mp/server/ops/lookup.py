@@ -3,7 +3,8 @@ read-backs (the disk tier's, then L2's)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from functools import partial
 
 from ... import phases
 from ...errors import BadRequest
@@ -22,6 +23,7 @@ from ...protocol import (
 from ..cache.chunk import LeaseOwner
 from ..cache.scan import PrefixScan, resident_hit
 from ..net.access import Session
+from .answer import Answer
 from .context import OpContext
 from .transfers import chunks_named
 
@@ -39,7 +41,7 @@ class LookupOp:
         self._valid_salts: set[str] = set()
 
     def __call__(self, session: Session, req: LookupRequest
-                 ) -> LookupReply | Awaitable[LookupReply]:
+                 ) -> Answer | Awaitable[LookupReply]:
         # The decoder checked every field's range and length (protocol/messages.py).
         probes = chunks_named(req.items, self.ctx.config.max_chunks_per_message) \
             * req.kv_world_size
@@ -70,22 +72,26 @@ class LookupOp:
                                  else None)
                     return self._after_pulls(pull, first, req, snapshot, parsed, items, probes,
                                              in_memory)
-        reply = self._now(req, snapshot, parsed, probes)
+        answer = self._now(req, snapshot, parsed, probes)
         if not req.tiers:
-            return reply
-        return (_in_memory(reply) if isinstance(reply, LookupReply)
-                else self._sliced_in_memory(reply))
+            return answer
+        if isinstance(answer, Answer):
+            _in_memory(answer.reply)
+            return answer
+        return self._sliced_in_memory(answer)
 
     def _now(self, req: LookupRequest, snapshot: frozenset[int], parsed: Parsed, probes: int
-             ) -> LookupReply | Awaitable[LookupReply]:
-        if probes <= LOOKUP_SLICE_PROBES:
-            stamp = phases.now() if phases.enabled else 0
-            reply = LookupReply(self.ctx.store.lookup_many(req.model, req.kv_world_size, parsed,
-                                                           snapshot))
-            if phases.enabled:
-                phases.add("LOOKUP", "server index", stamp, probes)
-            return reply
-        return self._sliced(req, snapshot, parsed)
+             ) -> Answer | Awaitable[LookupReply]:
+        """The hits in memory now: probed at once, the holds and refreshes after the reply
+        (ChunkStore.answer_many); a LOOKUP of many probes in slices."""
+        if probes > LOOKUP_SLICE_PROBES:
+            return self._sliced(req, snapshot, parsed)
+        stamp = phases.now() if phases.enabled else 0
+        hits, settle = self.ctx.store.answer_many(req.model, req.kv_world_size, parsed, snapshot)
+        if phases.enabled:
+            phases.add("LOOKUP", "server index", stamp, probes)
+            settle = partial(_timed_settle, settle, probes)
+        return Answer(LookupReply(hits), settle)
 
     def _resident(self, req: LookupRequest, snapshot: frozenset[int],
                   items: list[tuple[str, tuple[bytes, ...]]], probes: int) -> list[int] | None:
@@ -125,8 +131,12 @@ class LookupOp:
                 if starts:
                     starts.append((tier.hit_column, self._runs(req, snapshot, items)))
                 await next_pull
-        reply = self._now(req, snapshot, parsed, probes)
-        done = reply if isinstance(reply, LookupReply) else await reply
+        answer = self._now(req, snapshot, parsed, probes)
+        if isinstance(answer, Answer):
+            answer.then()  # nothing else ran since its probes
+            done = answer.reply
+        else:
+            done = await answer
         if starts:
             done.hit_tiers = _split(done.hits, starts)
         return done
@@ -177,6 +187,12 @@ def _snapshot_workers(req: LookupRequest) -> frozenset[int]:
         raise BadRequest("`snapshot_workers`: every kv worker is named; at least one must "
                          "not be a snapshot worker")
     return workers
+
+
+def _timed_settle(settle: Callable[[], None], probes: int) -> None:
+    stamp = phases.now()
+    settle()
+    phases.add("LOOKUP", "server settle", stamp, probes)
 
 
 def _in_memory(reply: LookupReply) -> LookupReply:
