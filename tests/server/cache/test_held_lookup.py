@@ -1,7 +1,8 @@
-"""A held LOOKUP of one kv worker (lookup_many's one-loop path) against the general one.
+"""A held LOOKUP of one kv worker (lookup_many's quick path) against the general one.
 
-ChunkStore.lookup_many probes, refreshes and holds the chunks of a held item of one kv
-worker in one loop, and the release of a lease drops its holds in one loop too. Two stores
+ChunkStore.lookup_many probes the chunks of a held item of one kv worker, then refreshes
+and holds them in one loop (answer_many, then its settle), and the release of a lease
+drops its holds in one loop too. Two stores
 take the same random operations; where one makes a held lookup on that path, the other
 takes the general path (the probe, then _touch_and_lease, as for more than one kv worker)
 and the unhold written as its definition (every hold dropped, then _use, then orphans):

@@ -155,6 +155,25 @@ def test_lookup_many_is_each_items_lookup_in_order(clock):
     store.check_invariants()
 
 
+def test_answer_many_probes_now_and_holds_when_settled(clock):
+    """answer_many(): the hits at once, with nothing held or counted until settle(); then
+    every item's hits held for its own holder (two leases sharing a chunk hold it twice)."""
+    store = make_store(clock)
+    put(store, [key(0), key(1), key(2)])
+    first, second = LeaseOwner(ENGINE, "", "r1"), LeaseOwner(ENGINE, "", "r2")
+    hits, settle = store.answer_many("m", 1, [("", [h(0), h(1)], first),
+                                              ("", [h(0), h(1), h(2), h(3)], second)])
+    assert hits == [2, 3]
+    assert store.leases_held == 0 and store.total("hits") == 0
+    assert all(not chunk.holds for chunk in store._chunks.values())
+    settle()
+    assert [store._chunks[key(i)].holds for i in range(3)] == [2, 2, 1]
+    assert (store.total("hits"), store.total("misses")) == (5, 1)
+    assert store.release(first) == 2
+    assert [store._chunks[key(i)].holds for i in range(3)] == [1, 1, 1]
+    store.check_invariants()
+
+
 def test_lookup_many_refreshes_each_items_chunks_first_most_recent(clock):
     """Per item, as one lookup's refresh: its first chunk the most recent, and a later item's
     chunks more recent than an earlier item's; so the pool evicts them in the reverse order."""
