@@ -215,9 +215,20 @@ class EngineProcess:
         ready, _, _ = select.select([self._stdout], [], [], timeout)
         line = self._stdout.readline() if ready else b""
         if not line:
-            raise EngineError(f"engine gave no reply within {timeout:.0f} s "
-                              f"(exit code {self._proc.poll()}); log tail:\n{self.log_tail()}")
+            raise EngineError(f"{self._silence(bool(ready), timeout)}; log tail:\n"
+                              f"{self.log_tail()}")
         return json.loads(line)
+
+    def _silence(self, closed: bool, timeout: float) -> str:
+        """Why no reply came: the engine closed its output (it exited, or is exiting: its
+        exit code once it has one, within 10 s), or `timeout` passed."""
+        if not closed:
+            return f"engine gave no reply within {timeout:.0f} s (still running)"
+        try:
+            code: int | str = self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            code = "none yet, 10 s later"
+        return f"engine closed its output without a reply (exit code {code})"
 
     def log_tail(self, chars: int = 6000) -> str:
         self._log.flush()
