@@ -423,7 +423,7 @@ class DiskWriter:
         done (the buffers are theirs until then), raising the first write error."""
         runs = adjacent_runs(placed, lambda p: p.offset, lambda p: p.queued.chunk.nbytes)
         writes = [self._parallel.submit(self._write_run, run) for run in runs]
-        wait(writes)
+        # exception() waits for its write; then every MAC is waited for before any raise
         wait([write.result()[0] for write in writes if write.exception() is None])
         for write in writes:
             macs, error = write.result()  # or what the run raised

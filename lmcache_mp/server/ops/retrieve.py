@@ -92,11 +92,13 @@ class RetrieveOp:
             raise
         unpin()
         unhold()
-        return self._settle(leader, targets, transfers, held, outcomes, stamp)
+        reply = self._settle(leader, targets, transfers, held, outcomes)
+        phases.add("RETRIEVE", "server complete", stamp, len(flat))
+        return reply
 
     def _settle(self, leader: KVCacheInstance, targets: list[KVCacheInstance],
-                transfers: list[Transfer], held: list[list[Chunk]], outcomes: list,
-                stamp: int) -> RetrieveReply:
+                transfers: list[Transfer], held: list[list[Chunk]], outcomes: list
+                ) -> RetrieveReply:
         """What landed, per target and item (the leading chunks whose copies succeeded):
         counted, the items' leases released, the followers told (LoadDone), the leader's
         the reply."""
@@ -113,5 +115,4 @@ class RetrieveOp:
             ctx.push(follower.owner, LoadDone(follower.instance_id, [
                 LoadDoneItem(t.owner.request_id, t.owner.cache_salt, n, t.load_seq)
                 for t, n in zip(transfers, landed[follower.instance_id])]))
-        phases.add("RETRIEVE", "server complete", stamp, sum(map(len, held)))
         return RetrieveReply(landed[leader.instance_id])
