@@ -18,6 +18,7 @@ _HEADS = np.dtype({"names": ["head"], "formats": [f"V{CHUNK_HASH_BYTES}"],
 # Keys of any other form are hashed, under a personalization of their own: apart from the
 # digests taken as they are.
 _OTHER_KEYS = b"lmcache-mp-sgl"
+_UPPER_HEX = "ABCDEF"  # fromhex takes them too: a key that has one is not SGLang's digest
 
 
 def packed_hashes(keys: list[str]) -> bytes:
@@ -42,18 +43,19 @@ def chunk_hash(key: str) -> bytes:
 
 def _digests(keys: list[str]) -> bytes | None:
     """The SHA-256 digests the keys spell, back to back; None unless every key is 64
-    lowercase hex digits."""
-    # Each key's own length: a batch's joined length alone would let a 63-digit key and a
-    # 65-digit one pass as two digests cut in the wrong places. Keys that add up to 64
-    # digits each, none longer, are 64 digits each (a pass in C, not a Python call a key).
-    joined = "".join(keys)
-    if len(joined) != _SHA256_HEX * len(keys) or max(map(len, keys), default=0) > _SHA256_HEX:
-        return None
-    if joined != joined.lower():
+    lowercase hex digits. A few passes in C over the batch, no Python call a key."""
+    count = len(keys)
+    # Joined by spaces, which fromhex skips. Digits alone make whole bytes, so 32 bytes a
+    # key mean no key holds whitespace; then a space at every 65th place, in a text of
+    # 65 characters a key less one, means each key is 64 long (a 63-digit key beside a
+    # 65-digit one would move the first space).
+    joined = " ".join(keys)
+    if (len(joined) != (_SHA256_HEX + 1) * count - 1
+            or joined[_SHA256_HEX::_SHA256_HEX + 1] != " " * (count - 1)
+            or any(digit in joined for digit in _UPPER_HEX)):
         return None
     try:
         digests = bytes.fromhex(joined)
     except ValueError:
         return None
-    # fromhex skips whitespace: only 64 hex digits a key make 32 bytes a key.
-    return digests if len(digests) == _SHA256_BYTES * len(keys) else None
+    return digests if len(digests) == _SHA256_BYTES * count else None

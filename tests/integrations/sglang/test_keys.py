@@ -20,13 +20,20 @@ def other_hash(key):
 def test_a_sha256_key_is_its_digests_first_16_bytes_and_any_other_key_is_hashed():
     digests = page_keys(3)
     others = ["page-0", digests[0].upper(), digests[1][:63], " " + digests[2][1:],
-              digests[2][:62] + "  ", digests[0][:63] + "g", "é" * 64, ""]
+              digests[2][:62] + "  ", digests[0][:63] + "g", "é" * 64, "",
+              digests[1][:10] + "A" + digests[1][11:], digests[0][:32] + "\t" + digests[0][33:],
+              digests[2][:31] + "\n" + digests[2][32:]]
     assert [chunk_hash(key) for key in digests] == [bytes.fromhex(k)[:16] for k in digests]
     assert [chunk_hash(key) for key in others] == [other_hash(key) for key in others]
     # A batch is the keys' hashes back to back, whatever it mixes.
     # A 63-digit key beside a 65-digit one joins to two digests' length: each is hashed.
     cut = [digests[0][:63], digests[1] + "0"]
-    for keys in (digests, others, [digests[0], "page-0", digests[1]], cut, []):
+    # A 63-digit key before a key that starts with a space: a space where one is expected.
+    shifted = [digests[0][:63], " " + digests[1]]
+    # 62 digits and 66: whole bytes each, two digests' worth, cut in the wrong place.
+    even_cut = [digests[0][:62], digests[1] + "00"]
+    for keys in (digests, others, [digests[0], "page-0", digests[1]], cut, shifted, even_cut,
+                 []):
         assert packed_hashes(keys) == b"".join(chunk_hash(key) for key in keys)
     assert len({chunk_hash(key) for key in digests + others}) == len(digests + others)
 
