@@ -57,6 +57,21 @@ def validate_handles(req: RegisterKVCacheRequest, chunk_size: int) -> tuple[Geom
     """The cache's geometry and block count, from handles the decoder let through (each
     field's range and length it checked: protocol/messages.py); BadRequest naming the
     first rule they break that spans fields."""
+    _check_fields(req, chunk_size)
+    first = req.layers[0]
+    for i, handle in enumerate(req.layers):
+        _check_layer(f"layers[{i}]", handle, first, req.layout)
+    num_blocks, block_size, block_shape = _blocks_of(req)
+    check(block_size == req.block_size,
+          f"`layers[0].shape`: block dimension {block_size} differs from block_size "
+          f"{req.block_size}")
+    geometry = Geometry(req.layout, len(req.layers), block_shape, first.dtype,
+                        chunk_size // req.block_size)
+    return geometry, num_blocks
+
+
+def _check_fields(req: RegisterKVCacheRequest, chunk_size: int) -> None:
+    """The rules on the request's own fields: layout, block size, kv worker, store event."""
     check(req.layout in LAYOUTS,
           f"`layout`: expected one of {sorted(LAYOUTS)}, got {req.layout!r}")
     check(req.block_size > 0 and chunk_size % req.block_size == 0,
@@ -67,55 +82,53 @@ def validate_handles(req: RegisterKVCacheRequest, chunk_size: int) -> tuple[Geom
           f"block_size is the chunk size {chunk_size}, got {req.block_size}")
     check(0 <= req.kv_worker_id < req.kv_world_size,
           f"`kv_worker_id`: {req.kv_worker_id} not in [0, {req.kv_world_size})")
-    first = req.layers[0]
-    rank = LAYOUTS[req.layout]
-    if first.kind == MemfdHandle.KIND:
+    if req.layers[0].kind == MemfdHandle.KIND:
         check(not req.store_event, "`store_event`: only cuda_ipc registrations wait on an event")
     else:
         check(len(req.store_event) in (0, CUDA_IPC_HANDLE_BYTES),
               f"`store_event`: expected {CUDA_IPC_HANDLE_BYTES} bytes (a cudaIpcEventHandle_t) "
               f"or none, got {len(req.store_event)}")
-    for i, handle in enumerate(req.layers):
-        where = f"layers[{i}]"
-        check(handle.kind == first.kind, f"`{where}.kind`: every layer needs the kind of "
-              f"layers[0] ({first.kind!r}), got {handle.kind!r}")
-        check(handle.dtype in DTYPES, f"`{where}.dtype`: unsupported {handle.dtype!r}; "
-              f"supported: {', '.join(DTYPES)}")
-        check(len(handle.shape) == rank and len(handle.strides) == rank,
-              f"`{where}.shape`: layout {req.layout!r} needs {rank} dimensions, "
-              f"got shape {handle.shape} and strides {handle.strides}")
-        check(all(d > 0 for d in handle.shape), f"`{where}.shape`: dimensions must be positive")
-        check(all(0 <= s < 2**63 for s in handle.strides),
-              f"`{where}.strides`: must not be negative, and below 2**63")
-        # No two elements on one address (so no block, K or V shares bytes with another, and
-        # torch can count the elements once the span fits in the memory): smallest stride
-        # first, each dimension must step past everything the ones inside it span.
-        inner = 1
-        for stride, size in sorted(zip(handle.strides, handle.shape)):
-            check(size == 1 or stride >= inner, f"`{where}`: shape {handle.shape} with "
-                  f"strides {handle.strides} puts several elements on one address")
-            inner += (size - 1) * stride
-        check(handle.offset >= 0 and handle.offset % DTYPES[handle.dtype].itemsize == 0,
-              f"`{where}.offset`: must be a non-negative multiple of the element size")
-        check(handle.shape == first.shape and handle.dtype == first.dtype,
-              f"`{where}`: every layer needs the shape and dtype of layers[0]")
+
+
+def _check_layer(where: str, handle: TensorHandle, first: TensorHandle, layout: str) -> None:
+    """One layer's handle: of layers[0]'s kind, shape and dtype, with strides that put no
+    two elements on one address, at an offset the element size divides."""
+    rank = LAYOUTS[layout]
+    check(handle.kind == first.kind, f"`{where}.kind`: every layer needs the kind of "
+          f"layers[0] ({first.kind!r}), got {handle.kind!r}")
+    check(handle.dtype in DTYPES, f"`{where}.dtype`: unsupported {handle.dtype!r}; "
+          f"supported: {', '.join(DTYPES)}")
+    check(len(handle.shape) == rank and len(handle.strides) == rank,
+          f"`{where}.shape`: layout {layout!r} needs {rank} dimensions, "
+          f"got shape {handle.shape} and strides {handle.strides}")
+    check(all(d > 0 for d in handle.shape), f"`{where}.shape`: dimensions must be positive")
+    check(all(0 <= s < 2**63 for s in handle.strides),
+          f"`{where}.strides`: must not be negative, and below 2**63")
+    # No two elements on one address (so no block, K or V shares bytes with another, and
+    # torch can count the elements once the span fits in the memory): smallest stride
+    # first, each dimension must step past everything the ones inside it span.
+    inner = 1
+    for stride, size in sorted(zip(handle.strides, handle.shape)):
+        check(size == 1 or stride >= inner, f"`{where}`: shape {handle.shape} with "
+              f"strides {handle.strides} puts several elements on one address")
+        inner += (size - 1) * stride
+    check(handle.offset >= 0 and handle.offset % DTYPES[handle.dtype].itemsize == 0,
+          f"`{where}.offset`: must be a non-negative multiple of the element size")
+    check(handle.shape == first.shape and handle.dtype == first.dtype,
+          f"`{where}`: every layer needs the shape and dtype of layers[0]")
+
+
+def _blocks_of(req: RegisterKVCacheRequest) -> tuple[int, int, tuple[int, ...]]:
+    """The layers' block count, block dimension and one block's shape, by layout."""
+    first = req.layers[0]
     if req.layout == "mha":
         check(first.shape[0] == 2, f"`layers[0].shape`: MHA layers are [2, num_blocks, "
               f"block_size, heads, head_dim], got {first.shape}")
-        num_blocks, block_size = first.shape[1], first.shape[2]
-        block_shape = (2, *first.shape[2:])
-    elif req.layout == "mla":
-        num_blocks, block_size = first.shape[0], first.shape[1]
-        block_shape = tuple(first.shape[1:])
-    else:  # a state: one block is the whole state, whatever block_size says
-        num_blocks, block_size = first.shape[0], req.block_size
-        block_shape = tuple(first.shape[1:])
-    check(block_size == req.block_size,
-          f"`layers[0].shape`: block dimension {block_size} differs from block_size "
-          f"{req.block_size}")
-    geometry = Geometry(req.layout, len(req.layers), block_shape, first.dtype,
-                        chunk_size // req.block_size)
-    return geometry, num_blocks
+        return first.shape[1], first.shape[2], (2, *first.shape[2:])
+    if req.layout == "mla":
+        return first.shape[0], first.shape[1], tuple(first.shape[1:])
+    # a state: one block is the whole state, whatever block_size says
+    return first.shape[0], req.block_size, tuple(first.shape[1:])
 
 
 def memory_of(handle: TensorHandle) -> bytes:
