@@ -258,7 +258,7 @@ def _exists_latency(server: BenchServer, geometry: Geometry, page_tokens: int, r
             echo_us += timed_us(echo_once, 1)
             exists_us += timed_us(exists_once, 1)
             # Untimed: the server answers it only after the holds that follow the LOOKUP's
-            # reply, which would otherwise run during the next echo and slow it.
+            # reply, which could otherwise run during the next echo and slow it.
             storage.link.client.ping()
         return ExistsFigures(EXISTS_PAGES, hits, Latency.of(exists_us), Latency.of(echo_us),
                              exists_us, echo_us)
