@@ -36,10 +36,11 @@ workloads:
   disk          a spawned server with a small pool and a disk tier (--disk-dir, default a
                 temporary directory: point it at the NVMe the server would use): the raw
                 bound (sequential O_DIRECT writes and reads of the same bytes in the same
-                directory, 1 and 4 threads), tier write bandwidth (--requests prompts of
-                --chunks chunks, default 64 × 32 of --shape W2, through a --cpu-size pool,
-                default 256MiB), tier read bandwidth after a restart, byte for byte, and a
-                restart after SIGKILL at --restart-chunks 8KiB chunks (only --requests,
+                directory, on 1 thread and on the tier's 8 read threads), tier write
+                bandwidth (--requests prompts of --chunks chunks, default 64 × 32 of
+                --shape W2, through a --cpu-size pool, default 256MiB), tier read
+                bandwidth after a restart, byte for byte, and a restart after SIGKILL at
+                --restart-chunks 8KiB chunks (only --requests,
                 --chunks, --batch, --shape, --cpu-size, --disk-dir, --restart-chunks,
                 --seed, --json, --timeout and --no-verify apply)
   trace         a request trace replayed (--trace FILE, Mooncake's JSONL: 512-token

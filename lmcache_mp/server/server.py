@@ -288,7 +288,7 @@ class Server:
         parts.pool.close()
         if parts.warm is None:  # a segment's pages stay in its file, for the next server
             # The process's exit would free them too, after the last line here: seconds of
-            # a large pool (about 0.7 s a GiB on a busy 2-core machine).
+            # a large pool in 4 KiB pages (about 0.7 s a GiB on a busy 2-core machine).
             logger.info("shutdown: giving the CPU pool's %s back to the system",
                         format_size(parts.pool.capacity))
             await loop.run_in_executor(None, parts.pool.give_back)

@@ -216,10 +216,10 @@ def test_the_pool_is_given_back_before_the_last_line_and_the_exit_follows_it():
     assert exited_after < 30
 
 
-def shmem_kib() -> int:
-    """Shared memory this process has mapped and touched (/proc/self/status RssShmem)."""
+def anonymous_kib() -> int:
+    """Anonymous memory this process has mapped and touched (/proc/self/status RssAnon)."""
     with open("/proc/self/status") as status:
-        found = re.search(r"RssShmem:\s+(\d+) kB", status.read())
+        found = re.search(r"RssAnon:\s+(\d+) kB", status.read())
     assert found is not None
     return int(found.group(1))
 
@@ -228,10 +228,10 @@ def test_give_back_frees_an_anonymous_pools_memory_but_keeps_a_segments_bytes(tm
     pool = CpuPool(64 * 1024**2)
     pool.start_prefault()
     assert pool.prefault_done.wait(60)
-    touched = shmem_kib()
+    touched = anonymous_kib()
     pool.close()
     pool.give_back()
-    assert touched - shmem_kib() >= 60 * 1024  # the 64 MiB are no longer this process's
+    assert touched - anonymous_kib() >= 60 * 1024  # the 64 MiB are no longer this process's
     assert pool.array[::4096].sum() == 0  # still mapped: zeros
     segment = tmp_path / "segment"
     with open(segment, "w+b") as file:

@@ -12,7 +12,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ...memory import discard, populate
+from ...memory import discard, populate, private_memory
 
 logger = logging.getLogger(__name__)
 
@@ -236,12 +236,13 @@ class CpuPool:
 
     def __init__(self, capacity: int, pinner: Pinner | None = None, fd: int | None = None):
         """`fd`: a file of the pool's size to map shared (a warm restart's named segment);
-        None: anonymous memory."""
+        None: private anonymous memory, in huge pages where the host allows them."""
         self._piece = max(ALIGNMENT, PIN_PIECE_BYTES - PIN_PIECE_BYTES % ALIGNMENT)
         # A chunk that straddled two pinned pieces would be one DMA across two cudaHostRegister
         # ranges, which CUDA does not promise to take as pinned: no extent does.
         self.allocator = ExtentAllocator(capacity, self._piece if pinner is not None else None)
-        self._mapping = mmap.mmap(-1 if fd is None else fd, self.allocator.capacity)
+        capacity = self.allocator.capacity
+        self._mapping = private_memory(capacity) if fd is None else mmap.mmap(fd, capacity)
         self._anonymous = fd is None
         self.buffer = torch.frombuffer(self._mapping, dtype=torch.uint8)
         self.array = self.buffer.numpy()  # the same bytes, for numpy row copies (HostRows)

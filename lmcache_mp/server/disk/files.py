@@ -103,15 +103,15 @@ def staging_buffer(num_bytes: int) -> mmap.mmap:
     return mmap.mmap(-1, max(ALIGNMENT, -(-num_bytes // ALIGNMENT) * ALIGNMENT))
 
 
-def adjacent_runs(items: Iterable[T], offset: Callable[[T], int], nbytes: Callable[[T], int]
-                  ) -> list[list[T]]:
-    """`items` by offset, cut into runs of adjacent extents of at most RUN_BYTES each (an
-    item larger than that is a run of its own)."""
+def adjacent_runs(items: Iterable[T], offset: Callable[[T], int], nbytes: Callable[[T], int],
+                  limit: int = RUN_BYTES) -> list[list[T]]:
+    """`items` by offset, cut into runs of adjacent extents of at most `limit` bytes each
+    (an item larger than that is a run of its own)."""
     runs: list[list[T]] = []
     end = size = -1
     for item in sorted(items, key=offset):
         extent = aligned(nbytes(item))
-        if offset(item) == end and size + extent <= RUN_BYTES:
+        if offset(item) == end and size + extent <= limit:
             runs[-1].append(item)
             size += extent
         else:

@@ -5,7 +5,7 @@ the disk holds: in prompt order, a window of chunks at a time, each chunk read s
 into a pool extent reserved for it (with its parent, so that what memory keeps stays a
 prefix), its MAC verified (journal.ChunkMac: the bytes this server wrote for that key, and
 no others), and committed in order (chunks whose extents follow each other on disk are
-read in one preadv, up to RUN_BYTES, as the writer wrote them); the disk chunks are held
+read in one preadv, up to READ_RUN_BYTES, as the writer wrote them); the disk chunks are held
 meanwhile (never evicted, their extents never rewritten). The LOOKUP waits for its reads
 at most --disk-prefetch-wait, then counts what has landed as hits (and holds it, as any
 chunk in memory); the read goes on for the next LOOKUP. A chunk that fails its MAC
@@ -37,7 +37,13 @@ from .space import DiskSpace
 logger = logging.getLogger("lmcache_mp.server.disk")
 
 MAX_READS = 64  # read-backs in flight at once; LOOKUPs beyond it answer from memory alone
-READ_THREADS = 4  # a disk serves several reads at once faster than one after the other
+# Reads in flight at once, each of a run of at most READ_RUN_BYTES: a disk serves several
+# reads at once faster than one after the other, and each thread checks its run's MACs
+# between its reads, so with runs a quarter of the writer's the other threads keep the
+# disk busy meanwhile (with 8 MiB runs, a prompt of a few runs left threads idle and the
+# disk waited for MACs at each window's end: disk.md, "The pool's pages").
+READ_THREADS = 8
+READ_RUN_BYTES = 2 * 1024**2
 
 
 @dataclass
@@ -202,7 +208,8 @@ class DiskReader:
     def _read_in(self, reads: list[_Read]) -> None:
         """An offload thread: every chunk's bytes into its pool extent, several runs of
         adjacent extents at once, each chunk checked against its MAC."""
-        runs = adjacent_runs(reads, lambda read: read.offset, lambda read: read.nbytes)
+        runs = adjacent_runs(reads, lambda read: read.offset, lambda read: read.nbytes,
+                             READ_RUN_BYTES)
         list(self._parallel.map(self._read_run, runs))
 
     def _target(self, read: _Read) -> memoryview:

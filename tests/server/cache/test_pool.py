@@ -1,4 +1,5 @@
 import logging
+import os
 import random
 import threading
 
@@ -133,6 +134,35 @@ def test_pool_views_are_disjoint_memory():
     assert int(first.sum()) == ALIGNMENT and int(second.sum()) == 2 * ALIGNMENT
     pool.stop_prefault()
 
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The VmFlags /proc/self/smaps gives the mapping that holds `address`."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(bound, 16) for bound in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_an_anonymous_pool_is_private_memory_advised_for_huge_pages(tmp_path):
+    """Without a segment the pool is private anonymous memory (not shmem, which gets huge
+    pages only where shmem_enabled allows), advised for transparent huge pages where the
+    kernel has them (smaps: no `sh`, and `hg`); a segment's pool is its file's, shared."""
+    pool = CpuPool(8 * 1024**2)
+    flags = _vm_flags(pool.buffer.data_ptr())
+    assert "sh" not in flags
+    if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        assert "hg" in flags
+    segment = tmp_path / "segment"
+    with open(segment, "w+b") as file:
+        file.truncate(4 * 1024**2)
+        assert "sh" in _vm_flags(CpuPool(4 * 1024**2, fd=file.fileno()).buffer.data_ptr())
 
 class FakePinner:
     """Records registrations; refuses the piece at `fail_at` (an offset into the pool)."""
