@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_mp.bench.harness import disk_bound
+from lmcache_mp.server.disk.reader import READ_THREADS
 
 from .test_cli import TINY, bench
 
@@ -24,15 +25,16 @@ def test_disk_workload_holds_the_tier_against_the_raw_disk(tmp_path):
                    "--cpu-size", "8MiB", "--restart-chunks", "1000", "--disk-dir",
                    str(tmp_path / "disks"), "--json", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
-    for row in ("| raw write, 1 thread |", "| raw read, 4 threads |", "| tier write",
+    for row in ("| raw write, 1 thread |", f"| raw read, {READ_THREADS} threads |", "| tier write",
                 "| tier read", "| chunks served after a restart | 24 of 24 |",
                 "served again, byte for byte", "start to index whole"):
         assert row in result.stdout, row
     data = json.loads(out.read_text())
     assert data["passed"]
     raw, tier, restart = data["raw"], data["tier"], data["restart"]
-    # Three passes (before, between and after the tier's phases) at 1 and 4 threads.
-    assert sorted(sample["threads"] for sample in raw["samples"]) == [1, 1, 1, 4, 4, 4]
+    # Three passes (before, between and after the tier's phases) at 1 thread and at the
+    # tier's read threads.
+    assert sorted(sample["threads"] for sample in raw["samples"]) == [1] * 3 + [READ_THREADS] * 3
     assert raw["total_bytes"] == tier["chunks"] * tier["chunk_bytes"] == 24 * 512 * 1024
     assert all(sample["write_gbps"] > 0 and sample["read_gbps"] > 0
                for sample in raw["samples"])
