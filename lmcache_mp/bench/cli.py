@@ -40,9 +40,9 @@ workloads:
                 bandwidth (--requests prompts of --chunks chunks, default 64 × 32 of
                 --shape W2, through a --cpu-size pool, default 256MiB), tier read
                 bandwidth after a restart, byte for byte, and a restart after SIGKILL at
-                --restart-chunks 8KiB chunks (only --requests,
-                --chunks, --batch, --shape, --cpu-size, --disk-dir, --restart-chunks,
-                --seed, --json, --timeout and --no-verify apply)
+                --restart-chunks 8KiB chunks (only --requests, --chunks, --batch, --shape,
+                --cpu-size, --disk-dir, --restart-chunks, --seed, --json, --timeout and
+                --no-verify apply)
   trace         a request trace replayed (--trace FILE, Mooncake's JSONL: 512-token
                 blocks by hash id, one chunk each), each request's LOOKUP then STORE of
                 what it missed, in timestamp order, through a spawned server whose pool

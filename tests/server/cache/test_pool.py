@@ -135,7 +135,6 @@ def test_pool_views_are_disjoint_memory():
     pool.stop_prefault()
 
 
-
 def _vm_flags(address: int) -> set[str]:
     """The VmFlags /proc/self/smaps gives the mapping that holds `address`."""
     inside = False
@@ -163,6 +162,7 @@ def test_an_anonymous_pool_is_private_memory_advised_for_huge_pages(tmp_path):
     with open(segment, "w+b") as file:
         file.truncate(4 * 1024**2)
         assert "sh" in _vm_flags(CpuPool(4 * 1024**2, fd=file.fileno()).buffer.data_ptr())
+
 
 class FakePinner:
     """Records registrations; refuses the piece at `fail_at` (an offset into the pool)."""
